@@ -1,0 +1,35 @@
+"""Prompt data for jrl: grain pipelines (:mod:`jrl.data.pipeline`), the byte-level tokenizer of the
+built-in tiny models (:mod:`jrl.data.tokenizer`) and built-in verifiable tasks
+(:mod:`jrl.data.tasks`).
+
+Names are imported lazily, so importing a task's reward functions (e.g. in a reward worker
+process) does not import grain or transformers.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "DataConfig": "jrl.data.pipeline",
+    "PromptBatch": "jrl.data.pipeline",
+    "PromptDataset": "jrl.data.pipeline",
+    "PromptLoader": "jrl.data.pipeline",
+    "build_prompt_dataset": "jrl.data.pipeline",
+    "left_pad": "jrl.data.pipeline",
+    "load_records": "jrl.data.pipeline",
+    "make_prompt_loader": "jrl.data.pipeline",
+    "ArithmeticConfig": "jrl.data.tasks.arithmetic",
+    "load_byte_tokenizer": "jrl.data.tokenizer",
+    "save_byte_tokenizer": "jrl.data.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jrl.data' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

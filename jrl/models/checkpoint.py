@@ -1,0 +1,466 @@
+"""Hugging Face safetensors checkpoints <-> jrl :class:`~jrl.models.transformer.Transformer`.
+
+``from_pretrained`` builds the module abstractly (no random weights are ever allocated), checks every key
+and shape of the checkpoint against the family's mapping table before reading any data, then streams the
+tensors one by one (expert tensors are assembled expert by expert into one preallocated array) and places
+each parameter, sharded by its logical axes when a mesh is given.
+
+``save_pretrained`` writes config.json, safetensors shards (+ ``model.safetensors.index.json``) and the
+tokenizer files of the source checkpoint into a temp directory that is renamed into place at the end. The
+safetensors files are written by a small streaming writer, so at most one parameter is on the host at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jrl.models import hf_mapping
+from jrl.models.config import ModelConfig
+from jrl.models.hf_mapping import Rule
+from jrl.models.transformer import Transformer
+from jrl.sharding.rules import logical_sharding
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+#: Files copied verbatim from the source checkpoint on export (when present).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja", "chat_template.json",
+)
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_PROGRESS_MIN_BYTES = 256 * 2**20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config describes."""
+
+
+class MissingTensorError(CheckpointError):
+    """A tensor the model needs is absent from the checkpoint."""
+
+
+class UnexpectedTensorError(CheckpointError):
+    """The checkpoint holds a tensor the model has no place for."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A checkpoint tensor has a different shape than the model expects."""
+
+
+# --------------------------------------------------------------------------- helpers
+def named_params(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """``{"layers.0.attn.q_proj.kernel": Param, ...}`` for every ``nnx.Param`` of ``model``."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            out[".".join(str(p) for p in path)] = node
+    return out
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(jnp.dtype(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One HF tensor <-> (part of) one jrl parameter."""
+
+    hf_key: str
+    jrl_path: str
+    rule: Rule
+    expert: int | None = None
+
+    def hf_shape(self, jrl_shape) -> tuple[int, ...]:
+        inner = jrl_shape[1:] if self.expert is not None else jrl_shape
+        shape = list(self.rule.transform.hf_shape(inner))
+        if self.rule.chunk is not None:
+            axis, _, count = self.rule.chunk
+            shape[axis] *= count
+        return tuple(shape)
+
+
+def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[_Entry]:
+    """The canonical HF tensors of a model (the layout transformers writes), grouped by jrl parameter."""
+    rules = [r for r in hf_mapping.table(config.model_type) if r.export]
+    out: list[_Entry] = []
+
+    def add(layer):
+        for rule in rules:
+            if ("{layer}" in rule.hf) != (layer is not None):
+                continue
+            fmt = {} if layer is None else {"layer": layer}
+            path = rule.jrl.format(**fmt)
+            if path not in params:
+                continue
+            if rule.per_expert:
+                out.extend(_Entry(rule.hf.format(expert=e, **fmt), path, rule, e) for e in range(config.num_experts))
+            else:
+                out.append(_Entry(rule.hf.format(**fmt), path, rule))
+
+    add(None)
+    for layer in range(config.num_hidden_layers):
+        add(layer)
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+def _read_config(path: Path) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"checkpoint path {str(path)!r} is not a directory")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json (not a Hugging Face checkpoint directory)")
+    return json.loads(cfg.read_text())
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / SAFE_INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise FileNotFoundError(f"{SAFE_INDEX} in {str(path)!r} names shard {f!r}, which does not exist")
+        return [path / f for f in files]
+    single = path / SAFE_WEIGHTS
+    if single.is_file():
+        return [single]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".h5", ".msgpack"))
+    hint = f" (found {', '.join(found)}: only safetensors checkpoints are supported)" if found else ""
+    raise FileNotFoundError(f"no weights in {str(path)!r}: expected {SAFE_WEIGHTS} or {SAFE_INDEX}{hint}")
+
+
+def _tensor_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """key -> (file, shape, safetensors dtype) from the file headers only."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="np") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                out[key] = (file, tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+@dataclasses.dataclass
+class _Task:
+    entry: _Entry
+    file: Path
+    nbytes: int
+
+
+def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> list[_Task]:
+    """Match every checkpoint tensor to a rule, check shapes and coverage; raise before reading data."""
+    rules = [(r, r.regex()) for r in hf_mapping.table(config.model_type)]
+    tasks: list[_Task] = []
+    filled: dict[str, list[int | None]] = defaultdict(list)
+    for key, (file, shape, st_dtype) in headers.items():
+        if any(p.match(key) for p in hf_mapping.IGNORED):
+            continue
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints store the (identical) head anyway; transformers ignores it too
+        matched, inactive = False, None
+        for rule, regex in rules:
+            m = regex.match(key)
+            if m is None:
+                continue
+            groups = m.groupdict()
+            path = rule.jrl.format(**({"layer": int(groups["layer"])} if "layer" in groups else {}))
+            if path not in params:
+                inactive = path
+                continue
+            expert = int(groups["expert"]) if rule.per_expert else None
+            if expert is not None and expert >= config.num_experts:
+                continue
+            entry = _Entry(key, path, rule, expert)
+            expected = entry.hf_shape(params[path].shape)
+            if tuple(shape) != expected:
+                raise ShapeMismatchError(
+                    f"tensor {key!r} has shape {list(shape)} but the model expects {list(expected)} "
+                    f"(jrl parameter {path}, shape {list(params[path].shape)}); does config.json match the weights?")
+            nbytes = math.prod(shape) * _ST_ITEMSIZE.get(st_dtype, 4) // (rule.chunk[2] if rule.chunk else 1)
+            tasks.append(_Task(entry, file, nbytes))
+            filled[path].append(expert)
+            matched = True
+        if not matched:
+            why = (f" (its jrl parameter {inactive} does not exist for this config: e.g. a bias, an lm_head with "
+                   f"tied embeddings, or an MoE tensor in a dense layer)" if inactive else "")
+            raise UnexpectedTensorError(
+                f"unexpected tensor {key!r} in the checkpoint: no {config.model_type} parameter takes it{why}")
+    # Coverage: every parameter exactly once (whole) or every expert exactly once.
+    canonical: dict[str, list[_Entry]] = defaultdict(list)
+    for e in export_entries(config, params):
+        canonical[e.jrl_path].append(e)
+    missing: list[str] = []
+    for path, var in params.items():
+        got = filled.get(path, [])
+        experts = [e for e in got if e is not None]
+        whole = len(got) - len(experts)
+        if whole > 1 or len(set(experts)) != len(experts) or (whole and experts):
+            raise CheckpointError(f"jrl parameter {path} is given more than once by the checkpoint (both per-expert "
+                                  f"and fused expert tensors, or duplicate keys)")
+        if whole == 1 or (experts and len(experts) == var.shape[0] and path.split(".")[-2] == "experts"):
+            continue
+        have = {e for e in experts}
+        missing.extend(e.hf_key for e in canonical[path] if e.expert is None or e.expert not in have)
+        if not canonical[path]:
+            missing.append(f"<tensor for {path}>")
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise MissingTensorError(f"missing tensor {shown} in the checkpoint ({len(missing)} missing)")
+    # Stream file by file, keys in on-disk order within a file is not exposed; sorted keys are fine.
+    tasks.sort(key=lambda t: (str(t.file), t.entry.hf_key))
+    return tasks
+
+
+def _place(host: np.ndarray, var: nnx.Variable, mesh, rules) -> jax.Array:
+    if mesh is None:
+        return jax.device_put(host)
+    sharding = logical_sharding(var.logical_axes, mesh, rules, host.shape)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _progress(total_bytes: int, n: int, enabled: bool | None, desc: str):
+    if enabled is None:
+        enabled = total_bytes >= _PROGRESS_MIN_BYTES
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=n, desc=desc, unit="tensor")
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None,
+                    rules: Mapping | None = None, progress: bool | None = None) -> Transformer:
+    """Load a Hugging Face checkpoint directory as a :class:`Transformer`.
+
+    ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (defaults to ``dtype``). With ``mesh``,
+    every parameter is placed with ``logical_sharding(param.logical_axes, mesh, rules, shape)`` and each
+    device only receives its shard. ``progress``: tqdm bar (``None``: only for checkpoints >= 256 MiB).
+    Raises ``FileNotFoundError`` (directory / config.json / weights), ``UnsupportedModelError``
+    (model_type), :class:`MissingTensorError`, :class:`UnexpectedTensorError`, :class:`ShapeMismatchError`.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    hf_config = _read_config(path)
+    config = ModelConfig.from_hf(hf_config, dtype=jnp.dtype(dtype).name,
+                                 param_dtype=jnp.dtype(param_dtype or dtype).name)
+    files = _weight_files(path)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
+    model.source_dir = str(path.resolve())
+    params = named_params(model)
+    tasks = _plan(config, params, _tensor_headers(files))
+    target = _np_dtype(config.param_dtype)
+    pending = defaultdict(int)
+    for t in tasks:
+        pending[t.entry.jrl_path] += 1
+    buffers: dict[str, np.ndarray] = {}
+    total = sum(t.nbytes for t in tasks)
+    by_file: dict[Path, list[_Task]] = defaultdict(list)
+    for t in tasks:
+        by_file[t.file].append(t)
+    with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
+        for file, file_tasks in by_file.items():
+            with safe_open(str(file), framework="np") as f:
+                for t in file_tasks:
+                    e, var = t.entry, params[t.entry.jrl_path]
+                    if e.rule.chunk is None:
+                        raw = f.get_tensor(e.hf_key)
+                    else:
+                        axis, i, count = e.rule.chunk
+                        sl = f.get_slice(e.hf_key)
+                        size = sl.get_shape()[axis] // count
+                        index = [slice(None)] * len(sl.get_shape())
+                        index[axis] = slice(i * size, (i + 1) * size)
+                        raw = sl[tuple(index)]
+                    if e.expert is None:
+                        host = np.asarray(e.rule.transform.to_jrl(raw, var.shape), dtype=target)
+                        var.set_value(_place(host, var, mesh, rules))
+                    else:
+                        buf = buffers.get(e.jrl_path)
+                        if buf is None:
+                            buf = buffers[e.jrl_path] = np.empty(var.shape, target)
+                        buf[e.expert] = e.rule.transform.to_jrl(raw, var.shape[1:])
+                        pending[e.jrl_path] -= 1
+                        if pending[e.jrl_path] == 0:
+                            var.set_value(_place(buffers.pop(e.jrl_path), var, mesh, rules))
+                    del raw
+                    if bar is not None:
+                        bar.update(1)
+    return model
+
+
+# --------------------------------------------------------------------------- writing
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB`` (10^9), ``500MiB`` (2^20), ``"123"`` or an int."""
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """Gather one (possibly sharded, possibly multi-host) array to a host numpy array."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...], str]], arrays: Iterator[np.ndarray],
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """Stream a safetensors file: header from (name, shape, dtype name) first, then each array in order.
+
+    ``arrays`` yields C-contiguous numpy arrays matching ``tensors`` one at a time.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, shape, dtype in tensors:
+        n = math.prod(shape) * _np_dtype(dtype).itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for (name, shape, dtype), arr in zip(tensors, arrays, strict=True):
+            if arr.shape != tuple(shape) or arr.dtype != _np_dtype(dtype):
+                raise ValueError(f"{name}: got {arr.shape} {arr.dtype}, header says {shape} {dtype}")
+            np.ascontiguousarray(arr).tofile(f)
+
+
+def _hf_config_dict(model: Transformer, save_dtype: str, source_dir: Path | None) -> dict:
+    out = model.config.to_hf(dtype=save_dtype)
+    if source_dir is not None and (source_dir / "config.json").is_file():
+        src = json.loads((source_dir / "config.json").read_text())
+        if src.get("model_type") == out["model_type"]:
+            # Keep fields jrl does not model (initializer ranges, window sizes, ...); jrl's own fields win.
+            src.pop("torch_dtype", None)
+            out = {**src, **out}
+    return out
+
+
+def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                    dtype=None, source_dir: str | os.PathLike | None = None, progress: bool | None = None) -> Path:
+    """Write ``model`` as a Hugging Face checkpoint directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Writes config.json, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards plus
+    ``model.safetensors.index.json`` when larger than ``max_shard_size``) in ``dtype`` (default: the parameter
+    dtype) and copies the tokenizer files of ``source_dir`` (default: the directory the model was loaded
+    from). Everything is written to a temp directory beside ``out_dir`` and renamed into place, so a crash
+    never leaves a half-written ``out_dir``. Only process 0 writes in a multi-host run. Returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    cfg = model.config
+    save_dtype = jnp.dtype(dtype or cfg.param_dtype).name
+    if save_dtype not in _ST_DTYPES:
+        raise ValueError(f"save dtype {save_dtype!r} is not supported; use one of {', '.join(_ST_DTYPES)}")
+    target = _np_dtype(save_dtype)
+    src = source_dir if source_dir is not None else getattr(model, "source_dir", None)
+    src = Path(src) if src else None
+    params = named_params(model)
+    entries = export_entries(cfg, params)
+    specs = [(e.hf_key, e.hf_shape(params[e.jrl_path].shape)) for e in entries]
+    sizes = [math.prod(s) * target.itemsize for _, s in specs]
+    # Greedy sharding, as transformers: start a new shard when the next tensor would overflow.
+    limit = parse_size(max_shard_size)
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if shards[-1] and used + n > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += n
+    names = ([SAFE_WEIGHTS] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    writer = jax.process_index() == 0
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if writer:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    cache: dict[str, np.ndarray] = {}
+
+    def host_value(path: str) -> np.ndarray:
+        if path not in cache:
+            cache.clear()  # entries are grouped by parameter: keep one gathered parameter at a time
+            cache[path] = _to_host(params[path].get_value())
+        return cache[path]
+
+    def arrays(idx: list[int], bar) -> Iterator[np.ndarray]:
+        for i in idx:
+            e = entries[i]
+            value = host_value(e.jrl_path)
+            if e.expert is not None:
+                value = value[e.expert]
+            yield np.ascontiguousarray(e.rule.transform.to_hf(value).astype(target, copy=False))
+            if bar is not None:
+                bar.update(1)
+
+    try:
+        with _progress(sum(sizes), len(entries), progress, f"saving {out_dir.name}") as bar:
+            for name, idx in zip(names, shards, strict=True):
+                tensors = [(specs[i][0], specs[i][1], save_dtype) for i in idx]
+                if writer:
+                    write_safetensors(tmp / name, tensors, arrays(idx, bar))
+                else:  # still take part in the gathers
+                    for _ in arrays(idx, bar):
+                        pass
+        cache.clear()
+        if writer:
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": sum(sizes)},
+                         "weight_map": {specs[i][0]: names[s] for s, idx in enumerate(shards) for i in idx}}
+                (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            (tmp / "config.json").write_text(json.dumps(_hf_config_dict(model, save_dtype, src), indent=2) + "\n")
+            if src is not None:
+                for fname in TOKENIZER_FILES:
+                    if (src / fname).is_file():
+                        shutil.copy2(src / fname, tmp / fname)
+            _atomic_replace(tmp, out_dir)
+    except BaseException:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _atomic_replace(tmp: Path, out_dir: Path) -> None:
+    """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first and removed after."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{time.time_ns()}"
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,428 @@
+"""``ModelConfig``: one typed description of every supported decoder family.
+
+Families differ only by fields of this dataclass (biases, q/k norm, MoE routing, rope scaling), never by
+separate model code. :meth:`ModelConfig.from_hf` reads a Hugging Face ``config.json`` dict (transformers
+4.x ``rope_theta``/``rope_scaling`` style or 5.x ``rope_parameters`` style) and :meth:`ModelConfig.to_hf`
+writes one that transformers loads as the same architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+#: model_type -> HF architecture class name written to ``config.json``.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+# transformers 5.23 class defaults for keys a config.json may omit (per family).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
+    "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, head_dim=128),
+    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False),
+    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose ``model_type`` (or a feature of it) jrl does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF ``rope_parameters`` minus ``rope_theta``)."""
+
+    rope_type: str = "default"
+    """``default`` (none), ``linear`` (positions / factor) or ``llama3`` (Llama 3.1 band-wise scaling)."""
+    factor: float = 1.0
+    """Scaling factor (``linear``, ``llama3``)."""
+    low_freq_factor: float = 1.0
+    """``llama3``: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``."""
+    high_freq_factor: float = 4.0
+    """``llama3``: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
+    original_max_position_embeddings: int | None = None
+    """``llama3``: pre-training context length (defaults to ``max_position_embeddings``)."""
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_type={self.rope_type!r} is not supported; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral)."""
+
+    model_type: str
+    """HF family: one of ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral``."""
+    vocab_size: int
+    """Number of token embeddings / logits."""
+    hidden_size: int
+    """Residual stream width H."""
+    intermediate_size: int
+    """Dense SwiGLU MLP width (unused by layers that are MoE)."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads N."""
+    num_key_value_heads: int | None = None
+    """Key/value heads K (GQA; N % K == 0). Defaults to ``num_attention_heads``."""
+    head_dim: int | None = None
+    """Per-head width D. Defaults to ``hidden_size // num_attention_heads``."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base wavelength."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling; ``None`` for plain RoPE."""
+    max_position_embeddings: int = 4096
+    """Context length the checkpoint declares (exported; also the llama3 default original length)."""
+    tie_word_embeddings: bool = False
+    """Logits use the transposed token embedding instead of a separate ``lm_head``."""
+    qkv_bias: bool = False
+    """Bias on q/k/v projections (Qwen2 always; Llama/Qwen3 ``attention_bias``)."""
+    o_bias: bool = False
+    """Bias on the output projection (Llama/Qwen3 ``attention_bias``; never Qwen2)."""
+    mlp_bias: bool = False
+    """Bias on the dense MLP projections (Llama ``mlp_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE)."""
+    sliding_window: int | None = None
+    """Sliding attention window applied to every layer (Mixtral); ``None`` for full attention."""
+    hidden_act: str = "silu"
+    """MLP activation; only ``silu`` (SwiGLU) is implemented."""
+    num_experts: int = 0
+    """Routed experts E per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Top-k experts per token."""
+    moe_intermediate_size: int | None = None
+    """Expert MLP width I."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k softmax probabilities to sum to 1 (no epsilon). Mixtral always does."""
+    decoder_sparse_step: int = 1
+    """Qwen3-MoE: layer i is MoE iff ``(i + 1) % decoder_sparse_step == 0`` and i not in ``mlp_only_layers``."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Qwen3-MoE: layers that use the dense MLP."""
+    bos_token_id: int | None = None
+    """Begin-of-sequence token id (exported to config.json)."""
+    eos_token_id: int | tuple[int, ...] | None = None
+    """End-of-sequence token id(s)."""
+    pad_token_id: int | None = None
+    """Padding token id."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal init of a freshly created (random) model."""
+    dtype: str = "float32"
+    """Compute (activation) dtype: ``float32``, ``bfloat16`` or ``float16``. Logits are always float32."""
+    param_dtype: str = "float32"
+    """Parameter storage dtype."""
+
+    def __post_init__(self):
+        def fix(name, value):
+            object.__setattr__(self, name, value)
+
+        if self.model_type not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"model_type={self.model_type!r} is not supported; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_key_value_heads is None:
+            fix("num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            fix("head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.rope_scaling, Mapping):
+            fix("rope_scaling", RopeScaling(**dict(self.rope_scaling)))
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "default":
+            fix("rope_scaling", None)
+        fix("mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if isinstance(self.eos_token_id, list):
+            fix("eos_token_id", tuple(self.eos_token_id))
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                value = np.dtype(value).name
+                fix(name, value)
+            if value not in _DTYPES:
+                raise ValueError(f"ModelConfig.{name}={value!r} is not a float dtype; use one of {', '.join(_DTYPES)}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; GQA needs N % K == 0"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_act != "silu":
+            raise UnsupportedModelError(f"hidden_act={self.hidden_act!r} is not supported; only 'silu' (SwiGLU) is")
+        moe_family = self.model_type in ("qwen3_moe", "mixtral")
+        if moe_family:
+            if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"{self.model_type} needs num_experts > 0 and 0 < num_experts_per_tok <= num_experts; got "
+                    f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size is None:
+                raise ValueError(f"{self.model_type} needs ModelConfig.moe_intermediate_size (the expert MLP width)")
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        elif self.num_experts:
+            raise ValueError(
+                f"model_type={self.model_type!r} is dense but num_experts={self.num_experts}; "
+                f"use model_type 'qwen3_moe' or 'mixtral' for MoE"
+            )
+        # Family invariants: only combinations that the family's HF config can express.
+        mt = self.model_type
+        if mt == "qwen2" and not (self.qkv_bias and not self.o_bias):
+            raise ValueError("qwen2 always has q/k/v bias and no o_proj bias: set qkv_bias=True, o_bias=False")
+        if mt in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
+            raise ValueError(
+                f"{mt}: attention_bias covers q/k/v and o_proj together; set qkv_bias == o_bias "
+                f"(got qkv_bias={self.qkv_bias}, o_bias={self.o_bias})"
+            )
+        if mt == "mixtral" and (self.qkv_bias or self.o_bias):
+            raise ValueError("mixtral has no attention bias: set qkv_bias=False, o_bias=False")
+        if self.mlp_bias and mt != "llama":
+            raise ValueError(f"mlp_bias is a llama option; {mt} has no MLP bias")
+        if self.qk_norm != (mt in ("qwen3", "qwen3_moe")):
+            raise ValueError(f"qk_norm must be {mt in ('qwen3', 'qwen3_moe')} for {mt}")
+        if mt == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("mixtral always renormalises the top-k probabilities: set norm_topk_prob=True")
+        if self.sliding_window is not None and mt != "mixtral":
+            raise UnsupportedModelError(
+                f"sliding-window attention is only implemented for mixtral (all layers); {mt} "
+                f"with use_sliding_window=True is not supported"
+            )
+        if mt == "qwen3_moe" and any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers={self.mlp_only_layers} has entries outside [0, {self.num_hidden_layers})")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` uses the MoE block (HF's rule for Qwen3-MoE; every layer for Mixtral)."""
+        if not self.is_moe:
+            return False
+        if self.model_type == "mixtral":
+            return True
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def num_params(self) -> int:
+        """Parameter count (the exported tensors; tied embeddings counted once)."""
+        h, d, n, k = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attn = h * d * (n + 2 * k) + n * d * h
+        attn += (n + 2 * k) * d * self.qkv_bias + h * self.o_bias + 2 * d * self.qk_norm
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for i in range(self.num_hidden_layers):
+            total += attn + 2 * h
+            if self.layer_is_moe(i):
+                total += h * self.num_experts + 3 * self.num_experts * h * self.moe_intermediate_size
+            else:
+                total += 3 * h * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + h)
+        return total
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ HF <-> jrl
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict; ``overrides`` (e.g. ``dtype``) win."""
+        mt = hf.get("model_type")
+        if mt not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"model_type={mt!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        defaults = _HF_DEFAULTS[mt]
+
+        def get(key, default=None):
+            value = hf.get(key)
+            return defaults.get(key, default) if value is None else value
+
+        theta, scaling = _rope_from_hf(hf, defaults["rope_theta"])
+        n_heads = hf["num_attention_heads"]
+        kw: dict[str, Any] = dict(
+            model_type=mt,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf.get("intermediate_size", 0),
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=get("num_key_value_heads", n_heads),
+            head_dim=get("head_dim"),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=get("max_position_embeddings"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+            initializer_range=float(hf.get("initializer_range") or 0.02),
+        )
+        if mt == "llama":
+            kw.update(qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
+                      mlp_bias=bool(hf.get("mlp_bias", False)))
+        elif mt == "qwen2":
+            kw.update(qkv_bias=True, o_bias=False)
+        elif mt in ("qwen3", "qwen3_moe"):
+            bias = bool(hf.get("attention_bias", False))
+            kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        if mt in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{mt} with use_sliding_window=True is not supported (full attention only)")
+        if mt == "qwen3_moe":
+            kw.update(
+                num_experts=hf.get("num_experts") or hf.get("num_local_experts"),
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            )
+        elif mt == "mixtral":
+            kw.update(
+                num_experts=hf["num_local_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"],
+                norm_topk_prob=True,
+                sliding_window=hf.get("sliding_window"),
+            )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf(self, *, dtype: str | None = None) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers loads as this architecture.
+
+        RoPE is written both as 5.x ``rope_parameters`` and as 4.x ``rope_theta``/``rope_scaling`` so older
+        readers (e.g. a vLLM venv pinned to transformers 4) see the same frequencies.
+        """
+        mt = self.model_type
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        legacy_scaling = None
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            legacy_scaling = {"rope_type": s.rope_type, "factor": s.factor}
+            if s.rope_type == "llama3":
+                legacy_scaling.update(
+                    low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings
+                    or self.max_position_embeddings,
+                )
+            rope = {**legacy_scaling, "rope_theta": self.rope_theta}
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[mt]],
+            "model_type": mt,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.moe_intermediate_size if mt == "mixtral" else self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": legacy_scaling,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "initializer_range": self.initializer_range,
+            "dtype": dtype or self.param_dtype,
+            "use_cache": True,
+        }
+        if mt == "llama":
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        elif mt == "qwen2":
+            out.update(use_sliding_window=False)
+        elif mt in ("qwen3", "qwen3_moe"):
+            out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
+        if mt == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        elif mt == "mixtral":
+            out.update(
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                sliding_window=self.sliding_window,
+            )
+        return out
+
+
+def _rope_from_hf(hf: Mapping[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise UnsupportedModelError(f"cannot read rope parameters {params!r}")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+    theta = params.get("rope_theta") or hf.get("rope_theta") or default_theta
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type={rope_type!r} is not supported; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
+    if rope_type == "default":
+        return float(theta), None
+    scaling = RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings")
+        ) if rope_type == "llama3" else None,
+    )
+    return float(theta), scaling
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim // 2] (float32), with the config's scaling applied (as transformers)."""
+    d = config.head_dim
+    inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)))
+    inv = inv.astype(np.float32)
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    if s.rope_type == "linear":
+        return (inv / np.float32(s.factor)).astype(np.float32)
+    # llama3
+    old_len = s.original_max_position_embeddings or config.max_position_embeddings
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / np.float32(s.factor), inv).astype(np.float32)
+    smooth = ((old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / np.float32(s.factor) + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)

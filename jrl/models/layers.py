@@ -1,0 +1,289 @@
+"""NNX building blocks shared by every family: Linear, Embed, RMSNorm, RoPE, attention, SwiGLU MLP, MoE.
+
+Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata (one logical name or ``None`` per
+dimension); :mod:`jrl.sharding.rules` maps those names to mesh axes.
+
+Layouts (jrl side; the HF mapping tables translate at the checkpoint boundary):
+
+=================  ==================  =======================================
+parameter          shape               logical axes
+=================  ==================  =======================================
+q_proj.kernel      [H, N, D]           ("embed", "heads", "head_dim")
+k/v_proj.kernel    [H, K, D]           ("embed", "kv_heads", "head_dim")
+o_proj.kernel      [N, D, H]           ("heads", "head_dim", "embed")
+gate/up.kernel     [H, I]              ("embed", "mlp")
+down.kernel        [I, H]              ("mlp", "embed")
+router.kernel      [H, E]              ("embed", None)
+experts.gate/up    [E, H, I]           ("expert", "embed", "expert_mlp")
+experts.down       [E, I, H]           ("expert", "expert_mlp", "embed")
+embed.embedding    [V, H]              ("vocab", "embed")
+lm_head.kernel     [H, V]              ("embed", "vocab")
+norm scale         [H] or [D]          ("norm",)
+=================  ==================  =======================================
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jrl.kernels.moe import gmm, permute, unpermute
+from jrl.models.config import ModelConfig, rope_inv_freq
+from jrl.sharding.rules import with_logical_constraint
+
+Axes = tuple[str | None, ...]
+_NEG_INF = float(np.finfo(np.float32).min)
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+def constrain(x: jax.Array, axes: Axes, mesh, rules) -> jax.Array:
+    """Activation sharding constraint by logical names (no-op without a mesh)."""
+    if mesh is None:
+        return x
+    return with_logical_constraint(x, axes, mesh, dict(rules) if rules is not None else None)
+
+
+class Linear(nnx.Module):
+    """``y = x · W (+ b)`` contracting the trailing ``len(in_shape)`` dims of x with W's leading dims.
+
+    ``kernel`` has shape ``in_shape + out_shape`` (e.g. q_proj ``[H, N, D]``), ``bias`` ``out_shape``.
+    """
+
+    def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *, in_axes: Axes, out_axes: Axes,
+                 use_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
+                 rngs: nnx.Rngs):
+        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        self.dtype = jnp.dtype(dtype)
+        self.kernel = nnx.Param(_normal(rngs, self.in_shape + self.out_shape, init_std, param_dtype),
+                                logical_axes=tuple(in_axes) + tuple(out_axes))
+        self.bias = (nnx.Param(jnp.zeros(self.out_shape, param_dtype), logical_axes=tuple(out_axes))
+                     if use_bias else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.in_shape)
+        kernel = self.kernel[...].astype(self.dtype)
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel,
+            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())),
+        )
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``[V, H]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 init_std: float = 0.02, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(dtype)
+        self.embedding = nnx.Param(_normal(rngs, (vocab_size, hidden_size), init_std, param_dtype),
+                                   logical_axes=("vocab", "embed"))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``scale * x / sqrt(mean(x²) + eps)``, normalised in float32 and cast back (as transformers)."""
+
+    def __init__(self, size: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.eps = float(eps)
+        self.dtype = jnp.dtype(dtype)
+        self.scale = nnx.Param(jnp.ones((size,), param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * y.astype(self.dtype)
+
+
+# --------------------------------------------------------------------------- positions / masks / rope
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Positions [B, S] that start at 0 at each row's first real token (pads get 0): cumsum(mask) - 1."""
+    m = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Positions [B, S] that restart at 0 wherever the segment id changes (packed rows)."""
+    s = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)
+    start = jnp.concatenate(
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+    first = jax.lax.cummax(jnp.where(start, idx, 0), axis=segment_ids.ndim - 1)
+    return idx - first
+
+
+def make_attention_mask(seq_len: int, *, batch: int, attention_mask: jax.Array | None = None,
+                        segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                        sliding_window: int | None = None) -> jax.Array:
+    """Boolean mask [B, S, S] (query, key): causal by index, AND key is a real token (``attention_mask``),
+    AND same document (``segment_ids``), AND within ``sliding_window`` positions (needs ``positions``)."""
+    idx = jnp.arange(seq_len)
+    mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (batch, seq_len, seq_len))
+    if attention_mask is not None:
+        mask = mask & attention_mask.astype(bool)[:, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if sliding_window is not None:
+        assert positions is not None, "sliding_window needs positions"
+        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < sliding_window)
+    return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(config: ModelConfig) -> np.ndarray:
+    return rope_inv_freq(config)
+
+
+def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, S, D] (float32) for explicit integer ``positions`` [B, S]."""
+    inv = jnp.asarray(_inv_freq(config))
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, S, heads, D] (half-split "rotate_half" convention of HF Llama/Qwen), in float32."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None) -> jax.Array:
+    """Grouped-query softmax attention.
+
+    ``q`` [B, T, N, D], ``k``/``v`` [B, S, K, D] with N % K == 0, ``mask`` bool [B, T, S] (True = attend).
+    Scores and softmax in float32; rows with no allowed key give a uniform (finite) average.
+    Returns [B, T, N, D] in v's dtype.
+    """
+    b, t, n, d = q.shape
+    kh = k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    qg = q.reshape(b, t, kh, n // kh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, n, d)
+
+
+# --------------------------------------------------------------------------- blocks
+class Attention(nnx.Module):
+    """Multi-head attention with GQA, optional q/k/v (and o) bias, optional q/k RMSNorm, RoPE.
+
+    Split into :meth:`qkv` (projections, norms, rope at explicit positions) and :func:`attend` so a KV cache
+    can be inserted between them.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules=None):
+        c = config
+        h, n, k, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs)
+        self.config, self.mesh, self.rules = c, mesh, rules
+        self.q_proj = Linear((h,), (n, d), in_axes=("embed",), out_axes=("heads", "head_dim"), use_bias=c.qkv_bias, **kw)
+        self.k_proj = Linear((h,), (k, d), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), use_bias=c.qkv_bias,
+                             **kw)
+        self.v_proj = Linear((h,), (k, d), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), use_bias=c.qkv_bias,
+                             **kw)
+        self.o_proj = Linear((n, d), (h,), in_axes=("heads", "head_dim"), out_axes=("embed",), use_bias=c.o_bias, **kw)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(d, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+            self.k_norm = RMSNorm(d, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,S,N,D], k, v [B,S,K,D] with q/k norm and RoPE at ``positions`` applied."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, self.config)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = constrain(q, ("batch", "activation_length", "heads", "head_dim"), self.mesh, self.rules)
+        k = constrain(k, ("batch", "activation_length", "kv_heads", "head_dim"), self.mesh, self.rules)
+        v = constrain(v, ("batch", "activation_length", "kv_heads", "head_dim"), self.mesh, self.rules)
+        return q, k, v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x, positions)
+        return self.o_proj(attend(q, k, v, mask))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs: nnx.Rngs):
+        c = config
+        kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs,
+                  use_bias=c.mlp_bias)
+        h, i = c.hidden_size, intermediate_size
+        self.gate_proj = Linear((h,), (i,), in_axes=("embed",), out_axes=("mlp",), **kw)
+        self.up_proj = Linear((h,), (i,), in_axes=("embed",), out_axes=("mlp",), **kw)
+        self.down_proj = Linear((i,), (h,), in_axes=("mlp",), out_axes=("embed",), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """Stacked expert weights: gate/up ``[E, H, I]``, down ``[E, I, H]``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        std, pd = c.initializer_range, c.param_dtype
+        self.gate_proj = nnx.Param(_normal(rngs, (e, h, i), std, pd), logical_axes=("expert", "embed", "expert_mlp"))
+        self.up_proj = nnx.Param(_normal(rngs, (e, h, i), std, pd), logical_axes=("expert", "embed", "expert_mlp"))
+        self.down_proj = nnx.Param(_normal(rngs, (e, i, h), std, pd), logical_axes=("expert", "expert_mlp", "embed"))
+
+
+def route(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """softmax → top-k routing (qwen*, mixtral): (weights [T, K] float32, expert ids [T, K] int32).
+
+    With ``norm_topk_prob`` the weights are divided by their sum (no epsilon, as transformers).
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, idx = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, idx.astype(jnp.int32)
+
+
+class MoE(nnx.Module):
+    """Softmax top-k mixture of SwiGLU experts; router in float32, experts via ``jrl.kernels.moe``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.dtype = jnp.dtype(c.dtype)
+        self.router = Linear((c.hidden_size,), (c.num_experts,), in_axes=("embed",), out_axes=(None,),
+                             dtype=jnp.float32, param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs)
+        self.experts = Experts(c, rngs=rngs)
+
+    def router_logits(self, x: jax.Array) -> jax.Array:
+        """Router logits [..., E] computed in float32."""
+        return self.router(x.astype(jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1]).astype(self.dtype)
+        weights, idx = route(self.router_logits(xf), c.num_experts_per_tok, c.norm_topk_prob)
+        perm = permute(xf, idx, c.num_experts)
+        gate = gmm(perm.sorted_x, self.experts.gate_proj[...].astype(self.dtype), perm.group_sizes)
+        up = gmm(perm.sorted_x, self.experts.up_proj[...].astype(self.dtype), perm.group_sizes)
+        y = gmm(jax.nn.silu(gate) * up, self.experts.down_proj[...].astype(self.dtype), perm.group_sizes)
+        return unpermute(y, perm, weights).reshape(shape)

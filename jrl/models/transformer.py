@@ -1,0 +1,172 @@
+"""The decoder-only ``Transformer`` used for every supported family."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jrl.models.config import ModelConfig
+from jrl.models.layers import (
+    MLP,
+    Attention,
+    Embed,
+    Linear,
+    MoE,
+    RMSNorm,
+    constrain,
+    make_attention_mask,
+    positions_from_mask,
+    positions_from_segments,
+)
+from jrl.sharding.rules import logical_sharding
+
+_RESIDUAL = ("batch", "activation_length", "embed")
+
+
+def _freeze_rules(rules: Mapping | None):
+    return None if rules is None else tuple(sorted(dict(rules).items()))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``h + mlp(norm(h))`` (mlp is dense SwiGLU or MoE)."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, mesh=None, rules=None):
+        c = config
+        self.mesh, self.rules = mesh, rules
+        self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+        self.attn = Attention(c, rngs=rngs, mesh=mesh, rules=rules)
+        self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+        self.mlp = MoE(c, rngs=rngs) if c.layer_is_moe(layer) else MLP(c, c.intermediate_size, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        h = x + self.attn(self.input_norm(x), positions, mask)
+        h = constrain(h, _RESIDUAL, self.mesh, self.rules)
+        out = h + self.mlp(self.post_attn_norm(h))
+        return constrain(out, _RESIDUAL, self.mesh, self.rules)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: embed → layers → final RMSNorm → logits (tied or separate ``lm_head``).
+
+    Inputs everywhere: ``input_ids`` [B, S] int, and optionally ``positions`` [B, S] int,
+    ``attention_mask`` [B, S] (1 = token, 0 = pad; left padding is exact) and/or ``segment_ids`` [B, S]
+    (packed rows: tokens attend only within their segment). Without ``positions`` they are derived:
+    cumsum of the mask minus one, restarting per segment with ``segment_ids``, else ``arange(S)``.
+
+    ``mesh`` (optional) turns on activation sharding constraints at block boundaries with ``rules``
+    (defaults to :data:`jrl.sharding.rules.DEFAULT_RULES`). ``source_dir`` remembers the HF directory the
+    weights came from (tokenizer files are copied from it on export).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules: Mapping | None = None,
+                 source_dir: str | None = None):
+        c = config
+        self.config = c
+        self.mesh = mesh
+        self.rules = _freeze_rules(rules)
+        self.source_dir = source_dir
+        self.embed = Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
+                           init_std=c.initializer_range, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(c, i, rngs=rngs, mesh=mesh, rules=self.rules) for i in range(c.num_hidden_layers)])
+        self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+        self.lm_head = None if c.tie_word_embeddings else Linear(
+            (c.hidden_size,), (c.vocab_size,), in_axes=("embed",), out_axes=("vocab",), dtype=c.dtype,
+            param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs)
+
+    # ------------------------------------------------------------------ inputs
+    def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None):
+        """(positions [B, S], boolean attention mask [B, S, S]) for a forward pass."""
+        b, s = input_ids.shape
+        if positions is None:
+            if segment_ids is not None:
+                positions = positions_from_segments(segment_ids)
+            elif attention_mask is not None:
+                positions = positions_from_mask(attention_mask)
+            else:
+                positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        mask = make_attention_mask(s, batch=b, attention_mask=attention_mask, segment_ids=segment_ids,
+                                   positions=positions, sliding_window=self.config.sliding_window)
+        return positions.astype(jnp.int32), mask
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None,
+                      return_layers: bool | Sequence[int] = False):
+        """Final hidden states [B, S, H] (after the final norm, compute dtype).
+
+        ``return_layers``: ``True`` also returns the tuple of all L + 1 hidden states in transformers'
+        ``output_hidden_states`` convention (entry 0 = embedding output, entry i = output of layer i - 1,
+        entry L = the final *normed* output); a sequence of indices into that tuple returns only those (and
+        skips layers past the deepest one asked for, unless L is asked for). Returns ``(final, layers)``.
+        """
+        num_layers = self.config.num_hidden_layers
+        wanted = None
+        if return_layers is not False and return_layers is not True:
+            wanted = [int(i) % (num_layers + 1) if int(i) < 0 else int(i) for i in return_layers]
+            if any(not 0 <= i <= num_layers for i in wanted):
+                raise ValueError(f"return_layers={list(return_layers)} has indices outside [0, {num_layers}]")
+        depth = num_layers if wanted is None else max(wanted, default=0)
+        positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids)
+        x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
+        collected = [x]
+        for layer in self.layers[:depth]:
+            x = layer(x, positions, mask)
+            collected.append(x)
+        if depth < num_layers:  # only intermediate layers were asked for
+            return x, tuple(collected[i] for i in wanted)
+        final = self.final_norm(x)
+        if return_layers is False:
+            return final
+        collected[-1] = final
+        if wanted is None:
+            return final, tuple(collected)
+        return final, tuple(collected[i] for i in wanted)
+
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection ``[H, V]`` (the transposed embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] from final hidden states [..., H]."""
+        w = self.lm_head_weight().astype(hidden.dtype)
+        out = jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+        if out.ndim == 3:
+            out = constrain(out, ("batch", "activation_length", "vocab"), self.mesh, self.rules)
+        return out
+
+    def __call__(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None) -> jax.Array:
+        """float32 logits [B, S, V]."""
+        return self.logits(self.hidden_states(input_ids, positions=positions, attention_mask=attention_mask,
+                                              segment_ids=segment_ids))
+
+
+def param_shardings(model: nnx.Module, mesh, rules: Mapping | None = None) -> nnx.State:
+    """``nnx.State`` of NamedShardings for every ``nnx.Param`` of ``model`` from its ``logical_axes``."""
+    state = nnx.state(model, nnx.Param)
+    return jax.tree.map(
+        lambda v: logical_sharding(v.logical_axes, mesh, rules, v.shape),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mapping | None = None) -> Transformer:
+    """A randomly initialised :class:`Transformer`; with ``mesh`` every parameter is created already sharded
+    (initialised under ``jit`` with output shardings from its logical axes, never whole on one device)."""
+    if mesh is None:
+        return Transformer(config, rngs=nnx.Rngs(seed))
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = jax.tree.map(
+        lambda v: logical_sharding(v.logical_axes, mesh, rules, v.shape) if isinstance(v, nnx.Variable) else None,
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    @jax.jit
+    def init():
+        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

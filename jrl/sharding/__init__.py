@@ -1,0 +1,73 @@
+"""Meshes, logical-axis rules, multi-host initialisation, placement and gathering.
+
+One :class:`MeshConfig` describes the device layout from 1 CPU device to a TPU pod; parameters carry
+logical axis names (``logical_axes`` metadata) that the rules map to mesh axes. Typical use::
+
+    from jrl import sharding
+    sharding.initialize()                                   # no-op for one process
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=-1, tensor=2))
+    rules = mesh_cfg.logical_rules()
+    model = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+"""
+
+from jrl.sharding.distributed import (
+    batch_sharding,
+    initialize,
+    is_main_process,
+    make_global_batch,
+    process_batch_slice,
+    process_shard,
+)
+from jrl.sharding.memory import MemoryReport, device_bytes, memory_report
+from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, make_mesh
+from jrl.sharding.placement import (
+    gather_to_host,
+    init_sharded,
+    iter_to_host,
+    opt_state_shardings,
+    shard_model,
+    state_shardings,
+    state_specs,
+    unknown_logical_axes,
+    variable_spec,
+)
+from jrl.sharding.rules import (
+    DEFAULT_RULES,
+    MeshAxes,
+    logical_sharding,
+    logical_to_spec,
+    merge_rules,
+    with_logical_constraint,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "MemoryReport",
+    "MeshAxes",
+    "MeshConfig",
+    "abstract_mesh",
+    "batch_sharding",
+    "device_bytes",
+    "device_grid",
+    "gather_to_host",
+    "init_sharded",
+    "initialize",
+    "is_main_process",
+    "iter_to_host",
+    "logical_sharding",
+    "logical_to_spec",
+    "make_global_batch",
+    "make_mesh",
+    "memory_report",
+    "merge_rules",
+    "opt_state_shardings",
+    "process_batch_slice",
+    "process_shard",
+    "shard_model",
+    "state_shardings",
+    "state_specs",
+    "unknown_logical_axes",
+    "variable_spec",
+    "with_logical_constraint",
+]

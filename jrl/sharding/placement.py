@@ -1,0 +1,214 @@
+"""Place NNX models and optimizer states on a mesh by their logical axes, and bring them back to host.
+
+Every ``nnx.Variable`` that carries ``logical_axes`` metadata (one logical name or ``None`` per
+dimension) is sharded by the rules; variables without it (RNG state, counters) are replicated. The
+functions work on a module, on an ``nnx.State`` (concrete or abstract, from ``nnx.eval_shape``) and
+on plain pytrees of arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec
+
+Rules = Mapping[str, MeshAxes]
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _var_value(var: nnx.Variable) -> Any:
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def _as_state(tree: Any) -> Any:
+    return nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+
+
+def path_str(path: tuple) -> str:
+    """``layers.0.attn.q.kernel`` for a pytree key path (Variable ``.value`` keys dropped)."""
+    return ".".join(str(k) for k in _norm_path(path))
+
+
+def _norm_path(path: tuple) -> tuple:
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(k.key)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(k.key)
+        else:
+            out.append(str(k))
+    if out and out[-1] in ("value", "raw_value"):
+        out.pop()
+    return tuple(out)
+
+
+def variable_spec(var: nnx.Variable, mesh: Mesh, rules: Rules | None = None, path: str = "") -> PartitionSpec:
+    """PartitionSpec of one variable from its ``logical_axes`` metadata (replicated without it)."""
+    value = _var_value(var)
+    shape = tuple(getattr(value, "shape", ()))
+    axes = var.get_metadata().get("logical_axes") if hasattr(var, "get_metadata") else None
+    if axes is None:
+        return PartitionSpec()
+    axes = tuple(axes)
+    if len(axes) != len(shape):
+        raise ValueError(
+            f"{path or type(var).__name__}: logical_axes {axes} has {len(axes)} names but the value has "
+            f"shape {shape}; give one logical name (or None) per dimension"
+        )
+    return logical_to_spec(axes, mesh, DEFAULT_RULES if rules is None else rules, shape)
+
+
+def state_shardings(tree: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """A tree of ``NamedSharding`` with the structure of ``nnx.state(tree)`` (or of ``tree`` if it is
+    already a state / pytree): each Variable's sharding from its logical axes, every other array leaf
+    replicated. Usable as ``jax.device_put`` target and as jit ``in_/out_shardings``."""
+    state = _as_state(tree)
+
+    def one(path, x):
+        if _is_variable(x):
+            return x.replace(NamedSharding(mesh, variable_spec(x, mesh, rules, path_str(path))))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+def state_specs(tree: Any, mesh: Mesh, rules: Rules | None = None) -> dict[str, PartitionSpec]:
+    """``{path: PartitionSpec}`` for every array of ``tree`` (handy to print or to assert on)."""
+    shardings = state_shardings(tree, mesh, rules)
+    leaves = jax.tree_util.tree_leaves_with_path(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    return {path_str(p): s.spec for p, s in leaves}
+
+
+def shard_model(model: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """Place every variable of ``model`` on ``mesh`` by its logical axes, in place.
+
+    ``model`` is an ``nnx.Module`` (updated in place and returned; an ``nnx.Optimizer`` works too: its
+    moment variables copy the parameters' ``logical_axes``), an ``nnx.State`` or any pytree (a placed
+    copy is returned). For a model too large for one device use :func:`init_sharded` instead, which
+    never materialises the unsharded parameters."""
+    state = _as_state(model)
+    placed = jax.device_put(state, state_shardings(state, mesh, rules))
+    if isinstance(model, nnx.Module):
+        nnx.update(model, placed)
+        return model
+    return placed
+
+
+def init_sharded(factory: Callable[[], Any], mesh: Mesh, rules: Rules | None = None) -> Any:
+    """Build ``factory()`` (e.g. ``lambda: Transformer(cfg, rngs=nnx.Rngs(0))``) directly sharded: the
+    initialisers run under ``jit`` with the rule shardings as outputs, so each device only ever holds
+    its own shards. Gives the same values as ``shard_model(factory(), mesh)``. Works multi-host."""
+    abstract = nnx.eval_shape(factory)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh, rules)
+
+    def build():
+        return nnx.state(factory())
+
+    state = jax.jit(build, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def opt_state_shardings(
+    opt_state: Any,
+    params: Any,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    param_shardings: Any = None,
+) -> Any:
+    """Shardings for an optax state (concrete or from ``jax.eval_shape(tx.init, params)``).
+
+    Each leaf whose key path ends with the path of a parameter of the same shape (``mu``/``nu`` of
+    Adam, momentum, ...) gets that parameter's sharding; Variables that carry ``logical_axes`` use
+    their own; scalars (step counts) and anything else are replicated. ``params`` is the module or
+    state the optimizer was built on; ``param_shardings`` (default: from ``params``'s logical axes)
+    may be given instead to follow an existing placement."""
+    if param_shardings is None:
+        param_shardings = state_shardings(params, mesh, rules)
+    by_path: dict[tuple, tuple[tuple, NamedSharding]] = {}
+    params_tree = _as_state(params)
+    p_leaves = jax.tree_util.tree_leaves_with_path(params_tree)
+    s_leaves = jax.tree_util.tree_leaves(param_shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    if len(p_leaves) != len(s_leaves):
+        raise ValueError(
+            f"opt_state_shardings: params has {len(p_leaves)} arrays but param_shardings has "
+            f"{len(s_leaves)}; pass the shardings of the same params tree"
+        )
+    for (p, x), s in zip(p_leaves, s_leaves):
+        by_path[_norm_path(p)] = (tuple(np.shape(x)), s)
+    longest = max((len(k) for k in by_path), default=0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(path, x):
+        if _is_variable(x):
+            axes = x.get_metadata().get("logical_axes") if hasattr(x, "get_metadata") else None
+            if axes is not None:
+                return x.replace(NamedSharding(mesh, variable_spec(x, mesh, rules, path_str(path))))
+            inner = _norm_path(path)
+            sharding = _match(inner, tuple(np.shape(_var_value(x))), by_path, longest) or replicated
+            return x.replace(sharding)
+        return _match(_norm_path(path), tuple(np.shape(x)), by_path, longest) or replicated
+
+    return jax.tree_util.tree_map_with_path(one, _as_state(opt_state), is_leaf=_is_variable)
+
+
+def _match(path: tuple, shape: tuple, by_path: dict, longest: int) -> NamedSharding | None:
+    if not shape:
+        return None
+    for n in range(min(len(path), longest), 0, -1):
+        hit = by_path.get(path[-n:])
+        if hit is not None and hit[0] == shape:
+            return hit[1]
+    return None
+
+
+def _to_host(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def iter_to_host(tree: Any) -> Iterator[tuple[str, Any]]:
+    """Yield ``(path, numpy array)`` for every leaf of ``tree``, gathering one tensor at a time (host
+    memory holds one full tensor, not the whole model). Multi-host: every process must iterate in
+    the same order (it is a collective); each gets the full tensor."""
+    for path, x in jax.tree_util.tree_leaves_with_path(_as_state(tree)):
+        yield path_str(path), _to_host(x)
+
+
+def gather_to_host(tree: Any) -> Any:
+    """``tree`` (a module's state, a State or a pytree) with every ``jax.Array`` replaced by the full
+    numpy array, gathered tensor by tensor. Works multi-host (``process_allgather``; every process
+    must call it and each receives the full values)."""
+    return jax.tree_util.tree_map(_to_host, _as_state(tree))
+
+
+def unknown_logical_axes(tree: Any, rules: Rules | None = None) -> dict[str, tuple]:
+    """``{path: logical_axes}`` of variables that use a logical name the rules do not know (such a
+    dimension is silently replicated; usually a typo in a model)."""
+    rules = DEFAULT_RULES if rules is None else rules
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(_as_state(tree), is_leaf=_is_variable):
+        if _is_variable(x):
+            axes = x.get_metadata().get("logical_axes")
+            if axes is not None and any(a is not None and a not in rules for a in axes):
+                out[path_str(path)] = tuple(axes)
+    return out

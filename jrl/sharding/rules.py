@@ -1,0 +1,95 @@
+"""Logical-axis rules: how the logical names carried by every parameter map to mesh axes.
+
+Every parameter of a jrl model carries a ``logical_axes`` metadata tuple (one name or ``None`` per
+dimension, e.g. ``("embed", "mlp")``). A rule table maps each logical name to a mesh axis, a tuple of
+mesh axes, or ``None`` (replicated). Mesh axes of size 1 or absent from the mesh are dropped, so one
+table serves every mesh from a single CPU device to a pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+#: Default logical -> mesh axis rules (FSDP on the embedding dimension, tensor parallelism on
+#: heads / MLP / vocab, expert parallelism on the expert dimension). The batch is split over every
+#: axis but ``tensor``: with expert parallelism the attention and dense layers still use all devices,
+#: and the MoE layers exchange tokens between the expert shards.
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp", "expert"),
+    "activation_length": "sequence",
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "expert": "expert",
+    "expert_mlp": "tensor",
+    "norm": None,
+    "lora_rank": None,
+}
+
+
+def merge_rules(
+    overrides: Mapping[str, MeshAxes] | Sequence[tuple[str, MeshAxes]] = (),
+    base: Mapping[str, MeshAxes] | None = None,
+) -> dict[str, MeshAxes]:
+    """``base`` (default :data:`DEFAULT_RULES`) updated with ``overrides`` (a mapping or pairs)."""
+    merged = dict(DEFAULT_RULES if base is None else base)
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    for name, target in items:
+        merged[name] = tuple(target) if isinstance(target, list) else target
+    return merged
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] | None = None,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """PartitionSpec for a tensor with ``logical_axes`` on ``mesh``.
+
+    A mesh axis is used at most once per tensor (the first dimension that asks for it wins), axes of
+    size 1 are dropped, and when ``shape`` is given a dimension that does not divide evenly by its mesh
+    axes stays replicated rather than failing at placement time.
+    """
+    rules = DEFAULT_RULES if rules is None else rules
+    used: set[str] = set()
+    spec: list[MeshAxes] = []
+    for dim, name in enumerate(logical_axes):
+        target = rules.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
+        if shape is not None and axes:
+            size = 1
+            for a in axes:
+                size *= mesh.shape[a]
+            if shape[dim] % size:
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(
+    logical_axes: Sequence[str | None],
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] | None = None,
+    shape: Sequence[int] | None = None,
+) -> NamedSharding:
+    """NamedSharding for a tensor with ``logical_axes`` on ``mesh`` (see :func:`logical_to_spec`)."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, mesh, rules, shape))
+
+
+def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None,
+                            rules: Mapping[str, MeshAxes] | None = None) -> jax.Array:
+    """Activation sharding constraint by logical names; a no-op without a mesh."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_sharding(logical_axes, mesh, rules, x.shape))

@@ -1,0 +1,35 @@
+"""Test-suite wide setup: float64 off, markers that skip with a stated reason where the hardware or
+service they need is absent (never silently)."""
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = None
+    for item in items:
+        if "gpu" in item.keywords:
+            backend = backend or _backend()
+            if backend != "gpu":
+                item.add_marker(pytest.mark.skip(reason=f"needs a GPU; JAX backend here is {backend!r}"))
+        if "tpu" in item.keywords:
+            backend = backend or _backend()
+            if backend != "tpu":
+                item.add_marker(pytest.mark.skip(reason=f"needs a TPU; JAX backend here is {backend!r}"))
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(pytest.mark.skip(reason="slow test: pass --run-slow to run it"))
+        if "vllm" in item.keywords and not os.environ.get("JRL_VLLM_PYTHON"):
+            item.add_marker(
+                pytest.mark.skip(reason="needs a vLLM venv: set JRL_VLLM_PYTHON to its python (see README)")
+            )

@@ -112,15 +112,38 @@ def _gcloud_common(args: argparse.Namespace) -> list[str]:
     return common
 
 
+#: Not copied by --sync (nor any hidden entry): environments, caches and run outputs of this machine.
+SYNC_EXCLUDE = {".git", ".venv", ".vllm-venv", "__pycache__", ".pytest_cache", ".hypothesis", "runs", "build",
+                ".whl", "jrl.egg-info"}
+
+
+def sync_sources(source: str) -> list[str]:
+    """The top-level entries of ``source`` that --sync copies (sorted; see :data:`SYNC_EXCLUDE`)."""
+    if not os.path.isdir(source):
+        raise SystemExit(f"--source {source!r} is not a directory")
+    entries = sorted(
+        e for e in os.listdir(source) if e not in SYNC_EXCLUDE and not e.startswith(".") and not e.endswith(".egg-info")
+    )
+    if not entries:
+        raise SystemExit(f"--source {source!r}: nothing to copy")
+    return [os.path.join(source, e) for e in entries]
+
+
+def _remote_path(workdir: str, quote: bool = False) -> str:
+    # scp and a remote shell both start in the home directory: drop a leading "~/".
+    path = workdir[2:] if workdir.startswith("~/") else ("." if workdir == "~" else workdir)
+    return shlex.quote(path) if quote else path
+
+
 def gcloud_commands(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[list[str]]:
     """The gcloud invocations, in order (optional sync, then the run)."""
     cmds = []
     if args.sync:
-        parent = os.path.dirname(args.workdir.rstrip("/")) or "~"
         cmds.append(["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name, *_gcloud_common(args),
-                     "--command", f"mkdir -p {parent}"])
-        cmds.append(["gcloud", "compute", "tpus", "tpu-vm", "scp", "--recurse", args.source.rstrip("/"),
-                     f"{args.name}:{args.workdir}", *_gcloud_common(args)])
+                     "--command", f"mkdir -p {_remote_path(args.workdir, quote=True)}"])
+        sources = sync_sources(args.source)
+        cmds.append(["gcloud", "compute", "tpus", "tpu-vm", "scp", "--recurse", *sources,
+                     f"{args.name}:{_remote_path(args.workdir)}", *_gcloud_common(args)])
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name, *_gcloud_common(args)]
     for flag in args.ssh_flag:
         ssh.append(f"--ssh-flag={flag}")

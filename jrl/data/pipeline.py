@@ -26,6 +26,7 @@ Padding is the trainer's job; :func:`left_pad` is a helper that returns ``(ids, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -91,7 +92,11 @@ class DataConfig:
             raise ValueError(f"DataConfig.{field}={value!r} is invalid: {fix}")
 
         if not isinstance(self.source, str) or not self.source.strip():
-            bad("source", self.source, "give 'builtin:<task>' or a path to a .jsonl/.json/.parquet file or a save_to_disk dir")
+            bad(
+                "source",
+                self.source,
+                "give 'builtin:<task>' or a path to a .jsonl/.json/.parquet file or a save_to_disk dir",
+            )
         if self.source.startswith(BUILTIN_PREFIX):
             name = self.source[len(BUILTIN_PREFIX) :]
             if name not in BUILTIN_TASKS:
@@ -100,7 +105,9 @@ class DataConfig:
             bad("prompt_column", self.prompt_column, "give the name of the column holding the prompts")
         if self.system_prompt is not None and not self.use_chat_template:
             bad("system_prompt", self.system_prompt, "a system prompt needs use_chat_template=True (or drop it)")
-        if self.max_prompt_length is not None and (not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1):
+        if self.max_prompt_length is not None and (
+            not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1
+        ):
             bad("max_prompt_length", self.max_prompt_length, "use a positive int, or None for no limit")
         if self.max_examples is not None and (not isinstance(self.max_examples, int) or self.max_examples < 1):
             bad("max_examples", self.max_examples, "use a positive int, or None for all records")
@@ -127,7 +134,9 @@ def _read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {lineno} is a JSON {type(row).__name__}, expected an object (one record per line)")
+                raise ValueError(
+                    f"{path}: line {lineno} is a JSON {type(row).__name__}, expected an object (one record per line)"
+                )
             rows.append(row)
     return rows
 
@@ -147,7 +156,9 @@ def _read_json(path: Path) -> list[dict]:
         keys = list(data)
         return [dict(zip(keys, vals)) for vals in zip(*data.values())]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path}: expected a JSON list of objects (one per record), JSON lines, or an object of equal-length column lists")
+        raise ValueError(
+            f"{path}: expected a JSON list of objects (one per record), JSON lines, or an object of equal-length column lists"
+        )
     return data
 
 
@@ -169,7 +180,9 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"reading the save_to_disk directory {path} needs the datasets package: pip install datasets") from None
+        raise ImportError(
+            f"reading the save_to_disk directory {path} needs the datasets package: pip install datasets"
+        ) from None
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         splits = list(ds)
@@ -184,7 +197,9 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
             raise ValueError(f"DataConfig.split={split!r} is not in {path}; its splits are {splits}")
         ds = ds[split]
     elif split is not None:
-        raise ValueError(f"DataConfig.split={split!r} given, but {path} holds a single Dataset, not a DatasetDict; drop split")
+        raise ValueError(
+            f"DataConfig.split={split!r} given, but {path} holds a single Dataset, not a DatasetDict; drop split"
+        )
     return ds.to_list()
 
 
@@ -199,12 +214,16 @@ def load_records(cfg: DataConfig) -> list[dict[str, Any]]:
         raise NotImplementedError(f"built-in task {name!r} has no loader")  # pragma: no cover
     path = Path(os.path.expanduser(src))
     if not path.exists():
-        raise FileNotFoundError(f"DataConfig.source: dataset path {str(path)!r} does not exist (resolved: {path.resolve()})")
+        raise FileNotFoundError(
+            f"DataConfig.source: dataset path {str(path)!r} does not exist (resolved: {path.resolve()})"
+        )
     if path.is_dir():
         return _read_saved_dataset(path, cfg.split)
     ext = path.suffix.lower()
     if cfg.split is not None:
-        raise ValueError(f"DataConfig.split={cfg.split!r} only applies to a save_to_disk DatasetDict directory, not {path}")
+        raise ValueError(
+            f"DataConfig.split={cfg.split!r} only applies to a save_to_disk DatasetDict directory, not {path}"
+        )
     if ext == ".jsonl":
         return _read_jsonl(path)
     if ext == ".json":
@@ -229,13 +248,15 @@ def _columns_of(records: Sequence[dict]) -> list[str]:
 # Rendering and tokenizing
 
 
-def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = None) -> tuple[str, bool]:
-    """Text of one prompt and whether it went through the chat template."""
+def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = None) -> str:
+    """Text of one prompt: through the chat template (with the generation prompt) or as is."""
     where = f"row {row}" if row is not None else "prompt"
     if cfg.use_chat_template:
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+        ):
             messages = [dict(m) for m in prompt]
             if not messages:
                 raise ValueError(f"{where}: column {cfg.prompt_column!r} holds an empty message list")
@@ -250,13 +271,13 @@ def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = 
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:
             raise ValueError(f"{where}: the tokenizer's chat template failed: {type(e).__name__}: {e}") from e
-        return text, True
+        return text
     if not isinstance(prompt, str):
         raise ValueError(
             f"{where}: column {cfg.prompt_column!r} holds {type(prompt).__name__}, but use_chat_template=False needs "
             f"plain-text prompts; set use_chat_template=True for chat messages"
         )
-    return prompt, False
+    return prompt
 
 
 @dataclasses.dataclass
@@ -280,11 +301,13 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    @functools.cached_property
     def fingerprint(self) -> str:
         """SHA-256 of the tokenized prompts and their order (identifies the data for resumption)."""
         h = hashlib.sha256()
-        h.update(np.asarray([len(p) for p in self.prompt_ids], dtype=np.int64).tobytes())
-        h.update(np.asarray([t for p in self.prompt_ids for t in p], dtype=np.int64).tobytes())
+        for p in self.prompt_ids:
+            h.update(len(p).to_bytes(8, "little"))
+            h.update(np.asarray(p, dtype=np.int64).tobytes())
         return h.hexdigest()
 
 
@@ -297,7 +320,7 @@ def build_prompt_dataset(cfg: DataConfig, tokenizer) -> PromptDataset:
         raise ValueError(f"DataConfig.source {cfg.source!r} holds no records")
     names = _columns_of(records)
     if cfg.prompt_column not in names:
-        raise KeyError(
+        raise ValueError(
             f"DataConfig.prompt_column={cfg.prompt_column!r} is not a column of {cfg.source!r}; available columns: {names}"
         )
     missing = [i for i, r in enumerate(records) if r.get(cfg.prompt_column) is None]
@@ -311,12 +334,9 @@ def build_prompt_dataset(cfg: DataConfig, tokenizer) -> PromptDataset:
             "DataConfig.use_chat_template=True but the tokenizer has no chat template; "
             "set use_chat_template=False or use a tokenizer with one"
         )
-    texts, chat = [], None
-    for i, r in enumerate(records):
-        text, chat = render_prompt(r[cfg.prompt_column], cfg, tokenizer, row=i)
-        texts.append(text)
+    texts = [render_prompt(r[cfg.prompt_column], cfg, tokenizer, row=i) for i, r in enumerate(records)]
     # A chat template writes its own special tokens (BOS); plain text gets the tokenizer's defaults.
-    ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+    ids = tokenizer(texts, add_special_tokens=not cfg.use_chat_template)["input_ids"]
     ids = [list(map(int, x)) for x in ids]
 
     keep = list(range(len(records)))
@@ -432,7 +452,9 @@ class PromptLoader:
         import grain
 
         if not (isinstance(shard_count, int) and shard_count >= 1 and 0 <= shard_index < shard_count):
-            raise ValueError(f"need 0 <= shard_index < shard_count, got shard_index={shard_index}, shard_count={shard_count}")
+            raise ValueError(
+                f"need 0 <= shard_index < shard_count, got shard_index={shard_index}, shard_count={shard_count}"
+            )
         self.dataset = dataset
         self.cfg = cfg
         self.shard_index = shard_index
@@ -442,8 +464,14 @@ class PromptLoader:
             ds = ds.slice(slice(shard_index, None, shard_count))
         self.num_prompts = len(ds)
         if self.num_prompts == 0:
-            raise ValueError(f"shard {shard_index} of {shard_count} is empty: the dataset has only {len(dataset)} prompts")
-        if cfg.num_epochs is not None and cfg.drop_remainder and self.num_prompts * cfg.num_epochs < cfg.prompts_per_batch:
+            raise ValueError(
+                f"shard {shard_index} of {shard_count} is empty: the dataset has only {len(dataset)} prompts"
+            )
+        if (
+            cfg.num_epochs is not None
+            and cfg.drop_remainder
+            and self.num_prompts * cfg.num_epochs < cfg.prompts_per_batch
+        ):
             raise ValueError(
                 f"{self.num_prompts} prompts x num_epochs={cfg.num_epochs} is fewer than DataConfig.prompts_per_batch="
                 f"{cfg.prompts_per_batch}, so drop_remainder=True leaves no batch; lower prompts_per_batch or raise num_epochs"
@@ -476,7 +504,7 @@ class PromptLoader:
     def _compute_fingerprint(self) -> dict[str, Any]:
         c = self.cfg
         return {
-            "data": self.dataset.fingerprint(),
+            "data": self.dataset.fingerprint,
             "pipeline": {
                 "shuffle": c.shuffle,
                 "seed": c.seed,
@@ -507,7 +535,9 @@ class PromptLoader:
         if not isinstance(state, dict) or "grain" not in state:
             raise ValueError(f"not a PromptLoader state (expected a dict from get_state()), got {state!r:.200}")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"PromptLoader state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+            raise ValueError(
+                f"PromptLoader state version {state.get('version')!r} is not supported (expected {STATE_VERSION})"
+            )
         problems = []
         if state.get("data") != self._fingerprint["data"]:
             problems.append("the prompts (dataset content, tokenizer, template or length filter) differ")

@@ -22,6 +22,7 @@ There is exactly one definition of each aggregation (grpo.md §21 open point 5),
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -190,6 +191,7 @@ def rloo_advantages(
     return group_size / (group_size - 1) * _group_relative(r, group_size, "none")
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "estimator", "scale_rewards", "aggregation"))
 def compute_advantages(
     rewards: jax.Array,
     *,
@@ -203,6 +205,7 @@ def compute_advantages(
 
     Call it once per optimizer step on the whole generation batch (all groups, all processes),
     after every reward of the step is in; never on a chunk (grpo.md §21 open point 5).
+    Jitted (``group_size`` and the names are static); it nests inside a caller's ``jax.jit``.
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     return fn(
@@ -230,6 +233,7 @@ def advantages_from_config(rewards: jax.Array, config) -> jax.Array:
 # signal flags and reward metrics
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def group_zero_std(rewards: jax.Array, *, group_size: int, reward_weights=None) -> jax.Array:
     """[N // G] bool: the group's combined raw reward r has std ≈ 0 (grpo.md §21 open point 12).
 
@@ -240,6 +244,7 @@ def group_zero_std(rewards: jax.Array, *, group_size: int, reward_weights=None) 
     return _zero_std(_std(g, axis=1), g)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "aggregation"))
 def group_has_signal(
     rewards: jax.Array,
     *,
@@ -272,6 +277,7 @@ def sequence_has_signal(group_flags: jax.Array, group_size: int) -> jax.Array:
     return jnp.repeat(group_flags, group_size)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "reward_names"))
 def reward_metrics(
     rewards: jax.Array,
     *,
@@ -285,7 +291,7 @@ def reward_metrics(
     - ``reward_std``: mean over groups of the group std of r;
     - ``frac_reward_zero_std``: fraction of groups whose combined raw reward has std ≈ 0
       (open point 12; one definition whatever the mode);
-    - ``rewards/<name>/mean`` and ``/std``: nanmean and nanstd of r_·k over the batch (NaN when a
+    - ``rewards/<name>/mean`` and ``/std`` (``reward_names`` a tuple, static): nanmean and nanstd of r_·k over the batch (NaN when a
       function returned ``None`` for every completion).
     """
     r2 = _rewards_2d(rewards, group_size)

@@ -29,12 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jrl.losses.policy import to_float
 from jrl.losses.registry import IS_MODES, register_importance_sampling_mode
-
-
-def _float(x: jax.Array) -> jax.Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 class ISWeights(NamedTuple):
@@ -52,9 +48,9 @@ def sampler_log_ratio(
     old_logprobs: jax.Array, sampler_logprobs: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """(d, missing): d_t = (logπold − logπsamp)·m with missing (NaN) sampler entries as d = 0 (§7.2)."""
-    mask = _float(mask)
+    mask = to_float(mask)
     missing = jnp.isnan(sampler_logprobs) & (mask > 0)
-    d = jnp.where((mask > 0) & ~missing, _float(old_logprobs) - _float(sampler_logprobs), 0.0)
+    d = jnp.where((mask > 0) & ~missing, to_float(old_logprobs) - to_float(sampler_logprobs), 0.0)
     return jax.lax.stop_gradient(d), missing
 
 
@@ -112,7 +108,7 @@ def importance_weights(
     floor: float | None = None,
 ) -> ISWeights:
     """Sampler IS weights of the registered ``mode`` (§7); no gradient flows through them."""
-    mask = _float(mask)
+    mask = to_float(mask)
     d, _ = sampler_log_ratio(old_logprobs, sampler_logprobs, mask)
     out = IS_MODES.get(mode)(d, mask, cap=cap, floor=floor)
     return ISWeights(*(jax.lax.stop_gradient(x) for x in out))
@@ -136,10 +132,10 @@ def opsm_keep(
     (the loss uses logπold there, §8); ``logprobs`` must be at the sampling temperature like every
     other log-prob (open point 2).
     """
-    mask = _float(mask)
+    mask = to_float(mask)
     diff = jnp.where(mask > 0, sampler_logprobs - jax.lax.stop_gradient(logprobs), 0.0)
     kl = diff.sum(-1) / jnp.maximum(1.0, mask.sum(-1))
-    return (_float(advantages) >= 0) | (kl <= threshold)
+    return (to_float(advantages) >= 0) | (kl <= threshold)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,11 +148,11 @@ def entropy_threshold(entropy: jax.Array, mask: jax.Array, top_entropy_quantile:
     grpo.md §9: jrl takes it over the global batch, so the trainer calls this once per step on the
     whole batch and passes the result to every micro-batch; 0 loss tokens give −inf (keep all).
     """
-    h = jnp.where(_float(mask) > 0, _float(entropy), jnp.nan).reshape(-1)
+    h = jnp.where(to_float(mask) > 0, to_float(entropy), jnp.nan).reshape(-1)
     q = jnp.nanquantile(h, 1.0 - top_entropy_quantile)
     return jnp.where(jnp.isnan(q), -jnp.inf, q)
 
 
 def entropy_keep(entropy: jax.Array, threshold: jax.Array) -> jax.Array:
     """[B, T] bool: H_t ≥ threshold (§9)."""
-    return jax.lax.stop_gradient(_float(entropy)) >= threshold
+    return jax.lax.stop_gradient(to_float(entropy)) >= threshold

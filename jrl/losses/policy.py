@@ -44,7 +44,8 @@ removes the overflow (exp(89) = inf in float32) that would otherwise turn into i
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 
 
-def _float(x: jax.Array) -> jax.Array:
+def to_float(x: jax.Array) -> jax.Array:
+    """``x`` as a float array of at least float32 precision (bf16 → f32; f64 stays f64 under x64)."""
     x = jnp.asarray(x)
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
@@ -61,16 +62,16 @@ def loss_mask(
     mask_truncated_completions: bool = False,
 ) -> jax.Array:
     """m = completion_mask × tool_mask, with truncated completions zeroed if asked (§11). Float [B, T]."""
-    m = _float(completion_mask)
+    m = to_float(completion_mask)
     if tool_mask is not None:
-        m = m * _float(tool_mask)
+        m = m * to_float(tool_mask)
     if mask_truncated_completions:
         if truncated is None:
             raise ValueError(
                 "mask_truncated_completions=True needs `truncated` ([B] bool: the completion has no EOS); "
                 "pass it or set mask_truncated_completions=False"
             )
-        m = m * (1.0 - _float(truncated))[:, None]
+        m = m * (1.0 - to_float(truncated))[:, None]
     return m
 
 
@@ -96,7 +97,7 @@ class Normalizers(NamedTuple):
 
 def step_normalizers(mask: jax.Array, num_micro_batches: int = 1) -> Normalizers:
     """Normalisers of a whole step from its loss mask ``[..., T]`` (any leading batch dims)."""
-    mask = _float(mask)
+    mask = to_float(mask)
     n = mask.sum(axis=-1)
     return Normalizers(
         num_sequences=(n > 0).sum().astype(mask.dtype),
@@ -137,7 +138,7 @@ def aggregation_weights(
     max_completion_length: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(c [B], Z) of ``loss_type`` for this micro-batch; defaults: local normalisers and L_max = T."""
-    mask = _float(mask)
+    mask = to_float(mask)
     if normalizers is None:
         normalizers = step_normalizers(mask)
     if max_completion_length is None:
@@ -153,9 +154,9 @@ def aggregate_loss(
     max_completion_length: int | None = None,
 ) -> jax.Array:
     """Σ ℓ · m · c_i / Z for the registered ``loss_type`` (grpo.md §5 jrl rule)."""
-    mask = _float(mask)
+    mask = to_float(mask)
     c, z = aggregation_weights(loss_type, mask, normalizers, max_completion_length)
-    return jnp.sum(per_token_loss * mask * c[:, None]) / z
+    return jnp.sum(jnp.where(mask > 0, per_token_loss * mask * c[:, None], 0.0)) / z
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def policy_ratio(
 
     Log-ratios are clamped above at :data:`LOG_RATIO_MAX` before ``exp``.
     """
-    mask = _float(mask)
+    mask = to_float(mask)
     d = masked_log_ratio(logprobs, old_logprobs, mask)
     if level == "token":
         log_rho = jnp.minimum(d, LOG_RATIO_MAX)
@@ -211,7 +212,7 @@ def clipped_surrogate(
     delta: float | None = None,
 ) -> jax.Array:
     """ℓ_t = −min(ρ'·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A), ρ' = min(ρ, δ) if δ is set (§4). [B, T]."""
-    a = _float(advantages)
+    a = to_float(advantages)
     if a.ndim == 1:
         a = a[:, None]
     unclipped = (ratio if delta is None else jnp.minimum(ratio, delta)) * a
@@ -224,7 +225,7 @@ def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array) -> jax.
 
     ``exp`` sees min(Δ, :data:`LOG_RATIO_MAX`) so a wildly off reference cannot overflow.
     """
-    delta = jnp.where(_float(mask) > 0, ref_logprobs - logprobs, 0.0)
+    delta = jnp.where(to_float(mask) > 0, ref_logprobs - logprobs, 0.0)
     return jnp.exp(jnp.minimum(delta, LOG_RATIO_MAX)) - delta - 1.0
 
 
@@ -232,7 +233,7 @@ def clip_indicators(
     ratio: jax.Array, advantages: jax.Array, epsilon_low: float, epsilon_high: float
 ) -> tuple[jax.Array, jax.Array]:
     """(low, high) bool [B, T]: low = ρ < 1−ε_low ∧ A < 0; high = ρ > 1+ε_high ∧ A > 0 (§10)."""
-    a = _float(advantages)
+    a = to_float(advantages)
     if a.ndim == 1:
         a = a[:, None]
     low = (ratio < 1.0 - epsilon_low) & (a < 0)

@@ -353,6 +353,8 @@ class ModelConfig:
             "dtype": dtype or self.param_dtype,
             "use_cache": True,
         }
+        if mt in ("qwen2", "mixtral") and self.head_dim == self.hidden_size // self.num_attention_heads:
+            del out["head_dim"]  # these config classes derive it (and have no / a None head_dim field)
         if mt == "llama":
             out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
         elif mt == "qwen2":

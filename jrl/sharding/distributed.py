@@ -39,8 +39,8 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def _detected_cluster() -> str | None:
-    """Name of the cluster environment JAX's auto-detection would use (TPU pod, SLURM, ...), if any."""
+def _detected_cluster() -> Any:
+    """The cluster environment JAX's auto-detection would use (TPU pod, SLURM, ...), if any."""
     try:
         from jax._src import clusters
     except ImportError:  # pragma: no cover - private module moved
@@ -48,7 +48,7 @@ def _detected_cluster() -> str | None:
     for env in getattr(clusters.ClusterEnv, "_cluster_types", ()):
         try:
             if not getattr(env, "opt_in_only_method", False) and env.is_env_present():
-                return env.__name__
+                return env
         except Exception:  # noqa: BLE001 - a probe that fails means "not this environment"
             continue
     return None
@@ -108,7 +108,14 @@ def initialize(
         if cluster is None:
             log.info("jrl.sharding.initialize: no cluster detected and nothing configured; single process")
             return False
-        log.info("jrl.sharding.initialize: %s detected, letting JAX find the coordinator", cluster)
+        try:
+            count = cluster.get_process_count()
+        except Exception:  # noqa: BLE001 - let jax.distributed find out
+            count = None
+        if count == 1:
+            log.info("jrl.sharding.initialize: %s with a single process; nothing to do", cluster.__name__)
+            return False
+        log.info("jrl.sharding.initialize: %s detected, letting JAX find the coordinator", cluster.__name__)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,

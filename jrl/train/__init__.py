@@ -1,1 +1,1 @@
-"""TODO"""
+"""Trainer loops (GRPO, EBFT), rollout producer, reward runner, checkpointing and logging."""

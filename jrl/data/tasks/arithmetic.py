@@ -160,11 +160,9 @@ def exact_match(prompts, completions, completion_ids=None, *, answer, **kwargs) 
     """1.0 where the completion's ``<answer>`` integer equals the ``answer`` column, else 0.0."""
     if len(answer) != len(completions):
         raise ValueError(f"got {len(answer)} answers for {len(completions)} completions")
-    out = []
-    for c, a in zip(completions, answer):
-        got = extract_answer(completion_text(c))
-        out.append(1.0 if got is not None and got == _as_int(a) else 0.0)
-    return out
+    expected = [_as_int(a) for a in answer]
+    got = [extract_answer(completion_text(c)) for c in completions]
+    return [1.0 if g is not None and g == e else 0.0 for g, e in zip(got, expected)]
 
 
 def format_reward(prompts, completions, completion_ids=None, **kwargs) -> list[float]:

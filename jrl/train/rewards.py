@@ -1,0 +1,441 @@
+"""Reward functions: loading them by import path, and running them on a batch of completions.
+
+A reward function has TRL's signature::
+
+    fn(prompts, completions, completion_ids, **columns) -> list[float | None]
+
+It is called with keyword arguments: ``prompts`` (the raw prompt-column values, one per
+completion), ``completions`` (decoded completion strings, or chat message lists), ``completion_ids``
+(token-id lists), and every dataset column except ``prompt`` / ``completion`` / ``completion_ids``
+as a keyword (one value per completion), so a function should accept ``**kwargs``. It returns one
+value per completion; ``None`` (or NaN) means "no reward for this one" and becomes NaN, which every
+later aggregation skips (grpo.md §1.1).
+
+Functions are named by import path in configs (:class:`RewardSpec`):
+
+- ``package.module:function`` (e.g. ``jrl.data.tasks.arithmetic:exact_match``), or a dotted
+  attribute ``package.module:obj.method``;
+- ``path/to/file.py:function`` (the file is imported as a module of its own).
+
+:func:`compute_rewards` returns the per-function reward matrix ``[N, F]`` (float32, NaN for None);
+weights are applied by the advantage code (``jrl.losses.advantages``), which takes the matrix as is. Optional CPU parallelism:
+:class:`RewardWorkers` runs the functions in persistent worker processes on contiguous blocks of
+whole groups (grpo.md §14.6), falling back to the main process if any worker fails.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.util
+import logging
+import math
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Column names that are never passed as keyword arguments (they are the positional inputs).
+RESERVED_COLUMNS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids"})
+
+
+class RewardLoadError(ValueError):
+    """A reward function could not be loaded from its import path."""
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a batch, or returned something other than one number per
+    completion. The message names the function and the batch."""
+
+    def __init__(self, message: str, *, function: str, batch: Any = None):
+        super().__init__(message)
+        self.function = function
+        self.batch = batch
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """One reward function of a run."""
+
+    path: str
+    """Import path: ``package.module:function`` or ``path/to/file.py:function``."""
+    weight: float = 1.0
+    """Weight of this reward in the combined reward."""
+    name: str | None = None
+    """Name in metrics (``rewards/<name>/mean``); default: the function's attribute name."""
+
+    def __post_init__(self):
+        if not isinstance(self.path, str) or ":" not in self.path or not self.path.rsplit(":", 1)[1]:
+            raise ValueError(
+                f"RewardSpec.path={self.path!r} is invalid: use 'package.module:function' or 'path/to/file.py:function'"
+            )
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
+            raise ValueError(f"RewardSpec.weight={self.weight!r} is invalid for {self.path!r}: use a finite number")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(
+                f"RewardSpec.name={self.name!r} is invalid for {self.path!r}: use a non-empty string or None"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunction:
+    """A loaded reward function with its name, weight and (if loaded by path) import path."""
+
+    fn: Callable
+    name: str
+    weight: float = 1.0
+    path: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        # Functions loaded from a file path are not importable by module name in another process;
+        # ship the path instead and load it there.
+        if self.path is not None:
+            return (_rebuild_reward_function, (self.path, self.name, self.weight))
+        return (RewardFunction, (self.fn, self.name, self.weight, None))
+
+
+def _rebuild_reward_function(path: str, name: str, weight: float) -> RewardFunction:
+    return RewardFunction(fn=load_reward_function(path), name=name, weight=weight, path=path)
+
+
+def _is_file_path(module_part: str) -> bool:
+    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+
+
+@functools.lru_cache(maxsize=None)
+def _import_file(file: str):
+    resolved = Path(file).expanduser().resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    mod_name = f"jrl_reward_file_{resolved.stem}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, resolved)
+    if spec is None or spec.loader is None:
+        raise RewardLoadError(f"cannot import reward file {str(resolved)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # so its functions pickle by reference within this process
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
+    return module
+
+
+def load_reward_function(path: str) -> Callable:
+    """The callable at ``path`` (``package.module:attr`` or ``file.py:attr``); clear errors."""
+    if not isinstance(path, str) or ":" not in path:
+        raise RewardLoadError(
+            f"reward function path {path!r} must look like 'package.module:function' or 'path/to/file.py:function'"
+        )
+    module_part, attr = path.rsplit(":", 1)
+    if not module_part or not attr:
+        raise RewardLoadError(f"reward function path {path!r} has an empty module or function part")
+    if _is_file_path(module_part):
+        file = Path(module_part).expanduser()
+        if not file.is_file():
+            raise RewardLoadError(
+                f"reward file {module_part!r} (from {path!r}) does not exist (resolved: {file.resolve()})"
+            )
+        try:
+            module = _import_file(str(file))
+        except RewardLoadError:
+            raise
+        except Exception as e:
+            raise RewardLoadError(
+                f"importing reward file {module_part!r} (from {path!r}) failed: {type(e).__name__}: {e}"
+            ) from e
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as e:
+            missing = e.name or ""
+            if module_part == missing or module_part.startswith(missing + "."):
+                raise RewardLoadError(
+                    f"reward module {module_part!r} (from {path!r}) not found: no module named {missing!r}; "
+                    f"check the spelling, or give a file path 'path/to/file.py:{attr}'"
+                ) from None
+            raise RewardLoadError(f"importing reward module {module_part!r} (from {path!r}) failed: {e}") from e
+        except Exception as e:
+            raise RewardLoadError(
+                f"importing reward module {module_part!r} (from {path!r}) failed: {type(e).__name__}: {e}"
+            ) from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(
+                n
+                for n, v in vars(module).items()
+                if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__
+            )
+            raise RewardLoadError(
+                f"reward function {attr!r} not found in {module_part!r} (from {path!r}); callables there: {public}"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardLoadError(f"{path!r} is a {type(obj).__name__}, not a callable reward function")
+    return obj
+
+
+def load_reward_functions(specs: Sequence[RewardSpec | str]) -> list[RewardFunction]:
+    """Load every spec (a :class:`RewardSpec`, or a bare path string with weight 1)."""
+    out: list[RewardFunction] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            spec = RewardSpec(path=spec)
+        elif not isinstance(spec, RewardSpec):
+            raise TypeError(f"expected a RewardSpec or an import-path string, got {type(spec).__name__}: {spec!r}")
+        fn = load_reward_function(spec.path)
+        name = spec.name or spec.path.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+        out.append(RewardFunction(fn=fn, name=name, weight=float(spec.weight), path=spec.path))
+    return out
+
+
+def reward_name(fn: Callable) -> str:
+    """Name of a reward function: ``RewardFunction.name``, else ``__name__`` (also through
+    ``functools.partial``), else the class name."""
+    if isinstance(fn, RewardFunction):
+        return fn.name
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _unique_names(fns: Sequence[Callable]) -> list[str]:
+    names, seen = [], {}
+    for fn in fns:
+        base = reward_name(fn)
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        names.append(base if k == 0 else f"{base}_{k}")
+    return names
+
+
+def _describe(name: str, fn: Callable) -> str:
+    path = fn.path if isinstance(fn, RewardFunction) else None
+    return f"reward function {name!r}" + (f" ({path})" if path else "")
+
+
+def _batch_desc(batch: Any, n: int) -> str:
+    return f"batch {batch!r} ({n} completions)" if batch is not None else f"a batch of {n} completions"
+
+
+def _to_rewards(out: Any, n: int, what: str) -> np.ndarray:
+    """Convert one function's output to float32 [n]; raise ValueError describing the problem."""
+    if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
+        arr = np.asarray(out)
+        if arr.ndim != 1:
+            raise ValueError(f"returned an array of shape {arr.shape}; expected a 1-D list of {n} numbers")
+        out = arr.tolist()
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise ValueError(
+            f"returned {type(out).__name__} ({out!r:.80}); expected a list of {n} numbers (one per completion)"
+        )
+    if len(out) != n:
+        raise ValueError(f"returned {len(out)} values for {n} completions; expected exactly one per completion")
+    res = np.empty(n, dtype=np.float32)
+    for i, v in enumerate(out):
+        if v is None:
+            res[i] = np.nan
+            continue
+        if isinstance(v, (bool, np.bool_, int, float, np.integer, np.floating)):
+            f = float(v)
+        elif isinstance(v, np.ndarray) and v.ndim == 0 and np.issubdtype(v.dtype, np.number):
+            f = float(v)
+        else:
+            raise ValueError(f"returned {type(v).__name__} ({v!r:.80}) at index {i}; expected a number or None")
+        if math.isinf(f):
+            raise ValueError(f"returned {f} at index {i}; rewards must be finite (or None/NaN for 'no reward')")
+        res[i] = f
+    return res
+
+
+def _check_inputs(prompts, completions, completion_ids, columns) -> tuple[int, dict[str, list]]:
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"compute_rewards: {len(prompts)} prompts for {n} completions; give one prompt per completion")
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ValueError(f"compute_rewards: {len(completion_ids)} completion_ids for {n} completions")
+    kwargs = {}
+    for k, v in (columns or {}).items():
+        if k in RESERVED_COLUMNS:
+            continue
+        if len(v) != n:
+            raise ValueError(
+                f"compute_rewards: column {k!r} has {len(v)} values for {n} completions; give one value per "
+                f"completion (repeat each prompt's columns num_generations times, e.g. PromptBatch.repeat)"
+            )
+        kwargs[k] = list(v)
+    return n, kwargs
+
+
+def _run_functions(fns, names, prompts, completions, completion_ids, kwargs, batch) -> np.ndarray:
+    n = len(completions)
+    out = np.empty((n, len(fns)), dtype=np.float32)
+    for j, (fn, name) in enumerate(zip(fns, names)):
+        what = _describe(name, fn)
+        try:
+            res = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        except Exception as e:
+            raise RewardError(
+                f"{what} raised {type(e).__name__}: {e} on {_batch_desc(batch, n)}", function=name, batch=batch
+            ) from e
+        try:
+            out[:, j] = _to_rewards(res, n, what)
+        except ValueError as e:
+            raise RewardError(f"{what} {e} on {_batch_desc(batch, n)}", function=name, batch=batch) from None
+    return out
+
+
+def compute_rewards(
+    fns: Sequence[Callable],
+    weights: Sequence[float] | None,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]] | None,
+    columns: Mapping[str, Sequence[Any]] | None,
+    *,
+    batch: Any = None,
+    workers: RewardWorkers | None = None,
+    group_size: int = 1,
+) -> tuple[np.ndarray, list[str]]:
+    """Run every reward function on a batch of ``N`` completions.
+
+    Args:
+      fns: reward callables (:class:`RewardFunction` from :func:`load_reward_functions`, or plain
+        functions).
+      weights: one weight per function, validated here (length, finite) but not applied; ``None``
+        takes ``RewardFunction.weight`` (or 1). The advantage code applies them (:func:`resolve_weights`).
+      prompts, completions, completion_ids: one entry per completion.
+      columns: dataset columns, each with one value per completion; all except ``prompt`` /
+        ``completion`` / ``completion_ids`` are passed as keyword arguments.
+      batch: a label for error messages (e.g. the step number).
+      workers: optional :class:`RewardWorkers` to run the functions in worker processes.
+      group_size: completions per prompt; worker blocks never split a group.
+
+    Returns:
+      ``(rewards, names)``: float32 ``[N, F]`` with NaN where a function returned None/NaN, and the
+      function names (made unique by suffixing ``_1``, ``_2``... on collision).
+
+    Raises:
+      RewardError: a function raised, or did not return one number (or None) per completion; the
+        message names the function and the batch.
+    """
+    fns = list(fns)
+    if not fns:
+        raise ValueError("compute_rewards: no reward functions given")
+    resolve_weights(fns, weights)
+    n, kwargs = _check_inputs(prompts, completions, completion_ids, columns)
+    names = _unique_names(fns)
+    prompts, completions = list(prompts), list(completions)
+    completion_ids = None if completion_ids is None else [list(c) for c in completion_ids]
+    if workers is not None and workers.num_workers > 1 and n > 0:
+        try:
+            return workers.run(fns, names, prompts, completions, completion_ids, kwargs, batch, group_size), names
+        except Exception as e:  # any worker failure: recompute here, where errors are reported precisely
+            logger.warning(
+                "reward workers failed on %s (%s: %s); recomputing on the main process",
+                _batch_desc(batch, n),
+                type(e).__name__,
+                e,
+            )
+    return _run_functions(fns, names, prompts, completions, completion_ids, kwargs, batch), names
+
+
+def resolve_weights(fns: Sequence[Callable], weights: Sequence[float] | None) -> np.ndarray:
+    """Weights as float32 ``[F]``: ``weights`` if given (checked), else each function's own."""
+    if weights is None:
+        return np.asarray([fn.weight if isinstance(fn, RewardFunction) else 1.0 for fn in fns], dtype=np.float32)
+    w = list(weights)
+    if len(w) != len(fns):
+        raise ValueError(f"{len(w)} reward weights for {len(fns)} reward functions ({_unique_names(fns)})")
+    for name, x in zip(_unique_names(fns), w):
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x):
+            raise ValueError(f"weight {x!r} of reward function {name!r} is not a finite number")
+    return np.asarray(w, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes (optional)
+
+
+def _worker_run(args: tuple) -> np.ndarray:
+    return _run_functions(*args)
+
+
+class RewardWorkers:
+    """Persistent pool of reward worker processes (grpo.md §14.6).
+
+    Reward functions run in ``num_workers`` processes, each on a contiguous block of whole groups;
+    useful for slow CPU-bound verifiers (and for those using ``signal.alarm``, which needs a
+    process's main thread). Functions must be picklable, or loaded by path (they are re-imported
+    in the workers). Any worker failure makes :func:`compute_rewards` recompute the batch on the
+    main process, so errors are reported the same way. Use as a context manager or call
+    :meth:`close`. For cheap functions the inter-process overhead exceeds the work: keep 1.
+    """
+
+    def __init__(self, num_workers: int, *, start_method: str = "spawn"):
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.start_method = start_method
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def _get_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = multiprocessing.get_context(self.start_method)
+            self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+        return self._pool
+
+    def run(self, fns, names, prompts, completions, completion_ids, kwargs, batch, group_size: int) -> np.ndarray:
+        n = len(completions)
+        if group_size < 1 or n % group_size:
+            raise ValueError(f"group_size={group_size} does not divide the {n} completions")
+        groups = n // group_size
+        per = -(-groups // self.num_workers)
+        bounds = [(a * group_size, min(groups, a + per) * group_size) for a in range(0, groups, per)]
+        try:
+            pool = self._get_pool()
+            futures = [
+                pool.submit(
+                    _worker_run,
+                    (
+                        fns,
+                        names,
+                        prompts[a:b],
+                        completions[a:b],
+                        None if completion_ids is None else completion_ids[a:b],
+                        {k: v[a:b] for k, v in kwargs.items()},
+                        batch,
+                    ),
+                )
+                for a, b in bounds
+            ]
+            parts = [f.result() for f in futures]
+        except concurrent.futures.process.BrokenProcessPool:
+            self.close()  # a worker died: a fresh pool is made on the next call
+            raise
+        return np.concatenate(parts, axis=0)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,111 @@
+"""ModelConfig: HF config.json in and out, for every family, and field validation."""
+
+import json
+
+import numpy as np
+import pytest
+from model_testlib import FAMILIES, hf_config
+
+from jrl.models import ModelConfig, RopeScaling, UnsupportedModelError
+from jrl.models.config import rope_inv_freq
+
+# Real checkpoints' config.json (transformers 4.x style: rope_theta + rope_scaling), trimmed to what matters.
+LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False,
+}
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+    "rope_scaling": None, "rms_norm_eps": 1e-06, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
+}
+
+
+def test_real_llama31_config():
+    c = ModelConfig.from_hf(LLAMA31)
+    assert c.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert (c.head_dim, c.num_key_value_heads, c.rope_theta) == (128, 8, 500000.0)
+    assert c.eos_token_id == (128001, 128008, 128009)
+    assert 8.0e9 < c.num_params() < 8.1e9  # Llama 3.1 8B
+    assert ModelConfig.from_hf(c.to_hf()) == c
+
+
+def test_real_qwen3_moe_config():
+    c = ModelConfig.from_hf(QWEN3_MOE)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (128, 8, 768, True)
+    assert all(c.layer_is_moe(i) for i in range(48))
+    assert 30.0e9 < c.num_params() < 31.0e9  # Qwen3-30B-A3B
+    assert ModelConfig.from_hf(c.to_hf()) == c
+
+
+def test_every_family_round_trips_through_transformers(family):
+    from transformers import AutoConfig
+
+    hf = hf_config(family)
+    c = ModelConfig.from_hf(hf.to_dict())
+    assert ModelConfig.from_hf(c.to_hf()) == c
+    exported = AutoConfig.for_model(**c.to_hf())
+    assert type(exported) is type(hf)
+    assert exported.architectures == hf.architectures or hf.architectures is None
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                "rope_parameters", "num_experts", "num_local_experts", "norm_topk_prob", "mlp_only_layers",
+                "sliding_window", "attention_bias", "mlp_bias", "moe_intermediate_size", "intermediate_size"):
+        assert getattr(exported, key, None) == getattr(hf, key, None), key
+    json.dumps(c.to_hf())
+
+
+def test_family_features():
+    cs = {f: ModelConfig.from_hf(hf_config(f).to_dict()) for f in FAMILIES}
+    assert cs["llama_rope3"].rope_scaling.rope_type == "llama3"
+    assert cs["llama_tied"].tie_word_embeddings and cs["llama_tied"].o_bias and cs["llama_tied"].mlp_bias
+    assert cs["qwen2"].qkv_bias and not cs["qwen2"].o_bias
+    assert cs["qwen3"].qk_norm and cs["qwen3"].head_dim == 32
+    assert [cs["qwen3_moe"].layer_is_moe(i) for i in range(3)] == [True, False, True]
+    assert cs["mixtral"].norm_topk_prob and cs["mixtral"].sliding_window == 8 and cs["mixtral"].rope_theta == 1e6
+
+
+def test_llama3_rope_matches_transformers():
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(**{k: v for k, v in LLAMA31.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    np.testing.assert_allclose(rope_inv_freq(ModelConfig.from_hf(LLAMA31)), ref.numpy(), rtol=1e-6, atol=0)
+
+
+def test_unsupported():
+    with pytest.raises(UnsupportedModelError, match="'gpt_oss'.*supported model types: llama, qwen2, qwen3"):
+        ModelConfig.from_hf({**LLAMA31, "model_type": "gpt_oss"})
+    with pytest.raises(UnsupportedModelError, match="'yarn'.*default, linear, llama3"):
+        ModelConfig.from_hf({**LLAMA31, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        ModelConfig.from_hf({**QWEN3_MOE, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_key_value_heads=5), "not a multiple of num_key_value_heads"),
+    (dict(qkv_bias=True), "attention_bias covers"),
+    (dict(qk_norm=True), "qk_norm must be False for llama"),
+    (dict(dtype="int8"), r"ModelConfig.dtype='int8'"),
+    (dict(num_experts=4), "is dense but num_experts=4"),
+])
+def test_validation_names_the_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(LLAMA31).replace(**change)
+
+
+def test_dtype_knobs():
+    import jax.numpy as jnp
+
+    c = ModelConfig.from_hf(LLAMA31, dtype=jnp.bfloat16, param_dtype="float32")
+    assert (c.dtype, c.param_dtype) == ("bfloat16", "float32")
+    assert c.to_hf()["dtype"] == "float32"

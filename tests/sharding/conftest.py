@@ -1,0 +1,62 @@
+"""Helpers for the sharding tests: multi-device work runs in child processes with fake CPU devices
+(``--xla_force_host_platform_device_count``), so the main test session keeps its single device."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker_env(num_devices: int, **extra: str) -> dict[str, str]:
+    """Environment for a child JAX process on ``num_devices`` fake CPU devices."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JRL_", "JAX_", "XLA_"))}
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    env.update(extra)
+    return env
+
+
+def parse_json_tail(stdout: str) -> dict:
+    """The JSON object a worker printed on its last line starting with ``{``."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"worker printed no JSON result; stdout tail:\n{stdout[-3000:]}")
+
+
+def run_worker(script: str, *args: str, num_devices: int = 8, timeout: float = 240, **env: str) -> dict:
+    """Run ``workers/<script>`` with ``num_devices`` fake CPU devices; return its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / script), *args],
+        env=worker_env(num_devices, **env), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )
+    if proc.returncode:
+        raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
+    return parse_json_tail(proc.stdout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def helpers():
+    """The helpers above, for test modules (conftest modules are not importable by name)."""
+    import types
+
+    return types.SimpleNamespace(run_worker=run_worker, worker_env=worker_env, parse_json_tail=parse_json_tail,
+                                 free_port=free_port, workers=WORKERS, repo=REPO)

@@ -1,0 +1,145 @@
+"""Worker (8 fake CPU devices): logits, loss and gradients of tiny dense and MoE models on several
+meshes vs. the unsharded single-device result; placements vs. the rules; measured vs. predicted
+per-device memory; optimizer-state shardings. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import common
+from jrl import sharding as S
+
+MESHES = {
+    "single": dict(fsdp=1),
+    "fsdp8": dict(fsdp=8),
+    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+    "expert4_fsdp2": dict(expert=4, fsdp=2),
+}
+CASES = [("dense", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2")] + [
+    ("moe", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2", "expert4_fsdp2")]
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    return dict(S.iter_to_host(tree))
+
+
+def main() -> None:
+    t0 = time.time()
+    assert jax.device_count() == 8, jax.devices()
+    ids_host = common.tokens()
+    out: dict = {"cases": {}, "timing": {}}
+    refs = {}
+    for kind in ("dense", "moe"):
+        model = common.make_model(kind)
+        loss, logits, grads = common.loss_and_grads(model, ids_host)
+        refs[kind] = dict(loss=float(loss), logits=np.asarray(logits), grads=flat(grads),
+                          params=flat(nnx.state(model, nnx.Param)))
+    out["timing"]["reference"] = time.time() - t0
+
+    for kind, mesh_name in CASES:
+        t = time.time()
+        cfg = S.MeshConfig(**MESHES[mesh_name])
+        devices = jax.devices()[:1] if mesh_name == "single" else None
+        mesh = S.make_mesh(cfg, devices)
+        rules = cfg.logical_rules()
+        model = S.init_sharded(lambda: common.make_model(kind, mesh, rules), mesh, rules)
+        params = nnx.state(model, nnx.Param)
+        ref = refs[kind]
+
+        # Placement: every parameter carries the sharding its logical axes + rules give.
+        expected = S.state_specs(params, mesh, rules)
+        placed = {}
+        shard_shapes = {}
+        for path, var in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+            name = S.placement.path_str(path)
+            value = var.get_value()
+            placed[name] = [list(a) if isinstance(a, tuple) else a for a in value.sharding.spec]
+            shard_shapes[name] = sorted({tuple(s.data.shape) for s in value.addressable_shards})
+        spec_mismatch = {
+            n: (placed[n], str(expected[n])) for n in placed
+            if tuple(tuple(a) if isinstance(a, list) else a for a in placed[n]) != tuple(expected[n])
+        }
+        init_diff = max(float(np.max(np.abs(v - ref["params"][n]))) for n, v in flat(params).items())
+
+        ids = S.make_global_batch(ids_host, mesh, rules)
+        loss, logits, grads = common.loss_and_grads(model, ids)
+        g = flat(grads)
+        grad_errs = {n: common.rel_err(g[n], ref["grads"][n]) for n in ref["grads"]}
+
+        # Memory: measured addressable bytes per device vs. the shape-based report.
+        measured = S.device_bytes(params)
+        report = S.memory_report(model, mesh, rules, optimizer="adamw")
+        out["cases"][f"{kind}/{mesh_name}"] = dict(
+            mesh=dict(mesh.shape),
+            loss=float(loss), ref_loss=ref["loss"],
+            loss_rel_err=abs(float(loss) - ref["loss"]) / abs(ref["loss"]),
+            logits_rel_err=common.rel_err(S.gather_to_host(logits), ref["logits"]),
+            logits_sharding=str(logits.sharding.spec),
+            grad_max_rel_err=max(grad_errs.values()),
+            grad_worst=max(grad_errs, key=grad_errs.get),
+            init_max_abs_diff=init_diff,
+            specs=placed, shard_shapes=shard_shapes, spec_mismatch=spec_mismatch,
+            measured_bytes_per_device=sorted(set(measured.values())),
+            measured_devices=len(measured),
+            report_param_bytes=report.param_bytes,
+            report_param_bytes_per_device=report.param_bytes_per_device,
+            report_opt_bytes_per_device=report.opt_state_bytes_per_device,
+            report_replicated_param_bytes=report.replicated_param_bytes,
+            report=str(report),
+        )
+        out["timing"][f"{kind}/{mesh_name}"] = time.time() - t
+
+    # shard_model (device_put of an eagerly built model) == init_sharded; optimizer-state shardings.
+    t = time.time()
+    cfg = S.MeshConfig(data=2, fsdp=2, tensor=2)
+    mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
+    eager = S.shard_model(common.make_model("dense", mesh, rules), mesh, rules)
+    e_params = nnx.state(eager, nnx.Param)
+    expected_specs = S.state_specs(e_params, mesh, rules)
+    same_placement = all(
+        str(v.sharding.spec) == str(expected_specs[S.placement.path_str(p)])
+        for p, v in jax.tree_util.tree_leaves_with_path(e_params)
+    )
+    shard_model_diff = max(float(np.max(np.abs(v - refs["dense"]["params"][n]))) for n, v in flat(e_params).items())
+
+    tx = optax.adamw(1e-3)
+    abstract_opt = jax.eval_shape(tx.init, e_params)
+    opt_shardings = S.opt_state_shardings(abstract_opt, e_params, mesh, rules)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(e_params)
+    mu, nu, count = opt_state[0].mu, opt_state[0].nu, opt_state[0].count
+    p_specs = {S.placement.path_str(p): str(v.sharding.spec) for p, v in jax.tree_util.tree_leaves_with_path(e_params)}
+    mu_specs = {S.placement.path_str(p): str(v.sharding.spec) for p, v in jax.tree_util.tree_leaves_with_path(mu)}
+    nu_specs = {S.placement.path_str(p): str(v.sharding.spec) for p, v in jax.tree_util.tree_leaves_with_path(nu)}
+    # Same, for a plain nested dict of arrays (no Variables, no metadata): path-suffix matching.
+    pure = nnx.to_pure_dict(e_params)
+    pure_opt = jax.eval_shape(tx.init, pure)
+    pure_sh = S.opt_state_shardings(pure_opt, pure, mesh, param_shardings=jax.tree.map(lambda a: a.sharding, pure))
+    pure_mu_specs = {S.placement.path_str(p): str(s.spec) for p, s in jax.tree_util.tree_leaves_with_path(
+        pure_sh[0].mu, is_leaf=lambda s: isinstance(s, jax.sharding.NamedSharding))}
+    # nnx.Optimizer copies the logical axes onto its moments: shard_model places it directly.
+    optimizer = S.shard_model(nnx.Optimizer(eager, tx, wrt=nnx.Param), mesh, rules)
+    o_state = nnx.state(optimizer)
+    nnx_mu_specs = {S.placement.path_str(p): str(v.sharding.spec)
+                    for p, v in jax.tree_util.tree_leaves_with_path(o_state["opt_state"][0]["mu"])}
+    out["extra"] = dict(
+        shard_model_same_placement=same_placement,
+        shard_model_max_abs_diff=shard_model_diff,
+        param_specs=p_specs, mu_specs=mu_specs, nu_specs=nu_specs, pure_mu_specs=pure_mu_specs,
+        nnx_mu_specs=nnx_mu_specs,
+        count_spec=str(count.sharding.spec), count_replicated=bool(count.sharding.is_fully_replicated),
+        unknown_logical_axes=S.unknown_logical_axes(eager),
+    )
+    out["timing"]["extra"] = time.time() - t
+    out["timing"]["total"] = time.time() - t0
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

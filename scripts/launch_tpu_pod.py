@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None,
                    help="also write each worker's output to LOG_DIR/worker-$(hostname).log on that worker")
     p.add_argument("--internal-ip", action="store_true", help="ssh over internal IPs (launching from inside the VPC)")
-    p.add_argument("--ssh-flag", action="append", default=[], help="extra flag passed to gcloud as --ssh-flag (repeatable)")
+    p.add_argument("--ssh-flag", action="append", default=[],
+                   help="extra flag passed to gcloud as --ssh-flag (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the gcloud commands instead of running them")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after '--')")
     return p
@@ -72,7 +73,8 @@ def _env_assignments(specs: Sequence[str], environ: dict[str, str]) -> list[str]
             raise SystemExit(f"--env {spec!r}: {name!r} is not a valid environment variable name")
         if not sep:
             if name not in environ:
-                raise SystemExit(f"--env {name}: not set here, so there is nothing to pass through; use --env {name}=VALUE")
+                raise SystemExit(
+                    f"--env {name}: not set here, so there is nothing to pass through; use --env {name}=VALUE")
             value = environ[name]
         out.append(f"{name}={shlex.quote(value)}")
     return out

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl.losses.advantages import reward_metrics
+from jrl.losses.policy import clip_indicators
 
 __all__ = [
     "completion_metrics",
@@ -144,8 +145,7 @@ def policy_metrics(
         return jnp.sum(w * x) / num_docs
 
     avg = (lambda x: _masked_mean(x, mask)) if level == "token" else doc_mean
-    low = ((ratio < 1.0 - epsilon_low) & (a[:, None] < 0)).astype(mask.dtype)
-    high = ((ratio > 1.0 + epsilon_high) & (a[:, None] > 0)).astype(mask.dtype)
+    low, high = (x.astype(mask.dtype) for x in clip_indicators(ratio, a, epsilon_low, epsilon_high))
     outside = ((ratio < 1.0 - epsilon_low) | (ratio > 1.0 + epsilon_high)).astype(mask.dtype)
     a_tok = jnp.broadcast_to(a[:, None], mask.shape)
     rho_sum, rho_sq_sum, n_tok = jnp.sum(mask * ratio), jnp.sum(mask * ratio**2), jnp.sum(mask)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -45,6 +46,8 @@ TOKENIZER_FILES = (
 )
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_ST_NP = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+          "BF16": np.dtype(jnp.bfloat16)}
 _PROGRESS_MIN_BYTES = 256 * 2**20
 
 
@@ -181,6 +184,9 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
             continue
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints store the (identical) head anyway; transformers ignores it too
+        if st_dtype not in _ST_NP:
+            raise CheckpointError(f"tensor {key!r} has dtype {st_dtype}; only float checkpoints "
+                                  f"({', '.join(_ST_NP)}) are supported")
         matched, inactive = False, None
         for rule, regex in rules:
             m = regex.match(key)
@@ -252,6 +258,36 @@ def _progress(total_bytes: int, n: int, enabled: bool | None, desc: str):
     return tqdm(total=n, desc=desc, unit="tensor")
 
 
+class _ShardReader:
+    """Zero-copy numpy views of the tensors of one safetensors file (read-only mmap).
+
+    The keys, shapes and dtypes were already validated through ``safetensors.safe_open``; reading through
+    views avoids an intermediate host copy per tensor (the only copy is into the placed array).
+    """
+
+    def __init__(self, file: Path):
+        import mmap
+
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            self.header = json.loads(fh.read(n))
+            self.base = 8 + n
+            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def view(self, key: str) -> np.ndarray:
+        info = self.header[key]
+        dtype = _ST_NP[info["dtype"]]
+        begin, end = info["data_offsets"]
+        return np.frombuffer(self.mm, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                             offset=self.base + begin).reshape(info["shape"])
+
+    def close(self):
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still referenced somewhere: the GC unmaps it later
+            pass
+
+
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None,
                     rules: Mapping | None = None, progress: bool | None = None) -> Transformer:
     """Load a Hugging Face checkpoint directory as a :class:`Transformer`.
@@ -261,9 +297,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     device only receives its shard. ``progress``: tqdm bar (``None``: only for checkpoints >= 256 MiB).
     Raises ``FileNotFoundError`` (directory / config.json / weights), ``UnsupportedModelError``
     (model_type), :class:`MissingTensorError`, :class:`UnexpectedTensorError`, :class:`ShapeMismatchError`.
-    """
-    from safetensors import safe_open
 
+    Host memory: tensors are read as views of the memory-mapped shard (one shard mapped at a time); a
+    stacked expert parameter is assembled expert by expert into one preallocated array in the checkpoint
+    dtype, then cast and transposed while it is placed.
+    """
     path = Path(path)
     hf_config = _read_config(path)
     config = ModelConfig.from_hf(hf_config, dtype=jnp.dtype(dtype).name,
@@ -282,34 +320,36 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     by_file: dict[Path, list[_Task]] = defaultdict(list)
     for t in tasks:
         by_file[t.file].append(t)
+
+    def place(value: np.ndarray, var: nnx.Variable):
+        var.set_value(_place(np.asarray(value).astype(target, order="K", copy=False), var, mesh, rules))
+
     with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
         for file, file_tasks in by_file.items():
-            with safe_open(str(file), framework="np") as f:
+            reader = _ShardReader(file)
+            try:
                 for t in file_tasks:
                     e, var = t.entry, params[t.entry.jrl_path]
-                    if e.rule.chunk is None:
-                        raw = f.get_tensor(e.hf_key)
-                    else:
+                    raw = reader.view(e.hf_key)
+                    if e.rule.chunk is not None:
                         axis, i, count = e.rule.chunk
-                        sl = f.get_slice(e.hf_key)
-                        size = sl.get_shape()[axis] // count
-                        index = [slice(None)] * len(sl.get_shape())
-                        index[axis] = slice(i * size, (i + 1) * size)
-                        raw = sl[tuple(index)]
+                        size = raw.shape[axis] // count
+                        raw = raw[(slice(None),) * axis + (slice(i * size, (i + 1) * size),)]
                     if e.expert is None:
-                        host = np.asarray(e.rule.transform.to_jrl(raw, var.shape), dtype=target)
-                        var.set_value(_place(host, var, mesh, rules))
-                    else:
+                        place(e.rule.transform.to_jrl(raw, var.shape), var)
+                    else:  # assemble [E, *hf_shape] in the checkpoint's layout and dtype (plain copies)
                         buf = buffers.get(e.jrl_path)
                         if buf is None:
-                            buf = buffers[e.jrl_path] = np.empty(var.shape, target)
-                        buf[e.expert] = e.rule.transform.to_jrl(raw, var.shape[1:])
+                            buf = buffers[e.jrl_path] = np.empty((var.shape[0],) + raw.shape, raw.dtype)
+                        buf[e.expert] = raw
                         pending[e.jrl_path] -= 1
                         if pending[e.jrl_path] == 0:
-                            var.set_value(_place(buffers.pop(e.jrl_path), var, mesh, rules))
+                            place(e.rule.transform.to_jrl(buffers.pop(e.jrl_path), var.shape), var)
                     del raw
                     if bar is not None:
                         bar.update(1)
+            finally:
+                reader.close()
     return model
 
 
@@ -325,6 +365,15 @@ def parse_size(size: int | str) -> int:
         if s.endswith(unit):
             return int(float(s[: -len(unit)]) * mult)
     return int(s)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_layout_fn(transform, stacked: bool, dtype: str):
+    """Jitted jrl -> HF layout + cast, run where the parameter lives (transposes are fast on device)."""
+    fn = transform.to_hf
+    if stacked:
+        fn = jax.vmap(fn)
+    return jax.jit(lambda x: fn(x).astype(dtype))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -409,21 +458,22 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
     if writer:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-    cache: dict[str, np.ndarray] = {}
+    cache: dict[tuple, np.ndarray] = {}
 
-    def host_value(path: str) -> np.ndarray:
-        if path not in cache:
+    def host_value(e: _Entry) -> np.ndarray:
+        """The parameter of ``e`` in HF layout and the save dtype, on the host (one parameter cached)."""
+        key = (e.jrl_path, e.rule)
+        if key not in cache:
             cache.clear()  # entries are grouped by parameter: keep one gathered parameter at a time
-            cache[path] = _to_host(params[path].get_value())
-        return cache[path]
+            fn = _hf_layout_fn(e.rule.transform, e.expert is not None, save_dtype)
+            cache[key] = _to_host(fn(params[e.jrl_path].get_value()))
+        return cache[key]
 
     def arrays(idx: list[int], bar) -> Iterator[np.ndarray]:
         for i in idx:
             e = entries[i]
-            value = host_value(e.jrl_path)
-            if e.expert is not None:
-                value = value[e.expert]
-            yield np.ascontiguousarray(e.rule.transform.to_hf(value).astype(target, copy=False))
+            value = host_value(e)
+            yield value if e.expert is None else value[e.expert]
             if bar is not None:
                 bar.update(1)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 # --------------------------------------------------------------------------- transforms
 class Transform:
-    """HF tensor <-> jrl tensor (numpy), plus the HF shape implied by a jrl shape."""
+    """HF tensor <-> jrl tensor (numpy views where possible), plus the HF shape implied by a jrl shape."""
 
     def hf_shape(self, jrl_shape: Sequence[int]) -> tuple[int, ...]:
         raise NotImplementedError
@@ -61,7 +61,8 @@ class Linear(Transform):
     """torch Linear weight ``[out, in]`` <-> jrl kernel ``in_dims + out_dims`` (transpose, split heads).
 
     ``in_ndim`` is how many leading jrl dims are inputs: 1 for ``[H, N, D]`` q/k/v and ``[H, I]`` MLP
-    kernels, 2 for the ``[N, D, H]`` output projection.
+    kernels, 2 for the ``[N, D, H]`` output projection. ``to_jrl`` returns a view (no copy) and also works
+    on a stack of experts ``[E, out, in]`` given the stacked jrl shape.
     """
 
     in_ndim: int = 1
@@ -70,7 +71,7 @@ class Linear(Transform):
         return (math.prod(jrl_shape[self.in_ndim:]), math.prod(jrl_shape[:self.in_ndim]))
 
     def to_jrl(self, a, jrl_shape):
-        return a.T.reshape(jrl_shape)
+        return np.swapaxes(a, -1, -2).reshape(jrl_shape)
 
     def to_hf(self, a):
         n_in = math.prod(a.shape[:self.in_ndim])

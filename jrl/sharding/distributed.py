@@ -157,8 +157,13 @@ def process_shard(num_items: int, process_index: int | None = None, process_coun
     return slice(process_index * per, (process_index + 1) * per)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: Mapping[str, MeshAxes] | None = None,
-                   logical_axes: Sequence[str | None] | None = None, shape: Sequence[int] | None = None) -> NamedSharding:
+def batch_sharding(
+    mesh: Mesh,
+    ndim: int,
+    rules: Mapping[str, MeshAxes] | None = None,
+    logical_axes: Sequence[str | None] | None = None,
+    shape: Sequence[int] | None = None,
+) -> NamedSharding:
     """Sharding of a batch array: dimension 0 is ``batch`` (by default), the rest replicated."""
     axes = tuple(logical_axes) if logical_axes is not None else ("batch",) + (None,) * (ndim - 1)
     return NamedSharding(mesh, logical_to_spec(axes, mesh, DEFAULT_RULES if rules is None else rules, shape))
@@ -176,7 +181,7 @@ def process_batch_slice(global_batch: int, mesh: Mesh, rules: Mapping[str, MeshA
         starts.append(0 if s.start is None else s.start)
         stops.append(global_batch if s.stop is None else s.stop)
     lo, hi = min(starts), max(stops)
-    if sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops)}) != hi - lo:
+    if sum(b - a for a, b in set(zip(starts, stops, strict=True))) != hi - lo:
         raise ValueError("process_batch_slice: this process's batch rows are not contiguous on this mesh")
     return slice(lo, hi)
 

@@ -54,9 +54,11 @@ class MemoryReport:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         rows = [
             f"mesh ({mesh}), {self.num_devices} devices",
-            f"  parameters   {self.param_count:>14,d}  total {_fmt(self.param_bytes):>11}  per device {_fmt(self.param_bytes_per_device):>11}",
+            f"  parameters   {self.param_count:>14,d}  total {_fmt(self.param_bytes):>11}"
+            f"  per device {_fmt(self.param_bytes_per_device):>11}",
             f"  gradients    {self.trainable_count:>14,d}  {'':>17}  per device {_fmt(self.grad_bytes_per_device):>11}",
-            f"  optimizer    {'':>14}  total {_fmt(self.opt_state_bytes):>11}  per device {_fmt(self.opt_state_bytes_per_device):>11}",
+            f"  optimizer    {'':>14}  total {_fmt(self.opt_state_bytes):>11}"
+            f"  per device {_fmt(self.opt_state_bytes_per_device):>11}",
             f"  sum per device (no activations): {_fmt(self.total_bytes_per_device)}",
         ]
         if self.replicated_param_bytes:
@@ -83,7 +85,7 @@ def _pairs(tree: Any, shardings: Any) -> list[tuple[Any, NamedSharding]]:
     leaves = jax.tree_util.tree_leaves(tree)
     shs = jax.tree_util.tree_leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
     assert len(leaves) == len(shs), (len(leaves), len(shs))
-    return list(zip(leaves, shs))
+    return list(zip(leaves, shs, strict=True))
 
 
 def _make_tx(optimizer: Any):

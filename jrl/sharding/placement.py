@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -111,8 +112,17 @@ def shard_model(model: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
 def init_sharded(factory: Callable[[], Any], mesh: Mesh, rules: Rules | None = None) -> Any:
     """Build ``factory()`` (e.g. ``lambda: Transformer(cfg, rngs=nnx.Rngs(0))``) directly sharded: the
     initialisers run under ``jit`` with the rule shardings as outputs, so each device only ever holds
-    its own shards. Gives the same values as ``shard_model(factory(), mesh)``. Works multi-host."""
-    abstract = nnx.eval_shape(factory)
+    its own shards. Gives the same values as ``shard_model(factory(), mesh)``. Works multi-host.
+
+    ``factory`` is traced twice (shapes, then values), so it must create its own ``nnx.Rngs``
+    rather than capture one built outside."""
+    try:
+        abstract = nnx.eval_shape(factory)
+    except flax_errors.TraceContextError as e:
+        raise ValueError(
+            "init_sharded: the factory mutates state created outside it (usually an nnx.Rngs passed in); "
+            "create the Rngs inside the factory, e.g. lambda: Model(cfg, rngs=nnx.Rngs(0))"
+        ) from e
     graphdef, abstract_state = nnx.split(abstract)
     shardings = state_shardings(abstract_state, mesh, rules)
 
@@ -148,7 +158,7 @@ def opt_state_shardings(
             f"opt_state_shardings: params has {len(p_leaves)} arrays but param_shardings has "
             f"{len(s_leaves)}; pass the shardings of the same params tree"
         )
-    for (p, x), s in zip(p_leaves, s_leaves):
+    for (p, x), s in zip(p_leaves, s_leaves, strict=True):
         by_path[_norm_path(p)] = (tuple(np.shape(x)), s)
     longest = max((len(k) for k in by_path), default=0)
     replicated = NamedSharding(mesh, PartitionSpec())

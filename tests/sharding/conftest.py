@@ -20,7 +20,9 @@ def worker_env(num_devices: int, **extra: str) -> dict[str, str]:
     """Environment for a child JAX process on ``num_devices`` fake CPU devices."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JRL_", "JAX_", "XLA_"))}
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        # Fake devices; skip LLVM's optimisation passes: compiles are ~3x faster, and the SPMD
+        # partitioning under test and the float32 semantics are unchanged.
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
@@ -43,7 +45,8 @@ def run_worker(script: str, *args: str, num_devices: int = 8, timeout: float = 2
         env=worker_env(num_devices, **env), capture_output=True, text=True, timeout=timeout, cwd=REPO,
     )
     if proc.returncode:
-        raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return parse_json_tail(proc.stdout)
 
 

@@ -28,7 +28,8 @@ def test_initialize_is_a_noop_for_one_process(clean_env):
 
 def test_initialize_names_what_is_missing(clean_env):
     clean_env.setenv(distributed.ENV_NUM_PROCESSES, "4")
-    with pytest.raises(ValueError, match=r"missing: coordinator_address / JRL_COORDINATOR_ADDRESS, process_id / JRL_PROCESS_ID"):
+    missing = r"missing: coordinator_address / JRL_COORDINATOR_ADDRESS, process_id / JRL_PROCESS_ID"
+    with pytest.raises(ValueError, match=missing):
         S.initialize()
     with pytest.raises(ValueError, match=r"process_id=4 must be in \[0, num_processes=4\)"):
         S.initialize("127.0.0.1:1234", process_id=4)

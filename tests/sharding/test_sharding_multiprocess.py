@@ -36,7 +36,8 @@ def runs(helpers):
         for p in procs:
             stdout, stderr = p.communicate(timeout=TIMEOUT)
             if p.returncode:
-                raise AssertionError(f"worker exited {p.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-6000:]}")
+                raise AssertionError(
+                    f"worker exited {p.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-6000:]}")
             outs.append(helpers.parse_json_tail(stdout))
     finally:
         for p in procs:

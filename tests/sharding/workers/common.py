@@ -7,11 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-try:
-    from jrl.models import ModelConfig, Transformer
-except ImportError:  # TEMP until jrl.models exports them
-    from jrl.models.config import ModelConfig
-    from jrl.models.transformer import Transformer
+from jrl.models import ModelConfig, Transformer
 
 BATCH, SEQ = 8, 16
 

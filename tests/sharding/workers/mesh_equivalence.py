@@ -4,6 +4,7 @@ per-device memory; optimizer-state shardings. Prints one JSON line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -49,7 +50,8 @@ def main() -> None:
         devices = jax.devices()[:1] if mesh_name == "single" else None
         mesh = S.make_mesh(cfg, devices)
         rules = cfg.logical_rules()
-        model = S.init_sharded(lambda: common.make_model(kind, mesh, rules), mesh, rules)
+        factory = functools.partial(common.make_model, kind, mesh, rules)
+        model = S.init_sharded(factory, mesh, rules)
         params = nnx.state(model, nnx.Param)
         ref = refs[kind]
 
@@ -76,6 +78,8 @@ def main() -> None:
         # Memory: measured addressable bytes per device vs. the shape-based report.
         measured = S.device_bytes(params)
         report = S.memory_report(model, mesh, rules, optimizer="adamw")
+        abstract = nnx.eval_shape(factory)
+        abstract_report_equal = S.memory_report(abstract, mesh, rules, optimizer="adamw") == report
         out["cases"][f"{kind}/{mesh_name}"] = dict(
             mesh=dict(mesh.shape),
             loss=float(loss), ref_loss=ref["loss"],
@@ -92,7 +96,7 @@ def main() -> None:
             report_param_bytes_per_device=report.param_bytes_per_device,
             report_opt_bytes_per_device=report.opt_state_bytes_per_device,
             report_replicated_param_bytes=report.replicated_param_bytes,
-            report=str(report),
+            report=str(report), abstract_report_equal=abstract_report_equal,
         )
         out["timing"][f"{kind}/{mesh_name}"] = time.time() - t
 
@@ -137,6 +141,30 @@ def main() -> None:
         unknown_logical_axes=S.unknown_logical_axes(eager),
     )
     out["timing"]["extra"] = time.time() - t
+
+    # Memory of a larger (~4.1M parameter) model: measured per-device bytes vs. total / shards.
+    t = time.time()
+    big = common.CONFIGS["dense"].replace(vocab_size=4096, hidden_size=256, intermediate_size=1024,
+                                          num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                          num_hidden_layers=2)
+    out["memory"] = {}
+    for mesh_name in ("fsdp8", "data2_fsdp2_tensor2"):
+        cfg = S.MeshConfig(**MESHES[mesh_name])
+        mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
+        def factory(mesh=mesh, rules=rules):  # creates its own Rngs: init_sharded traces it twice
+            return common.Transformer(big, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
+
+        params = nnx.state(S.init_sharded(factory, mesh, rules), nnx.Param)
+        measured = S.device_bytes(params)
+        report = S.memory_report(nnx.eval_shape(factory), mesh, rules)
+        out["memory"][mesh_name] = {
+            "total_bytes": report.param_bytes, "param_count": report.param_count,
+            "measured_bytes_per_device": sorted(set(measured.values())),
+            "report_param_bytes_per_device": report.param_bytes_per_device,
+            "report_opt_bytes_per_device": report.opt_state_bytes_per_device,
+            "replicated_param_bytes": report.replicated_param_bytes,
+        }
+    out["timing"]["memory"] = time.time() - t
     out["timing"]["total"] = time.time() - t0
     print(json.dumps(out))
 

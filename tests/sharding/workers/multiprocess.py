@@ -6,6 +6,7 @@ reference. Prints one JSON line (every process prints its own)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -35,7 +36,7 @@ def main() -> None:
     for name, sizes in meshes.items():
         cfg = S.MeshConfig(**sizes)
         mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
-        model = S.init_sharded(lambda: common.make_model("dense", mesh, rules), mesh, rules)
+        model = S.init_sharded(functools.partial(common.make_model, "dense", mesh, rules), mesh, rules)
         share = S.process_shard(common.BATCH)
         rows = S.process_batch_slice(common.BATCH, mesh, rules)
         ids = S.make_global_batch(ids_global[rows], mesh, rules)
@@ -47,11 +48,13 @@ def main() -> None:
         local_param_bytes = S.device_bytes(params)
         # shard_model: device_put of an eagerly built (host-local, identical on every process) model.
         eager = S.shard_model(common.make_model("dense", mesh, rules), mesh, rules)
-        diffs = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(S.gather_to_host(nnx.state(eager, nnx.Param))),
-                                                              jax.tree.leaves(S.gather_to_host(params)))]
+        eager_host = jax.tree.leaves(S.gather_to_host(nnx.state(eager, nnx.Param)))
+        diffs = [float(np.max(np.abs(a - b))) for a, b in zip(eager_host, jax.tree.leaves(S.gather_to_host(params)),
+                                                              strict=True)]
         out["results"][name] = dict(
             mesh=dict(mesh.shape),
-            loss=float(S.gather_to_host(loss)), grad_norm=float(S.gather_to_host(grad_norm)), host_grad_norm=host_norm,
+            loss=float(S.gather_to_host(loss)), grad_norm=float(S.gather_to_host(grad_norm)),
+            host_grad_norm=host_norm,
             process_shard=[share.start, share.stop], process_batch_slice=[rows.start, rows.stop],
             ids_fully_addressable=bool(ids.is_fully_addressable),
             local_param_bytes_per_device=sorted(set(local_param_bytes.values())),

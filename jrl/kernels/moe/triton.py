@@ -1,0 +1,168 @@
+"""GPU grouped matmul: Triton kernels (``triton_kernels.py``) called from JAX through jax-triton.
+
+Three passes, each with its own tile sizes (:data:`DEFAULT_CONFIGS`):
+
+* ``fwd``   ``out = gmm(lhs, rhs)``                          (gmm_kernel)
+* ``dlhs``  ``dlhs = gmm(dout, rhs^T)``, rhs read transposed (gmm_kernel, swapped strides, no copy)
+* ``tgmm``  ``drhs[g] = lhs_g^T @ dout_g``                    (tgmm_kernel)
+
+float32 accumulation; bf16/f16 inputs use the tensor cores, float32 inputs use exact ("ieee") fp32
+dots. Needs an NVIDIA GPU, Triton and jax_triton (0.3.1 with Triton 3.6 on JAX 0.11; see
+``reference/environment.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+
+from jrl.kernels.moe import triton_kernels as K
+from jrl.kernels.moe.schedule import group_bounds, tile_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TgmmConfig:
+    block_k: int = 128
+    block_n: int = 128
+    block_t: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Configs:
+    """Tile sizes per pass."""
+
+    fwd: GmmConfig = GmmConfig()
+    dlhs: GmmConfig = GmmConfig()
+    tgmm: TgmmConfig = TgmmConfig()
+
+
+# Chosen on an H100 (benchmarks/kernels_gmm.py --sweep); see benchmarks/RESULTS.md.
+DEFAULT_CONFIGS = Configs()
+
+
+def unavailable_reason() -> str | None:
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return "needs a GPU"
+    return None
+
+
+def _pow2_at_least(x: int, lo: int = 16) -> int:
+    p = lo
+    while p < x:
+        p *= 2
+    return p
+
+
+def _fit(block: int, dim: int) -> int:
+    """Shrink a block size to the problem (never below 16, the smallest tl.dot tile)."""
+    return min(block, _pow2_at_least(dim))
+
+
+def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmConfig):
+    """One launch of gmm_kernel: ``lhs [T, Kin] x rhs -> [T, Nout]`` (rhs [E, Kin, Nout], or [E, Nout, Kin]
+    read transposed)."""
+    t, kin = lhs.shape
+    e = rhs.shape[0]
+    if transpose_rhs:
+        nout = rhs.shape[1]
+        stride_rk, stride_rn = 1, kin
+    else:
+        nout = rhs.shape[2]
+        stride_rk, stride_rn = nout, 1
+    if t == 0 or nout == 0:
+        return jnp.zeros((t, nout), out_dtype)
+    if kin == 0:
+        return jnp.zeros((t, nout), out_dtype)
+    bm = cfg.block_m
+    bn = _fit(cfg.block_n, nout)
+    bk = _fit(cfg.block_k, kin)
+    tile_group, row_start, row_end = tile_schedule(group_sizes, t, bm)
+    num_tiles = tile_group.shape[0]
+    grid = (num_tiles * (-(-nout // bn)),)
+    return jt.triton_call(
+        lhs, rhs, tile_group, row_start, row_end,
+        t, kin, nout, e, rhs.shape[1] * rhs.shape[2], stride_rk, stride_rn,
+        kernel=K.gmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((t, nout), out_dtype),
+        grid=grid,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=(kin % bk == 0),
+        IEEE=(lhs.dtype == jnp.float32),
+    )
+
+
+def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
+    """One launch of tgmm_kernel: ``out[g] = lhs_g^T @ dout_g``, [E, K, N]."""
+    t, kdim = lhs.shape
+    ndim = dout.shape[1]
+    e = group_sizes.shape[0]
+    if t == 0 or kdim == 0 or ndim == 0:
+        return jnp.zeros((e, kdim, ndim), out_dtype)
+    bk = _fit(cfg.block_k, kdim)
+    bn = _fit(cfg.block_n, ndim)
+    starts, ends = group_bounds(group_sizes, t)
+    grid = (e * (-(-kdim // bk)) * (-(-ndim // bn)),)
+    return jt.triton_call(
+        lhs, dout, starts, ends,
+        kdim, ndim,
+        kernel=K.tgmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((e, kdim, ndim), out_dtype),
+        grid=grid,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=cfg.block_t,
+        IEEE=(lhs.dtype == jnp.float32),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(lhs, rhs, group_sizes, out_dtype, cfgs: Configs):
+    return gmm_call(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=out_dtype, cfg=cfgs.fwd)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, out_dtype, cfgs):
+    return _gmm(lhs, rhs, group_sizes, out_dtype, cfgs), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(out_dtype, cfgs, res, g):
+    lhs, rhs, group_sizes = res
+    g = g.astype(lhs.dtype)
+    dlhs = gmm_call(g, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, cfg=cfgs.dlhs)
+    drhs = tgmm_call(lhs, g, group_sizes, out_dtype=rhs.dtype, cfg=cfgs.tgmm)
+    return dlhs, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):
+    """Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``."""
+    cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype,
+                configs or DEFAULT_CONFIGS)
+
+
+def tgmm(lhs, dout, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):
+    """``out[g] = lhs_g^T @ dout_g`` ([E, K, N]); not differentiable (it is itself a gradient)."""
+    cdt = jnp.promote_types(lhs.dtype, dout.dtype)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    return tgmm_call(lhs.astype(cdt), dout.astype(cdt), group_sizes.astype(jnp.int32), out_dtype=out_dtype,
+                     cfg=(configs or DEFAULT_CONFIGS).tgmm)

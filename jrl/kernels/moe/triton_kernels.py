@@ -1,0 +1,103 @@
+"""Triton kernels for the grouped matmul (no JAX here: ``triton.py`` calls them through jax-triton, and
+the CPU tests run them under Triton's interpreter with torch tensors).
+
+Conventions: every array is row-major and contiguous; ``lhs`` rows are sorted by group.
+
+* :func:`gmm_kernel` -- ``out[rows of tile] = lhs[rows] @ B_g`` where ``B_g[k, n] = rhs[g*stride_re +
+  k*stride_rk + n*stride_rn]``. With ``stride_rk = N, stride_rn = 1`` this is ``rhs[g]`` ([E, K, N]);
+  with ``stride_rk = 1, stride_rn = K`` it is ``rhs[g].T`` (the input-gradient pass reads ``rhs``
+  transposed in place). The launch is 1-D over (m-tile, n-tile) pairs, n fastest, so the
+  ``BLOCK_M x K`` slab of ``lhs`` and group g's matrix are shared through L2 by neighbouring programs.
+  The m-tiles come from a schedule (see ``triton.tile_schedule``): tile i covers rows
+  ``[row_start[i], min(row_start[i] + BLOCK_M, row_end[i]))`` of group ``tile_group[i]``; group
+  ``num_groups`` is the sentinel for rows past ``sum(group_sizes)`` (written as zeros) and -1 marks an
+  unused slot of the (statically sized) schedule.
+* :func:`tgmm_kernel` -- ``out[g] = lhs[rows of g].T @ dout[rows of g]`` ([E, K, N]), one program per
+  (group, k-tile, n-tile), looping over the group's rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gmm_kernel(
+    lhs_ptr, rhs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, out_ptr,
+    T, KDIM, NDIM, num_groups, stride_re, stride_rk, stride_rn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(NDIM, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    g = tl.load(tile_group_ptr + pid_m)
+    if g >= 0:
+        row_start = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if g < num_groups:
+            ks = tl.arange(0, BLOCK_K)
+            # Clamp instead of masking: every load is in bounds; rows of a neighbouring group and
+            # clamped duplicate columns are computed but never stored.
+            rows_ld = tl.minimum(rows, T - 1).to(tl.int64)
+            cols_ld = tl.minimum(cols, NDIM - 1).to(tl.int64)
+            a_ptrs = lhs_ptr + rows_ld[:, None] * KDIM + ks[None, :]
+            b_ptrs = rhs_ptr + g.to(tl.int64) * stride_re + ks[:, None] * stride_rk + cols_ld[None, :] * stride_rn
+            for k0 in range(0, KDIM, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    kmask = (k0 + ks) < KDIM
+                    a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K * stride_rk
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * NDIM + cols[None, :]
+        mask = (rows < row_end)[:, None] & (cols < NDIM)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tgmm_kernel(
+    lhs_ptr, dout_ptr, group_start_ptr, group_end_ptr, out_ptr,
+    KDIM, NDIM,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(KDIM, BLOCK_K)
+    num_n = tl.cdiv(NDIM, BLOCK_N)
+    g = pid // (num_k * num_n)
+    r = pid % (num_k * num_n)
+    pid_k = r // num_n
+    pid_n = r % num_n
+    start = tl.load(group_start_ptr + g)
+    end = tl.load(group_end_ptr + g)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks_ld = tl.minimum(ks, KDIM - 1)
+    ns_ld = tl.minimum(ns, NDIM - 1)
+    ts = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + ts
+        tmask = t < end
+        t64 = t.to(tl.int64)
+        a = tl.load(lhs_ptr + t64[:, None] * KDIM + ks_ld[None, :], mask=tmask[:, None], other=0.0)
+        b = tl.load(dout_ptr + t64[:, None] * NDIM + ns_ld[None, :], mask=tmask[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    out_ptrs = out_ptr + g.to(tl.int64) * KDIM * NDIM + ks[:, None] * NDIM + ns[None, :]
+    mask = (ks < KDIM)[:, None] & (ns < NDIM)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

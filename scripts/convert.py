@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jrl.models import ModelConfig, RopeScaling, create_model, from_pretrained, named_params, save_pretrained
 
@@ -96,7 +97,8 @@ def demo() -> float:
         again = from_pretrained(out, dtype=jnp.float32)
         t2 = time.perf_counter()
         files = sorted(p.name for p in out.iterdir())
-    diff = float(jnp.abs(model(ids) - again(ids)).max())
+    forward = nnx.jit(lambda m, x: m(x))
+    diff = float(jnp.abs(forward(model, ids) - forward(again, ids)).max())
     print(f"jrl demo: random Llama ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"vocab {config.vocab_size}, llama3 rope) on {jax.default_backend()}")
     print(f"parameters       {config.num_params():,} ({_nbytes(model) / 1e6:.2f} MB float32)")

@@ -48,7 +48,8 @@ class LossInputs(NamedTuple):
     lm_head: jax.Array | None = None
     """[H, V] output projection for the hidden-state path."""
     completion_ids: jax.Array | None = None
-    """[B, T] int sampled token ids (targets of the hidden-state path)."""
+    """[B, T] int sampled token ids (targets of the hidden-state path). Padding must hold valid ids
+    in [0, V) (e.g. the pad id); their log-probs are masked out."""
     old_logprobs: jax.Array | None = None
     """logπold [B, T] from deferred scoring (§2.4); None means on-policy, old = sg(logπθ)."""
     ref_logprobs: jax.Array | None = None

@@ -6,12 +6,11 @@ from jrl.models.checkpoint import (
     ShapeMismatchError,
     UnexpectedTensorError,
     from_pretrained,
-    named_params,
     save_pretrained,
 )
 from jrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from jrl.models.layers import attend, make_attention_mask, positions_from_mask, positions_from_segments
-from jrl.models.transformer import Transformer, create_model, param_shardings
+from jrl.models.transformer import Transformer, create_model, named_params, param_shardings
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

@@ -34,8 +34,7 @@ from flax import nnx
 from jrl.models import hf_mapping
 from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
-from jrl.models.transformer import Transformer
-from jrl.sharding.rules import logical_sharding
+from jrl.models.transformer import Transformer, named_params, place
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -68,15 +67,6 @@ class ShapeMismatchError(CheckpointError):
 
 
 # --------------------------------------------------------------------------- helpers
-def named_params(model: nnx.Module) -> dict[str, nnx.Variable]:
-    """``{"layers.0.attn.q_proj.kernel": Param, ...}`` for every ``nnx.Param`` of ``model``."""
-    out = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param):
-            out[".".join(str(p) for p in path)] = node
-    return out
-
-
 def _np_dtype(name: str) -> np.dtype:
     return np.dtype(jnp.dtype(name))
 
@@ -241,13 +231,6 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
     return tasks
 
 
-def _place(host: np.ndarray, var: nnx.Variable, mesh, rules) -> jax.Array:
-    if mesh is None:
-        return jax.device_put(host)
-    sharding = logical_sharding(var.logical_axes, mesh, rules, host.shape)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
 def _progress(total_bytes: int, n: int, enabled: bool | None, desc: str):
     if enabled is None:
         enabled = total_bytes >= _PROGRESS_MIN_BYTES
@@ -321,8 +304,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     for t in tasks:
         by_file[t.file].append(t)
 
-    def place(value: np.ndarray, var: nnx.Variable):
-        var.set_value(_place(np.asarray(value).astype(target, order="K", copy=False), var, mesh, rules))
+    def put(value: np.ndarray, var: nnx.Variable):
+        var.set_value(place(np.asarray(value).astype(target, order="K", copy=False), var.logical_axes, mesh, rules))
 
     with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
         for file, file_tasks in by_file.items():
@@ -336,7 +319,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
                         size = raw.shape[axis] // count
                         raw = raw[(slice(None),) * axis + (slice(i * size, (i + 1) * size),)]
                     if e.expert is None:
-                        place(e.rule.transform.to_jrl(raw, var.shape), var)
+                        put(e.rule.transform.to_jrl(raw, var.shape), var)
                     else:  # assemble [E, *hf_shape] in the checkpoint's layout and dtype (plain copies)
                         buf = buffers.get(e.jrl_path)
                         if buf is None:
@@ -344,7 +327,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
                         buf[e.expert] = raw
                         pending[e.jrl_path] -= 1
                         if pending[e.jrl_path] == 0:
-                            place(e.rule.transform.to_jrl(buffers.pop(e.jrl_path), var.shape), var)
+                            put(e.rule.transform.to_jrl(buffers.pop(e.jrl_path), var.shape), var)
                     del raw
                     if bar is not None:
                         bar.update(1)

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jrl.models.config import ModelConfig
@@ -145,28 +146,42 @@ class Transformer(nnx.Module):
                                               segment_ids=segment_ids))
 
 
-def param_shardings(model: nnx.Module, mesh, rules: Mapping | None = None) -> nnx.State:
-    """``nnx.State`` of NamedShardings for every ``nnx.Param`` of ``model`` from its ``logical_axes``."""
-    state = nnx.state(model, nnx.Param)
-    return jax.tree.map(
-        lambda v: logical_sharding(v.logical_axes, mesh, rules, v.shape),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def named_params(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """``{"layers.0.attn.q_proj.kernel": Param, ...}`` for every ``nnx.Param`` of ``model``."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            out[".".join(str(p) for p in path)] = node
+    return out
+
+
+def param_shardings(model: nnx.Module, mesh, rules: Mapping | None = None) -> dict[str, jax.sharding.NamedSharding]:
+    """``{param path: NamedSharding}`` for every ``nnx.Param`` of ``model`` from its ``logical_axes``."""
+    return {k: logical_sharding(v.logical_axes, mesh, rules, v.shape) for k, v in named_params(model).items()}
+
+
+def place(host: np.ndarray, logical_axes, mesh=None, rules: Mapping | None = None) -> jax.Array:
+    """Put a host array on the default device, or with a mesh sharded by ``logical_axes`` so that each
+    device only receives its own shard (``jax.make_array_from_callback``)."""
+    if mesh is None:
+        return jax.device_put(host)
+    sharding = logical_sharding(logical_axes, mesh, rules, host.shape)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mapping | None = None) -> Transformer:
-    """A randomly initialised :class:`Transformer`; with ``mesh`` every parameter is created already sharded
-    (initialised under ``jit`` with output shardings from its logical axes, never whole on one device)."""
-    if mesh is None:
-        return Transformer(config, rngs=nnx.Rngs(seed))
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = jax.tree.map(
-        lambda v: logical_sharding(v.logical_axes, mesh, rules, v.shape) if isinstance(v, nnx.Variable) else None,
-        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    @jax.jit
-    def init():
-        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
-
-    state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    """A randomly initialised :class:`Transformer`: normal(0, ``initializer_range``) weights, unit norm
+    scales, zero biases. Parameters are drawn one at a time on the host (numpy, seeded by ``(seed, index)``,
+    so the values do not depend on the mesh) and placed sharded by their logical axes when ``mesh`` is given."""
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
+    for i, (path, var) in enumerate(sorted(named_params(model).items())):
+        dtype = np.dtype(jnp.dtype(var.dtype))
+        if path.endswith(".scale"):
+            host = np.ones(var.shape, dtype)
+        elif path.endswith(".bias"):
+            host = np.zeros(var.shape, dtype)
+        else:
+            rng = np.random.default_rng([seed, i])
+            host = (rng.standard_normal(var.shape, dtype=np.float32) * config.initializer_range).astype(dtype)
+        var.set_value(place(host, var.logical_axes, mesh, rules))
+    return model

@@ -4,10 +4,13 @@ One :class:`MeshConfig` describes the device layout from 1 CPU device to a TPU p
 logical axis names (``logical_axes`` metadata) that the rules map to mesh axes. Typical use::
 
     from jrl import sharding
-    sharding.initialize()                                   # no-op for one process
-    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=-1, tensor=2))
-    rules = mesh_cfg.logical_rules()
-    model = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+    sharding.initialize()                                   # first thing; no-op for one process
+    mesh_cfg = sharding.MeshConfig(fsdp=-1, tensor=2)
+    mesh, rules = sharding.make_mesh(mesh_cfg), mesh_cfg.logical_rules()
+    model = sharding.init_sharded(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
+    batch = sharding.make_global_batch(local_rows, mesh, rules)  # rows: process_shard(global_batch)
+    print(sharding.memory_report(model, mesh, rules))
 """
 
 from jrl.sharding.distributed import (

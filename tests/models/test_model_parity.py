@@ -82,10 +82,22 @@ def test_hidden_states_follow_transformers(family, ids, hf_checkpoints, jrl_mode
     for i, (a, b) in enumerate(zip(layers, ref, strict=True)):
         np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=1e-4, rtol=1e-5, err_msg=f"hidden state {i}")
     np.testing.assert_array_equal(np.asarray(final), np.asarray(layers[-1]))
-    # Selected depths only: the deepest layer asked for bounds the work.
-    _, some = model.hidden_states(jnp.asarray(ids), return_layers=[1, 0])
+
+
+def test_selected_hidden_states(hf_checkpoints, jrl_models, ids):
+    """A list of indices returns those entries (negative ones count from the end); only the layers up to the
+    deepest one asked for run."""
+    _, path = hf_checkpoints("llama_tied")
+    model = jrl_models("llama_tied", path)
+    _, layers = jrl_hidden(model, ids)
+    final, some = model.hidden_states(jnp.asarray(ids), return_layers=[1, 0])
     np.testing.assert_allclose(np.asarray(some[0]), np.asarray(layers[1]), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(some[1]), np.asarray(layers[0]))
+    np.testing.assert_allclose(np.asarray(final), np.asarray(layers[1]), atol=1e-5)  # stopped after layer 0
+    _, last = model.hidden_states(jnp.asarray(ids), return_layers=[-1])
+    np.testing.assert_allclose(np.asarray(last[0]), np.asarray(layers[-1]), atol=1e-5)
+    with pytest.raises(ValueError, match="outside"):
+        model.hidden_states(jnp.asarray(ids), return_layers=[3])
 
 
 @pytest.mark.parametrize("fam", ["llama_rope3", "qwen3_moe"])

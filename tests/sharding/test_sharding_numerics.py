@@ -91,7 +91,7 @@ def test_measured_memory_of_a_larger_model(result, mesh_name, shards):
     assert r["measured_bytes_per_device"] == [r["report_param_bytes_per_device"]]
     per_device, ideal = r["measured_bytes_per_device"][0], r["total_bytes"] / shards
     assert ideal <= per_device <= ideal + r["replicated_param_bytes"]
-    assert per_device / ideal < 1.002
+    assert per_device / ideal < 1.005
 
 
 def test_shard_model_equals_init_sharded(result):

@@ -1,5 +1,5 @@
 """Per-token logprobs and entropy from hidden states without materializing [N, V] logits."""
 
-from jrl.kernels.logprobs.api import token_logprobs
+from jrl.kernels.logprobs.api import available_impls, token_logprobs
 
-__all__ = ["token_logprobs"]
+__all__ = ["available_impls", "token_logprobs"]

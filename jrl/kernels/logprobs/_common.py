@@ -1,0 +1,111 @@
+"""Shared math for the fused logprob kernels: the per-tile online-logsumexp update, the gradient of a
+logits tile, and the vocab-chunked backward pass used by the XLA and GPU implementations.
+
+Notation, per row n (token) and vocab column v: ``l = (h @ W) * inv_temp`` (float32),
+``lse = logsumexp_v l``, ``p = exp(l - lse)``, ``logp = l[target] - lse`` and
+``ent = lse - sum_v p l``. With cotangents ``g_lp`` and ``g_ent`` [N]:
+
+    dL/dl_v = g_lp * (1[v == target] - p_v) - g_ent * p_v * (l_v - lse + ent)
+
+and ``dz = dL/dl * inv_temp`` is the gradient of the raw product ``h @ W``, so
+``dh = dz @ W^T`` and ``dW = h^T @ dz``. Temperature is treated as a constant (no gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """Static switches shared by all implementations."""
+
+    with_entropy: bool = False
+    lm_head_f32: bool = False
+
+
+def compute_dtype(hidden_dtype, lm_head_dtype, lm_head_f32: bool):
+    """Dtype the logits matmul runs in: float32 with ``lm_head_f32``, else the promoted input dtype."""
+    if lm_head_f32:
+        return jnp.dtype(jnp.float32)
+    return jnp.promote_types(hidden_dtype, lm_head_dtype)
+
+
+def dot_f32(a, b, cdt, dims=(((1,), (0,)), ((), ()))):
+    """``a @ b`` (dot_general dims) in dtype ``cdt`` with float32 accumulation; exact float32 when
+    ``cdt`` is float32 (no tf32 on GPU)."""
+    precision = jax.lax.Precision.HIGHEST if jnp.dtype(cdt) == jnp.float32 else None
+    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), dims, precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def default_block_v(n: int, v: int, budget_bytes: int = 512 * 2**20) -> int:
+    """Vocab tile so that one float32 ``[n, block_v]`` logits tile stays near ``budget_bytes``."""
+    bv = 128
+    while bv * 2 * n * 4 <= budget_bytes and bv < 32768:
+        bv *= 2
+    return min(bv, max(128, -(-v // 128) * 128))
+
+
+def combine_partials(m, s, t, tg):
+    """Merge online-softmax partials over a leading split axis ([S, N] each) -> (lse, logp, ent)."""
+    big = jnp.max(m, axis=0)
+    scale = jnp.exp(m - big[None])  # empty splits have m = -inf -> 0
+    s_tot = jnp.sum(s * scale, axis=0)
+    t_tot = jnp.sum(t * scale, axis=0)
+    lse = big + jnp.log(s_tot)
+    return lse, jnp.sum(tg, axis=0) - lse, lse - t_tot / s_tot
+
+
+def dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy: bool):
+    """Gradient of ``h @ W`` for one logits tile ``l`` [N, bv] (float32, already scaled by inv_temp).
+
+    ``cols`` [bv] are the tile's global vocab ids; columns >= V must be masked by the caller.
+    """
+    p = jnp.exp(l - lse[:, None])
+    d = jnp.where(cols[None, :] == targets[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
+    if with_entropy:
+        d = d - g_ent[:, None] * p * (l - lse[:, None] + ent[:, None])
+    return d * inv_temp
+
+
+def chunked_backward(hidden, lm_head, block_v: int, dz_fn: Callable, cdt):
+    """dh [N, H] and dW [H, V] from vocab chunks of ``block_v`` columns.
+
+    ``dz_fn(v0, width)`` returns the gradient of ``h @ W[:, v0:v0+width]`` ([N, width], dtype ``cdt``),
+    ``v0`` a traced int32 scalar inside the loop, a Python int for the remainder chunk. One
+    ``lax.fori_loop`` over the full chunks (so only one chunk is live at a time) and a static
+    remainder chunk; dh accumulates in float32, dW is written chunk by chunk.
+    """
+    n, h = hidden.shape
+    v = lm_head.shape[1]
+    nfull = v // block_v
+    rem = v - nfull * block_v
+    hid = hidden.astype(cdt)
+    dh = jnp.zeros((n, h), jnp.float32)
+    dw = jnp.zeros((h, v), lm_head.dtype)
+
+    def chunk(v0, width, w_chunk, dh, dw):
+        dz = dz_fn(v0, width).astype(cdt)
+        dh = dh + dot_f32(dz, w_chunk, cdt, (((1,), (1,)), ((), ())))
+        dw_c = dot_f32(hid, dz, cdt, (((0,), (0,)), ((), ()))).astype(lm_head.dtype)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_c, v0, axis=1)
+        return dh, dw
+
+    if nfull:
+        def body(i, carry):
+            v0 = (i * block_v).astype(jnp.int32)
+            w_chunk = jax.lax.dynamic_slice_in_dim(lm_head, v0, block_v, axis=1)
+            return chunk(v0, block_v, w_chunk, *carry)
+
+        dh, dw = jax.lax.fori_loop(0, nfull, body, (dh, dw))
+    if rem:
+        v0 = nfull * block_v
+        dh, dw = chunk(v0, rem, lm_head[:, v0:], dh, dw)
+    return dh.astype(hidden.dtype), dw

@@ -1,0 +1,155 @@
+"""GPU fused logprobs: Triton kernels (``triton_kernels.py``) called through jax-triton.
+
+Forward: one fused GEMM + online-logsumexp kernel (no logits in memory at all), split over vocab
+ranges and merged in JAX. Backward (custom VJP): a loop over vocab chunks; per chunk either a Triton
+kernel recomputes the logits tile and writes the logits gradient ``dz`` straight away
+(``bwd="triton"``) or XLA does it (``bwd="xla"``), then two cuBLAS matmuls add ``dz @ W_c^T`` into dh
+and write ``h^T @ dz`` into dW. Memory: one ``[N, chunk]`` dz in the compute dtype, never ``[N, V]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+
+from jrl.kernels.logprobs import triton_kernels as K
+from jrl.kernels.logprobs._common import (Flags, chunked_backward, combine_partials, compute_dtype, default_block_v,
+                                          dot_f32, dz_tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles. fwd_*: the fused forward; bwd_*: the dz kernel; chunk_v: vocab columns per backward chunk
+    (0 = about 512 MiB of float32 per chunk); num_splits: vocab ranges of the forward (0 = auto)."""
+
+    fwd_block_n: int = 128
+    fwd_block_v: int = 128
+    fwd_block_k: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    num_splits: int = 0
+    bwd_block_n: int = 128
+    bwd_block_v: int = 128
+    bwd_block_k: int = 64
+    bwd_warps: int = 8
+    bwd_stages: int = 3
+    bwd_group_n: int = 8
+    chunk_v: int = 0
+    bwd: str = "triton"  # "triton" | "xla"
+
+
+DEFAULT_CONFIG = Config()
+
+
+def unavailable_reason() -> str | None:
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return "needs a GPU"
+    return None
+
+
+def _upcast(hidden, lm_head, flags: Flags) -> bool:
+    return bool(flags.lm_head_f32 or hidden.dtype != lm_head.dtype or hidden.dtype == jnp.float32)
+
+
+def _num_splits(n_blocks: int, v_tiles: int, cfg: Config) -> int:
+    if cfg.num_splits:
+        return max(1, min(cfg.num_splits, v_tiles))
+    # Enough programs for ~8 waves on a 132-SM H100, but few vocab ranges so that the programs in
+    # flight share W tiles through L2.
+    want = max(1, -(-132 * 8 // n_blocks))
+    return max(1, min(want, 16, v_tiles))
+
+
+def _forward(hidden, lm_head, targets, inv_temp, flags: Flags, cfg: Config):
+    n, h = hidden.shape
+    v = lm_head.shape[1]
+    bn, bv, bk = cfg.fwd_block_n, cfg.fwd_block_v, min(cfg.fwd_block_k, max(16, 1 << (h - 1).bit_length()))
+    n_blocks = -(-n // bn)
+    v_tiles = -(-v // bv)
+    splits = _num_splits(n_blocks, v_tiles, cfg)
+    v_per_split = -(-v_tiles // splits) * bv
+    part = jax.ShapeDtypeStruct((splits, n), jnp.float32)
+    m, s, t, tg = jt.triton_call(
+        hidden, lm_head, targets, inv_temp.reshape(1),
+        n, h, v, v_per_split,
+        kernel=K.lp_fwd_kernel,
+        out_shape=(part, part, part, part),
+        grid=(n_blocks * splits,),
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, NUM_SPLITS=splits,
+        WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
+    )
+    lse, logp, ent = combine_partials(m, s, t, tg)
+    if not flags.with_entropy:
+        ent = jnp.zeros_like(lse)
+    return logp, ent, lse
+
+
+def _dz_triton(hidden, lm_head, targets, inv_temp, lse, ent, g_lp, g_ent, flags, cfg, cdt, v0, width):
+    n, h = hidden.shape
+    v = lm_head.shape[1]
+    bn, bv = cfg.bwd_block_n, min(cfg.bwd_block_v, max(16, 1 << (width - 1).bit_length()))
+    bk = min(cfg.bwd_block_k, max(16, 1 << (h - 1).bit_length()))
+    grid = (-(-n // bn) * -(-width // bv),)
+    return jt.triton_call(
+        hidden, lm_head, targets, inv_temp.reshape(1), jnp.asarray(v0, jnp.int32).reshape(1),
+        lse, ent, g_lp, g_ent,
+        n, h, v, width,
+        kernel=K.lp_bwd_dz_kernel,
+        out_shape=jax.ShapeDtypeStruct((n, width), cdt),
+        grid=grid,
+        num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+        BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=cfg.bwd_group_n,
+        WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(hidden, lm_head, targets, inv_temp, flags: Flags, cfg: Config):
+    logp, ent, _ = _forward(hidden, lm_head, targets, inv_temp, flags, cfg)
+    return logp, ent
+
+
+def _fused_fwd(hidden, lm_head, targets, inv_temp, flags, cfg):
+    logp, ent, lse = _forward(hidden, lm_head, targets, inv_temp, flags, cfg)
+    return (logp, ent), (hidden, lm_head, targets, inv_temp, lse, ent)
+
+
+def _fused_bwd(flags, cfg, res, cts):
+    hidden, lm_head, targets, inv_temp, lse, ent = res
+    g_lp, g_ent = (c.astype(jnp.float32) for c in cts)
+    n = hidden.shape[0]
+    v = lm_head.shape[1]
+    cdt = compute_dtype(hidden.dtype, lm_head.dtype, flags.lm_head_f32)
+    chunk = cfg.chunk_v or default_block_v(n, v)
+    if cfg.bwd == "triton":
+        def dz_fn(v0, width):
+            return _dz_triton(hidden, lm_head, targets, inv_temp, lse, ent, g_lp, g_ent, flags, cfg, cdt, v0, width)
+    elif cfg.bwd == "xla":
+        hid = hidden.astype(cdt)
+
+        def dz_fn(v0, width):
+            w_tile = jax.lax.dynamic_slice_in_dim(lm_head, v0, width, axis=1)
+            l = dot_f32(hid, w_tile, cdt) * inv_temp
+            cols = v0 + jnp.arange(width, dtype=jnp.int32)
+            return dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, flags.with_entropy)
+    else:
+        raise ValueError(f"Config.bwd must be 'triton' or 'xla', got {cfg.bwd!r}")
+    dh, dw = chunked_backward(hidden, lm_head, chunk, dz_fn, cdt)
+    return dh, dw, None, jnp.zeros_like(inv_temp)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def token_logprobs(hidden, lm_head, targets, *, temperature=1.0, with_entropy=False, lm_head_f32=False,
+                   config: Config | None = None):
+    """Same contract as ``reference.token_logprobs``."""
+    inv_temp = jax.lax.stop_gradient(jnp.asarray(1.0, jnp.float32) / jnp.asarray(temperature, jnp.float32))
+    flags = Flags(with_entropy=with_entropy, lm_head_f32=lm_head_f32)
+    logp, ent = _fused(hidden, lm_head, targets.astype(jnp.int32), inv_temp, flags, config or DEFAULT_CONFIG)
+    return logp, (ent if with_entropy else None)

@@ -1,0 +1,57 @@
+"""Helpers for the kernel tests: error measure, tolerances by dtype, fresh random inputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when either side has a NaN/inf (NaN never passes)."""
+    a = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (nb if nb > 0 else 1.0))
+
+
+def assert_close(out, ref, dtype, what="", tol=None):
+    tol = TOL[jnp.dtype(dtype).name] if tol is None else tol
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e} (dtype {jnp.dtype(dtype).name})"
+    return err
+
+
+def rng_for(request) -> np.random.Generator:
+    """A fresh generator per test (seeded from the test id and JRL_TEST_SEED, default random)."""
+    seed = os.environ.get("JRL_TEST_SEED")
+    base = int(seed) if seed else int.from_bytes(os.urandom(4), "little")
+    print(f"seed for {request.node.nodeid}: JRL_TEST_SEED={base}")
+    return np.random.default_rng([base, zlib.crc32(request.node.nodeid.encode())])
+
+
+def run_script(path: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def group_sizes_cases(t: int, e: int, rng: np.random.Generator):
+    """Ragged group sizes over t rows: with empty groups, and with a sum below t (padding rows)."""
+    ragged = rng.multinomial(t, rng.dirichlet(np.full(e, 0.5)))
+    z = int(rng.integers(0, e))  # at least one empty group
+    ragged[(z + 1) % e] += ragged[z]
+    ragged[z] = 0
+    short = rng.multinomial(t - t // 4, np.full(e, 1.0 / e))
+    return {"ragged": ragged.astype(np.int32), "sum<T": short.astype(np.int32)}

@@ -51,10 +51,9 @@ def build_checkpoint(out: Path, *, layers: int, hidden: int, intermediate: int, 
     cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       rope_theta=500000.0, param_dtype="bfloat16", dtype="bfloat16")
-    import jax
     from flax import nnx
 
-    from jrl.models.checkpoint import named_params
+    from jrl.models import named_params
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     params = named_params(abstract)
@@ -88,7 +87,6 @@ def build_checkpoint(out: Path, *, layers: int, hidden: int, intermediate: int, 
     total = sum(math.prod(s) * 2 for _, s in specs)
     (out / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(cfg.to_hf(dtype="bfloat16")))
-    del jax
     return dict(total_bytes=total, shards=len(shards), largest_shard=max(sizes), params=cfg.num_params())
 
 
@@ -97,13 +95,13 @@ def child(mode: str, ckpt: str, out: str | None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jrl.models import from_pretrained, save_pretrained
+    from jrl.models import from_pretrained, named_params, save_pretrained
 
     jax.numpy.zeros(1).block_until_ready()
     base = _status_kb("VmRSS") * 1024
     t0 = time.perf_counter()
     model = from_pretrained(ckpt, dtype=jnp.bfloat16, progress=False)
-    jax.block_until_ready(jax.tree.leaves(jax.tree.map(lambda x: x, __import__("flax").nnx.state(model))))
+    jax.block_until_ready([v[...] for v in named_params(model).values()])
     t1 = time.perf_counter()
     res = dict(load_s=t1 - t0, base_rss=base, peak_rss_load=_status_kb("VmHWM") * 1024,
                rss_after_load=_status_kb("VmRSS") * 1024)

@@ -226,8 +226,6 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
     if missing:
         shown = ", ".join(repr(k) for k in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise MissingTensorError(f"missing tensor {shown} in the checkpoint ({len(missing)} missing)")
-    # Stream file by file, keys in on-disk order within a file is not exposed; sorted keys are fine.
-    tasks.sort(key=lambda t: (str(t.file), t.entry.hf_key))
     return tasks
 
 
@@ -310,8 +308,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
         for file, file_tasks in by_file.items():
             reader = _ShardReader(file)
-            try:
-                for t in file_tasks:
+            try:  # in on-disk order: sequential reads of the mapped file
+                for t in sorted(file_tasks, key=lambda t: reader.header[t.entry.hf_key]["data_offsets"][0]):
                     e, var = t.entry, params[t.entry.jrl_path]
                     raw = reader.view(e.hf_key)
                     if e.rule.chunk is not None:
@@ -350,7 +348,7 @@ def parse_size(size: int | str) -> int:
     return int(s)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_layout_fn(transform, stacked: bool, dtype: str):
     """Jitted jrl -> HF layout + cast, run where the parameter lives (transposes are fast on device)."""
     fn = transform.to_hf

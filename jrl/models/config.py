@@ -50,7 +50,8 @@ class RopeScaling:
     factor: float = 1.0
     """Scaling factor (``linear``, ``llama3``)."""
     low_freq_factor: float = 1.0
-    """``llama3``: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``."""
+    """``llama3``: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``."""
     high_freq_factor: float = 4.0
     """``llama3``: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
     original_max_position_embeddings: int | None = None
@@ -59,7 +60,8 @@ class RopeScaling:
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
-                f"rope_type={self.rope_type!r} is not supported; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"rope_type={self.rope_type!r} is not supported; supported rope types: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
 
 
@@ -208,7 +210,8 @@ class ModelConfig:
                 f"with use_sliding_window=True is not supported"
             )
         if mt == "qwen3_moe" and any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
-            raise ValueError(f"mlp_only_layers={self.mlp_only_layers} has entries outside [0, {self.num_hidden_layers})")
+            raise ValueError(
+                f"mlp_only_layers={self.mlp_only_layers} has entries outside [0, {self.num_hidden_layers})")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -24,6 +24,7 @@ norm scale         [H] or [D]          ("norm",)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -140,6 +141,20 @@ def make_attention_mask(seq_len: int, *, batch: int, attention_mask: jax.Array |
     return mask
 
 
+def cache_attention_mask(key_mask: jax.Array, query_slots: jax.Array, query_positions: jax.Array, *,
+                         sliding_window: int | None = None) -> jax.Array:
+    """Boolean mask [B, T, S] for queries at cache slots ``query_slots`` [T] over a KV cache of S slots:
+    key slot <= query slot (causal), AND the slot holds a real token (``key_mask`` [B, S]), AND within
+    ``sliding_window`` positions. A row's real slots are contiguous (left padding, then appended tokens), so
+    the key positions are :func:`positions_from_mask` of ``key_mask``."""
+    s = key_mask.shape[-1]
+    mask = key_mask.astype(bool)[:, None, :] & (jnp.arange(s)[None, None, :] <= query_slots[None, :, None])
+    if sliding_window is not None:
+        key_positions = positions_from_mask(key_mask)
+        mask = mask & ((query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window)
+    return mask
+
+
 @functools.lru_cache(maxsize=64)
 def _inv_freq(config: ModelConfig) -> np.ndarray:
     return rope_inv_freq(config)
@@ -181,6 +196,21 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: 
 
 
 # --------------------------------------------------------------------------- blocks
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One attention layer's keys and values for decoding: ``k``, ``v`` [B, S_max, K, D] (rope applied)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    def write(self, k: jax.Array, v: jax.Array, index: jax.Array | int) -> KVCache:
+        """The cache with ``k``, ``v`` [B, T, K, D] stored at slots ``index .. index + T - 1``."""
+        start = (0, index, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), start),
+                       jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), start))
+
+
 class Attention(nnx.Module):
     """Multi-head attention with GQA, optional q/k/v (and o) bias, optional q/k RMSNorm, RoPE.
 
@@ -193,7 +223,8 @@ class Attention(nnx.Module):
         h, n, k, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs)
         self.config, self.mesh, self.rules = c, mesh, rules
-        self.q_proj = Linear((h,), (n, d), in_axes=("embed",), out_axes=("heads", "head_dim"), use_bias=c.qkv_bias, **kw)
+        self.q_proj = Linear((h,), (n, d), in_axes=("embed",), out_axes=("heads", "head_dim"), use_bias=c.qkv_bias,
+                             **kw)
         self.k_proj = Linear((h,), (k, d), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), use_bias=c.qkv_bias,
                              **kw)
         self.v_proj = Linear((h,), (k, d), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), use_bias=c.qkv_bias,
@@ -220,6 +251,14 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         q, k, v = self.qkv(x, positions)
         return self.o_proj(attend(q, k, v, mask))
+
+    def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache,
+               index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """Attention of x [B, T, H] (cache slots ``index ..``) over the cache after writing x's keys and values
+        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (output, updated cache)."""
+        q, k, v = self.qkv(x, positions)
+        cache = cache.write(k, v, index)
+        return self.o_proj(attend(q, cache.k, cache.v, mask)), cache
 
 
 class MLP(nnx.Module):

@@ -14,9 +14,11 @@ from jrl.models.layers import (
     MLP,
     Attention,
     Embed,
+    KVCache,
     Linear,
     MoE,
     RMSNorm,
+    cache_attention_mask,
     constrain,
     make_attention_mask,
     positions_from_mask,
@@ -25,6 +27,7 @@ from jrl.models.layers import (
 from jrl.sharding.rules import logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
+_KV_CACHE = ("batch", None, "kv_heads", "head_dim")
 
 
 def _freeze_rules(rules: Mapping | None):
@@ -42,11 +45,17 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
         self.mlp = MoE(c, rngs=rngs) if c.layer_is_moe(layer) else MLP(c, c.intermediate_size, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        h = x + self.attn(self.input_norm(x), positions, mask)
-        h = constrain(h, _RESIDUAL, self.mesh, self.rules)
-        out = h + self.mlp(self.post_attn_norm(h))
-        return constrain(out, _RESIDUAL, self.mesh, self.rules)
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache | None = None,
+                 cache_index: jax.Array | int = 0):
+        """The block's output; with ``cache`` the attention reads and extends it (:meth:`Attention.decode`)
+        and ``(output, updated cache)`` is returned."""
+        if cache is None:
+            attn = self.attn(self.input_norm(x), positions, mask)
+        else:
+            attn, cache = self.attn.decode(self.input_norm(x), positions, mask, cache, cache_index)
+        h = constrain(x + attn, _RESIDUAL, self.mesh, self.rules)
+        out = constrain(h + self.mlp(self.post_attn_norm(h)), _RESIDUAL, self.mesh, self.rules)
+        return out if cache is None else (out, cache)
 
 
 class Transformer(nnx.Module):
@@ -100,8 +109,10 @@ class Transformer(nnx.Module):
 
         ``return_layers``: ``True`` also returns the tuple of all L + 1 hidden states in transformers'
         ``output_hidden_states`` convention (entry 0 = embedding output, entry i = output of layer i - 1,
-        entry L = the final *normed* output); a sequence of indices into that tuple returns only those (and
-        skips layers past the deepest one asked for, unless L is asked for). Returns ``(final, layers)``.
+        entry L = the final *normed* output), as ``(final, layers)``. A sequence of indices into that tuple
+        (negative ones count from the end) returns ``(last, selected)`` with only those entries; layers past
+        the deepest index asked for are not run, and then ``last`` is that deepest (un-normed) entry instead
+        of the final hidden states. EBFT's feature depth f maps to index ``int(f * L)``.
         """
         num_layers = self.config.num_hidden_layers
         wanted = None
@@ -125,6 +136,34 @@ class Transformer(nnx.Module):
         if wanted is None:
             return final, tuple(collected)
         return final, tuple(collected[i] for i in wanted)
+
+    # ------------------------------------------------------------------ decoding with a KV cache
+    def init_cache(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
+        """An empty (zero) KV cache of ``max_len`` slots per layer, in the compute dtype, batch-sharded."""
+        c = self.config
+        shape = (batch, max_len, c.num_key_value_heads, c.head_dim)
+
+        def zeros():
+            return constrain(jnp.zeros(shape, c.dtype), _KV_CACHE, self.mesh, self.rules)
+
+        return tuple(KVCache(zeros(), zeros()) for _ in self.layers)
+
+    def decode(self, input_ids: jax.Array, positions: jax.Array, key_mask: jax.Array, cache: tuple[KVCache, ...],
+               cache_index: jax.Array | int) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """Final hidden states [B, T, H] of ``input_ids`` [B, T] (at ``positions`` [B, T]) written to cache
+        slots ``cache_index .. cache_index + T - 1``, attending causally to every cache slot marked real in
+        ``key_mask`` [B, S_max] (which must already mark these T slots). Returns (hidden, updated cache).
+
+        Prefill is one call over the whole left-padded prompt at slot 0; decoding is one call per token."""
+        t = input_ids.shape[1]
+        query_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
+        mask = cache_attention_mask(key_mask, query_slots, positions, sliding_window=self.config.sliding_window)
+        x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x, layer_cache = layer(x, positions, mask, layer_cache, cache_index)
+            new_cache.append(layer_cache)
+        return self.final_norm(x), tuple(new_cache)
 
     def lm_head_weight(self) -> jax.Array:
         """The output projection ``[H, V]`` (the transposed embedding when tied)."""

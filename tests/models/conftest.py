@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from model_testlib import FAMILIES, VOCAB, build_hf
 
 

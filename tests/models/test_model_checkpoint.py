@@ -184,7 +184,8 @@ def test_shape_mismatch(llama_copy):
         t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 64), np.float32)
 
     _rewrite(llama_copy, edit)
-    with pytest.raises(ShapeMismatchError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\[48, 64\].*\[32, 64\]"):
+    match = r"model\.layers\.0\.self_attn\.k_proj\.weight.*\[48, 64\].*\[32, 64\]"
+    with pytest.raises(ShapeMismatchError, match=match):
         from_pretrained(llama_copy)
 
 
@@ -201,3 +202,31 @@ def test_ignored_keys_and_tied_head(hf_checkpoints, tmp_path, ids, jrl_models):
     _rewrite(dst, edit)
     model = from_pretrained(dst, dtype=jnp.float32)
     np.testing.assert_array_equal(jrl_logits(model, ids), jrl_logits(jrl_models("llama_tied", src), ids))
+
+
+def test_both_expert_layouts_is_an_error(hf_checkpoints, tmp_path):
+    from jrl.models import CheckpointError
+
+    hf, src = hf_checkpoints("qwen3_moe")
+    shutil.copytree(src, tmp_path / "moe")
+    fused = hf.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].numpy()
+    _rewrite(tmp_path / "moe", lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj": fused}))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.gate_proj is given more than once"):
+        from_pretrained(tmp_path / "moe")
+
+
+@pytest.mark.parametrize("fam", ["llama_rope3", "qwen3_moe"])
+def test_jrl_created_model_loads_in_transformers(fam, ids, tmp_path):
+    """A model born in jrl (no source checkpoint): config.json comes from ModelConfig.to_hf alone."""
+    from model_testlib import hf_config
+
+    from jrl.models import ModelConfig, create_model
+
+    config = ModelConfig.from_hf(hf_config(fam).to_dict()).replace(initializer_range=0.2)
+    model = create_model(config, seed=3)
+    out = save_pretrained(model, tmp_path / "born")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    hf = _load_hf(out)
+    assert type(hf).__name__ == json.loads((out / "config.json").read_text())["architectures"][0]
+    ref, got = hf_logits(hf, ids), jrl_logits(model, ids)
+    assert np.abs(ref - got).max() <= 1e-4

@@ -15,10 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sharded_load_forward_export(hf_checkpoints, tmp_path):
-    from safetensors import safe_open
-
     import numpy as np
     from model_testlib import hf_logits
+    from safetensors import safe_open
 
     hf, src = hf_checkpoints("qwen3_moe")
     ids = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
@@ -27,7 +26,8 @@ def test_sharded_load_forward_export(hf_checkpoints, tmp_path):
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "mesh_worker.py"), str(src),
-                           str(tmp_path / "out"), str(tmp_path / "inputs.npz")], env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "out"), str(tmp_path / "inputs.npz")],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     specs, shapes = res["specs"], res["shard_shapes"]

@@ -55,6 +55,13 @@ def _upcast(hidden, lm_head, flags: Flags) -> bool:
     return bool(flags.lm_head_f32 or hidden.dtype != lm_head.dtype or hidden.dtype == jnp.float32)
 
 
+def _k_block(bk: int, h: int, hidden, lm_head) -> int:
+    bk = min(bk, max(16, 1 << (h - 1).bit_length()))
+    if max(hidden.dtype.itemsize, lm_head.dtype.itemsize) >= 4:  # fp32 tiles: fit the smem pipeline
+        bk = min(bk, 32)
+    return bk
+
+
 def _num_splits(n_blocks: int, v_tiles: int, cfg: Config) -> int:
     if cfg.num_splits:
         return max(1, min(cfg.num_splits, v_tiles))
@@ -67,7 +74,7 @@ def _num_splits(n_blocks: int, v_tiles: int, cfg: Config) -> int:
 def _forward(hidden, lm_head, targets, inv_temp, flags: Flags, cfg: Config):
     n, h = hidden.shape
     v = lm_head.shape[1]
-    bn, bv, bk = cfg.fwd_block_n, cfg.fwd_block_v, min(cfg.fwd_block_k, max(16, 1 << (h - 1).bit_length()))
+    bn, bv, bk = cfg.fwd_block_n, cfg.fwd_block_v, _k_block(cfg.fwd_block_k, h, hidden, lm_head)
     n_blocks = -(-n // bn)
     v_tiles = -(-v // bv)
     splits = _num_splits(n_blocks, v_tiles, cfg)
@@ -75,11 +82,11 @@ def _forward(hidden, lm_head, targets, inv_temp, flags: Flags, cfg: Config):
     part = jax.ShapeDtypeStruct((splits, n), jnp.float32)
     m, s, t, tg = jt.triton_call(
         hidden, lm_head, targets, inv_temp.reshape(1),
-        n, h, v, v_per_split,
         kernel=K.lp_fwd_kernel,
         out_shape=(part, part, part, part),
         grid=(n_blocks * splits,),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        N=n, H=h, V=v, v_per_split=v_per_split,
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, NUM_SPLITS=splits,
         WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
     )
@@ -93,16 +100,16 @@ def _dz_triton(hidden, lm_head, targets, inv_temp, lse, ent, g_lp, g_ent, flags,
     n, h = hidden.shape
     v = lm_head.shape[1]
     bn, bv = cfg.bwd_block_n, min(cfg.bwd_block_v, max(16, 1 << (width - 1).bit_length()))
-    bk = min(cfg.bwd_block_k, max(16, 1 << (h - 1).bit_length()))
+    bk = _k_block(cfg.bwd_block_k, h, hidden, lm_head)
     grid = (-(-n // bn) * -(-width // bv),)
     return jt.triton_call(
         hidden, lm_head, targets, inv_temp.reshape(1), jnp.asarray(v0, jnp.int32).reshape(1),
         lse, ent, g_lp, g_ent,
-        n, h, v, width,
         kernel=K.lp_bwd_dz_kernel,
         out_shape=jax.ShapeDtypeStruct((n, width), cdt),
         grid=grid,
         num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+        N=n, H=h, V=v, CV=width,
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=cfg.bwd_group_n,
         WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
     )
@@ -126,6 +133,8 @@ def _fused_bwd(flags, cfg, res, cts):
     v = lm_head.shape[1]
     cdt = compute_dtype(hidden.dtype, lm_head.dtype, flags.lm_head_f32)
     chunk = cfg.chunk_v or default_block_v(n, v)
+    if chunk % 16:
+        raise ValueError(f"Config.chunk_v must be a multiple of 16 (the dz kernel assumes aligned chunk starts), got {chunk}")
     if cfg.bwd == "triton":
         def dz_fn(v0, width):
             return _dz_triton(hidden, lm_head, targets, inv_temp, lse, ent, g_lp, g_ent, flags, cfg, cdt, v0, width)

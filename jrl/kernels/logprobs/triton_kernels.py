@@ -13,7 +13,9 @@ CPU tests run them under Triton's interpreter with torch tensors).
   the compute dtype; the caller multiplies it into dh and dW with ordinary (cuBLAS) matmuls.
 
 ``UPCAST``: load bf16/f16 and multiply in exact float32 (the ``lm_head_f32`` flag, or mixed input
-dtypes). Rows/columns past the array ends are clamped on load and never stored.
+dtypes). Rows past the end are clamped on load (never stored); columns past the end are masked. Shapes are
+``tl.constexpr`` (see the note in ``moe/triton_kernels.py``: jax-triton passes integers without
+divisibility hints, which would cost the pipelined 16-byte loads).
 """
 
 from __future__ import annotations
@@ -23,21 +25,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows_ld, cols_ld, H, V, inv_temp,
+def _logits_tile(h_ptr, w_ptr, rows_ld, cols, H: tl.constexpr, V: tl.constexpr, inv_temp,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_H: tl.constexpr, UPCAST: tl.constexpr):
+    # Columns past V are masked, not clamped (a clamp would cost the vectorized, pipelined loads).
     ks = tl.arange(0, BLOCK_K)
+    vmask = cols < V
     a_ptrs = h_ptr + rows_ld[:, None] * H + ks[None, :]
-    b_ptrs = w_ptr + ks[:, None].to(tl.int64) * V + cols_ld[None, :]
+    b_ptrs = w_ptr + ks[:, None].to(tl.int64) * V + cols[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_H:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            b = tl.load(b_ptrs, mask=vmask[None, :], other=0.0)
         else:
             kmask = (k0 + ks) < H
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & vmask[None, :], other=0.0)
         if UPCAST:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -50,7 +54,7 @@ def _logits_tile(h_ptr, w_ptr, rows_ld, cols_ld, H, V, inv_temp,
 @triton.jit
 def lp_fwd_kernel(
     h_ptr, w_ptr, tgt_ptr, inv_temp_ptr, m_ptr, s_ptr, t_ptr, tg_ptr,
-    N, H, V, v_per_split,
+    N: tl.constexpr, H: tl.constexpr, V: tl.constexpr, v_per_split: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
     WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, EVEN_H: tl.constexpr,
 ):
@@ -70,8 +74,7 @@ def lp_fwd_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         cmask = cols < v_hi
-        cols_ld = tl.minimum(cols, V - 1)
-        l = _logits_tile(h_ptr, w_ptr, rows_ld, cols_ld, H, V, inv_temp,
+        l = _logits_tile(h_ptr, w_ptr, rows_ld, cols, H, V, inv_temp,
                          BLOCK_N, BLOCK_V, BLOCK_K, EVEN_H, UPCAST)
         l = tl.where(cmask[None, :], l, float("-inf"))
         m_new = tl.maximum(m, tl.max(l, axis=1))
@@ -94,7 +97,7 @@ def lp_fwd_kernel(
 @triton.jit
 def lp_bwd_dz_kernel(
     h_ptr, w_ptr, tgt_ptr, inv_temp_ptr, voff_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dz_ptr,
-    N, H, V, CV,
+    N: tl.constexpr, H: tl.constexpr, V: tl.constexpr, CV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, EVEN_H: tl.constexpr,
 ):
@@ -109,15 +112,14 @@ def lp_bwd_dz_kernel(
     pid_n = first_n + ((pid % per_group) % group_size)
     pid_v = (pid % per_group) // group_size
 
-    v_off = tl.load(voff_ptr)
+    v_off = tl.multiple_of(tl.load(voff_ptr), 16)  # chunk starts are multiples of 16 (checked by the caller)
     inv_temp = tl.load(inv_temp_ptr)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ld = tl.minimum(rows, N - 1).to(tl.int64)
     cl = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = v_off + cl
     cmask = (cl < CV) & (cols < V)
-    cols_ld = tl.minimum(cols, V - 1)
-    l = _logits_tile(h_ptr, w_ptr, rows_ld, cols_ld, H, V, inv_temp,
+    l = _logits_tile(h_ptr, w_ptr, rows_ld, cols, H, V, inv_temp,
                      BLOCK_N, BLOCK_V, BLOCK_K, EVEN_H, UPCAST)
     tgt = tl.load(tgt_ptr + rows_ld)
     lse = tl.load(lse_ptr + rows_ld)

@@ -91,17 +91,21 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmC
     bm = cfg.block_m
     bn = _fit(cfg.block_n, nout)
     bk = _fit(cfg.block_k, kin)
+    stages = cfg.num_stages
+    if lhs.dtype.itemsize >= 4:  # fp32 tiles: keep the pipelined shared-memory buffers within 227 KB
+        bk, stages = min(bk, 32), min(stages, 3)
     tile_group, row_start, row_end = tile_schedule(group_sizes, t, bm)
     num_tiles = tile_group.shape[0]
     grid = (num_tiles * (-(-nout // bn)),)
     return jt.triton_call(
         lhs, rhs, tile_group, row_start, row_end,
-        t, kin, nout, e, rhs.shape[1] * rhs.shape[2], stride_rk, stride_rn,
         kernel=K.gmm_kernel,
         out_shape=jax.ShapeDtypeStruct((t, nout), out_dtype),
         grid=grid,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=stages,
+        T=t, KDIM=kin, NDIM=nout, num_groups=e, stride_re=rhs.shape[1] * rhs.shape[2],
+        stride_rk=stride_rk, stride_rn=stride_rn,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=(kin % bk == 0),
         IEEE=(lhs.dtype == jnp.float32),
@@ -117,17 +121,20 @@ def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
         return jnp.zeros((e, kdim, ndim), out_dtype)
     bk = _fit(cfg.block_k, kdim)
     bn = _fit(cfg.block_n, ndim)
+    bt, stages = cfg.block_t, cfg.num_stages
+    if lhs.dtype.itemsize >= 4:
+        bt, stages = min(bt, 32), min(stages, 3)
     starts, ends = group_bounds(group_sizes, t)
     grid = (e * (-(-kdim // bk)) * (-(-ndim // bn)),)
     return jt.triton_call(
         lhs, dout, starts, ends,
-        kdim, ndim,
         kernel=K.tgmm_kernel,
         out_shape=jax.ShapeDtypeStruct((e, kdim, ndim), out_dtype),
         grid=grid,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=cfg.block_t,
+        num_stages=stages,
+        KDIM=kdim, NDIM=ndim,
+        BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=bt,
         IEEE=(lhs.dtype == jnp.float32),
     )
 

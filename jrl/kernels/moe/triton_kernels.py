@@ -1,7 +1,10 @@
 """Triton kernels for the grouped matmul (no JAX here: ``triton.py`` calls them through jax-triton, and
 the CPU tests run them under Triton's interpreter with torch tensors).
 
-Conventions: every array is row-major and contiguous; ``lhs`` rows are sorted by group.
+Conventions: every array is row-major and contiguous; ``lhs`` rows are sorted by group. Shapes and
+strides are compile-time constants (``tl.constexpr``): jax-triton does not specialize integer
+arguments for divisibility, and without it Triton cannot prove 16-byte-aligned rows, so it falls back
+to narrow, unpipelined loads (checked in the PTX: no ``cp.async``).
 
 * :func:`gmm_kernel` -- ``out[rows of tile] = lhs[rows] @ B_g`` where ``B_g[k, n] = rhs[g*stride_re +
   k*stride_rk + n*stride_rn]``. With ``stride_rk = N, stride_rn = 1`` this is ``rhs[g]`` ([E, K, N]);
@@ -25,7 +28,8 @@ import triton.language as tl
 @triton.jit
 def gmm_kernel(
     lhs_ptr, rhs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, out_ptr,
-    T, KDIM, NDIM, num_groups, stride_re, stride_rk, stride_rn,
+    T: tl.constexpr, KDIM: tl.constexpr, NDIM: tl.constexpr, num_groups: tl.constexpr,
+    stride_re: tl.constexpr, stride_rk: tl.constexpr, stride_rn: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -42,20 +46,24 @@ def gmm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if g < num_groups:
             ks = tl.arange(0, BLOCK_K)
-            # Clamp instead of masking: every load is in bounds; rows of a neighbouring group and
-            # clamped duplicate columns are computed but never stored.
+            # Rows are clamped (every load in bounds; rows of a neighbouring group are computed but never
+            # stored). Columns are masked, not clamped: a clamp hides the contiguity Triton needs for
+            # 16-byte vector loads and cp.async pipelining.
             rows_ld = tl.minimum(rows, T - 1).to(tl.int64)
-            cols_ld = tl.minimum(cols, NDIM - 1).to(tl.int64)
+            nmask = cols < NDIM
             a_ptrs = lhs_ptr + rows_ld[:, None] * KDIM + ks[None, :]
-            b_ptrs = rhs_ptr + g.to(tl.int64) * stride_re + ks[:, None] * stride_rk + cols_ld[None, :] * stride_rn
+            b_ptrs = rhs_ptr + g.to(tl.int64) * stride_re + ks[:, None] * stride_rk + cols[None, :] * stride_rn
             for k0 in range(0, KDIM, BLOCK_K):
                 if EVEN_K:
                     a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
+                    if NDIM % BLOCK_N == 0:
+                        b = tl.load(b_ptrs)
+                    else:
+                        b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
                 else:
                     kmask = (k0 + ks) < KDIM
                     a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
                 if IEEE:
                     acc = tl.dot(a, b, acc, input_precision="ieee")
                 else:
@@ -70,7 +78,7 @@ def gmm_kernel(
 @triton.jit
 def tgmm_kernel(
     lhs_ptr, dout_ptr, group_start_ptr, group_end_ptr, out_ptr,
-    KDIM, NDIM,
+    KDIM: tl.constexpr, NDIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -84,20 +92,20 @@ def tgmm_kernel(
     end = tl.load(group_end_ptr + g)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks_ld = tl.minimum(ks, KDIM - 1)
-    ns_ld = tl.minimum(ns, NDIM - 1)
+    kmask = ks < KDIM
+    nmask = ns < NDIM
     ts = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):
         t = t0 + ts
         tmask = t < end
         t64 = t.to(tl.int64)
-        a = tl.load(lhs_ptr + t64[:, None] * KDIM + ks_ld[None, :], mask=tmask[:, None], other=0.0)
-        b = tl.load(dout_ptr + t64[:, None] * NDIM + ns_ld[None, :], mask=tmask[:, None], other=0.0)
+        a = tl.load(lhs_ptr + t64[:, None] * KDIM + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(dout_ptr + t64[:, None] * NDIM + ns[None, :], mask=tmask[:, None] & nmask[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
         else:
             acc = tl.dot(tl.trans(a), b, acc)
     out_ptrs = out_ptr + g.to(tl.int64) * KDIM * NDIM + ks[:, None] * NDIM + ns[None, :]
-    mask = (ks < KDIM)[:, None] & (ns < NDIM)[None, :]
+    mask = kmask[:, None] & nmask[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

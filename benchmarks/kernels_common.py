@@ -1,0 +1,75 @@
+"""Timing and environment helpers shared by the kernel benchmarks (benchmarks/kernels_*.py)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def bench(fn, *args, warmup: int = 2, reps: int = 7, target_s: float = 0.05, max_inner: int = 50) -> dict:
+    """Median device time of ``fn(*args)`` in milliseconds.
+
+    Compiles and warms up first; then each rep dispatches ``inner`` calls back to back (asynchronous
+    dispatch keeps the GPU queue full, so host overhead is hidden for short kernels) and blocks on the
+    last. ``inner`` is sized so that a rep takes about ``target_s``. Returns median, min and max per call.
+    """
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    inner = max(1, min(max_inner, int(target_s / max(one, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times),
+            "inner": inner, "reps": reps}
+
+
+def env_line() -> str:
+    import jax
+
+    parts = [f"date {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+             f"python {platform.python_version()}", f"jax {jax.__version__}"]
+    try:
+        import jaxlib
+
+        parts.append(f"jaxlib {jaxlib.__version__}")
+    except Exception:
+        pass
+    for mod in ("triton", "jax_triton"):
+        try:
+            m = __import__(mod)
+            parts.append(f"{mod} {getattr(m, '__version__', '?')}")
+        except Exception as e:  # noqa: BLE001
+            parts.append(f"{mod} unavailable ({type(e).__name__})")
+    d = jax.devices()[0]
+    parts.append(f"device {d.platform}:{getattr(d, 'device_kind', '?')} x{len(jax.devices())}")
+    return ", ".join(parts)
+
+
+def peak_bytes() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def gib(x) -> str:
+    return "n/a" if x is None else f"{x / 2**30:.2f}"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device run for jrl.kernels: install the carried jax-triton wheel, print the environment, then run
+# the requested stages, each under its own time limit, logging to $OUT (or ./kernels_gpu_out).
+#   bash benchmarks/kernels_gpu_run.sh tests gmm logprobs
+# stages: tests (pytest -m gpu tests/kernels), gmm (benchmarks/kernels_gmm.py --sweep),
+#         logprobs (benchmarks/kernels_logprobs.py --sweep)
+set -u
+OUT=${OUT:-$PWD/kernels_gpu_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import jax, jaxlib, triton, jax_triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__); print(jax.devices())"
+  date -u; } 2>&1 | tee "$OUT/env.txt"
+for stage in "$@"; do
+  start=$(date +%s)
+  case $stage in
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    gmm) timeout ${GMM_TIMEOUT:-300} python3 benchmarks/kernels_gmm.py --sweep ${GMM_ARGS:-} 2>&1 | tee "$OUT/gmm.md" ;;
+    logprobs) timeout ${LP_TIMEOUT:-400} python3 benchmarks/kernels_logprobs.py --sweep ${LP_ARGS:-} 2>&1 | tee "$OUT/logprobs.md" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "== stage $stage took $(( $(date +%s) - start )) s"
+done

@@ -1,0 +1,187 @@
+"""The embedded JAX sampler (rollout backend ``jax``): batched generation with a KV cache in one jit.
+
+A call to :meth:`JaxRolloutEngine.generate` repeats each prompt ``num_generations`` times (rows
+``p*G .. p*G+G-1``), left-pads the prompts to a multiple of ``prompt_bucket`` tokens, and runs one jitted
+program: a prefill of the whole prompt batch into a fixed-size KV cache of ``prompt_len + max_new_tokens``
+slots per layer (:meth:`jrl.models.Transformer.decode`), then a ``lax.while_loop`` that samples a token,
+writes it to the cache and decodes the next logits, until ``max_new_tokens`` tokens or every row has
+stopped. Shapes depend only on (rows, prompt bucket, sampling parameters), so a training run compiles a
+handful of programs at most.
+
+Sampling semantics and the reported logprob are those of :mod:`jrl.rollout.sampling`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jrl.models.layers import constrain
+from jrl.models.transformer import place
+from jrl.rollout.base import RolloutBatch, SamplingParams
+from jrl.rollout.sampling import sample_tokens
+from jrl.sharding.placement import gather_to_host
+from jrl.sharding.rules import logical_to_spec
+
+_ROWS = ("batch", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """Everything static about one compiled generation program (its jit cache key)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_token_ids: tuple[int, ...]
+    pad_id: int
+    mesh: object
+    rules: tuple | None
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "program"))
+def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                   program: _Program):
+    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for left-padded prompts [N, Lp].
+
+    The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
+    (the last iteration's decode is unused: one extra decode step instead of a branch in the loop)."""
+    p = program
+    model = nnx.merge(graphdef, state)
+    rules = dict(p.rules) if p.rules is not None else None
+    n, prompt_len = prompt_ids.shape
+    max_len = prompt_len + p.max_new_tokens
+
+    def rows(x):
+        return constrain(x, _ROWS, p.mesh, rules)
+
+    cache = model.init_cache(n, max_len)
+    key_mask = rows(jnp.zeros((n, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
+    positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=-1) - 1, 0)
+    hidden, cache = model.decode(prompt_ids, positions, key_mask, cache, 0)
+    logits = model.logits(hidden[:, -1])  # left padding: the last slot is every row's last prompt token
+    stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
+
+    carry = dict(
+        step=jnp.zeros((), jnp.int32), cache=cache, logits=logits, key_mask=key_mask,
+        position=jnp.sum(prompt_mask.astype(jnp.int32), axis=-1),
+        stopped=rows(jnp.zeros((n,), bool)),
+        tokens=rows(jnp.full((n, p.max_new_tokens), p.pad_id, jnp.int32)),
+        mask=rows(jnp.zeros((n, p.max_new_tokens), jnp.int32)),
+        logprobs=rows(jnp.zeros((n, p.max_new_tokens), jnp.float32)),
+    )
+
+    def cond(c):
+        return (c["step"] < p.max_new_tokens) & ~jnp.all(c["stopped"])
+
+    def body(c):
+        i = c["step"]
+        token, logprob = sample_tokens(jax.random.fold_in(key, i), c["logits"], temperature=p.temperature,
+                                       top_k=p.top_k, top_p=p.top_p)
+        active = ~c["stopped"]
+        token = jnp.where(active, token, p.pad_id)
+        stopped = c["stopped"] | (active & jnp.any(token[:, None] == stops[None, :], axis=-1))
+        slot = prompt_len + i
+        key_mask = c["key_mask"].at[:, slot].set(active)
+        hidden, cache = model.decode(token[:, None], c["position"][:, None], key_mask, c["cache"], slot)
+        return dict(
+            step=i + 1, cache=cache, logits=model.logits(hidden[:, 0]), key_mask=key_mask,
+            position=c["position"] + 1, stopped=stopped,
+            tokens=c["tokens"].at[:, i].set(token),
+            mask=c["mask"].at[:, i].set(active.astype(jnp.int32)),
+            logprobs=c["logprobs"].at[:, i].set(jnp.where(active, logprob, 0.0)),
+        )
+
+    out = jax.lax.while_loop(cond, body, carry)
+    return out["tokens"], out["mask"], out["logprobs"], out["stopped"]
+
+
+def _batch_shards(mesh, rules) -> int:
+    """How many ways the batch dimension is split on ``mesh`` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    axes = logical_to_spec(("batch",), mesh, rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _resolve_pad_id(pad_id, tokenizer, model) -> int:
+    candidates = [pad_id]
+    if tokenizer is not None:
+        candidates += [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    candidates.append(getattr(model.config, "pad_token_id", None))
+    for c in candidates:
+        if c is not None:
+            return int(c)
+    raise ValueError("JaxRolloutEngine needs a padding token id: pass pad_id=..., or a tokenizer with a "
+                     "pad_token_id / eos_token_id, or a model whose config has pad_token_id")
+
+
+class JaxRolloutEngine:
+    """The embedded sampler: :class:`~jrl.rollout.base.RolloutEngine` over a jrl ``Transformer``.
+
+    ``model``: the policy (any ``Transformer``, including one whose projections are LoRA layers). The engine
+    keeps a reference to its current arrays, never a copy; :meth:`sync_weights` re-points it at a model's
+    arrays (call it after every update: a train step that donates its buffers invalidates the old ones).
+    ``mesh`` / ``rules``: rows are sharded over the mesh's batch axes (default: the model's own mesh and
+    rules); the row count is padded to a multiple of the batch shards with throw-away rows.
+    ``pad_id``: the id filling prompt padding and completion slots after a stop (default: the tokenizer's
+    pad, else its EOS, else ``model.config.pad_token_id``). ``prompt_bucket``: prompts are left-padded to
+    a multiple of this many tokens, so the program compiles once per bucket.
+    """
+
+    def __init__(self, model, *, mesh=None, rules=None, pad_id: int | None = None, tokenizer=None,
+                 prompt_bucket: int = 32):
+        if prompt_bucket < 1:
+            raise ValueError(f"JaxRolloutEngine prompt_bucket={prompt_bucket} must be >= 1")
+        self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+        rules = rules if rules is not None else getattr(model, "rules", None)
+        self.rules = None if rules is None else tuple(sorted(dict(rules).items()))
+        self.pad_id = _resolve_pad_id(pad_id, tokenizer, model)
+        self.prompt_bucket = int(prompt_bucket)
+        self.version = 0
+        self.sync_weights(model, 0)
+
+    def sync_weights(self, model, version: int) -> None:
+        """Sample from ``model``'s current arrays from now on (no copy), tagged ``version``."""
+        self._graphdef, self._state = nnx.split(model)
+        self.version = int(version)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
+                 seed: int) -> RolloutBatch:
+        """``num_generations`` completions per prompt, rows ``p*G .. p*G+G-1``; reproducible for a ``seed``
+        (on a given device setup)."""
+        if num_generations < 1:
+            raise ValueError(f"generate: num_generations={num_generations} must be >= 1")
+        if not prompt_ids:
+            raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+        empty = [i for i, ids in enumerate(prompt_ids) if len(ids) == 0]
+        if empty:
+            raise ValueError(f"generate: prompts {empty[:10]} are empty; every prompt needs at least one token")
+        rows = len(prompt_ids) * num_generations
+        rules = dict(self.rules) if self.rules is not None else None
+        padded_rows = -(-rows // _batch_shards(self.mesh, rules)) * _batch_shards(self.mesh, rules)
+        prompt_len = -(-max(len(ids) for ids in prompt_ids) // self.prompt_bucket) * self.prompt_bucket
+        ids = np.full((padded_rows, prompt_len), self.pad_id, np.int32)
+        mask = np.zeros((padded_rows, prompt_len), np.int32)
+        for r in range(padded_rows):
+            prompt = prompt_ids[(r if r < rows else 0) // num_generations]
+            ids[r, prompt_len - len(prompt):] = prompt
+            mask[r, prompt_len - len(prompt):] = 1
+        program = _Program(max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
+                           top_k=int(params.top_k), top_p=float(params.top_p),
+                           stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
+                           mesh=self.mesh, rules=self.rules)
+        out = _generate(self._graphdef, self._state, place(ids, _ROWS, self.mesh, rules),
+                        place(mask, _ROWS, self.mesh, rules), jax.random.key(int(seed)), program=program)
+        tokens, completion_mask, logprobs, stopped = (x[:rows] for x in gather_to_host(out))
+        return RolloutBatch(prompt_ids=ids[:rows], prompt_mask=mask[:rows], completion_ids=tokens,
+                            completion_mask=completion_mask, sampling_logprobs=logprobs.astype(np.float32),
+                            truncated=~stopped.astype(bool), policy_version=self.version)

@@ -1,0 +1,46 @@
+"""Token sampling from float32 logits: temperature, top-k, top-p (nucleus), and the reported logprob.
+
+The distribution sampled from is ``softmax(filter(logits / temperature))`` where ``filter`` keeps the
+``top_k`` largest scaled logits (0 = all), then the smallest set of the remaining tokens, most likely first,
+whose renormalised probability mass reaches ``top_p``, and sets the rest to ``-inf`` (the order of
+transformers' and vLLM's samplers). The reported logprob of a sampled token is its log-probability under
+that *same* distribution, i.e. the log-probability of the behaviour policy that actually produced it.
+
+With ``top_k=0`` and ``top_p=1`` nothing is filtered and the reported logprob is exactly the trainer's
+``log_softmax(logits / temperature)[token]``. With filtering it is larger by ``-log(kept mass)`` (the
+renormalisation), so an importance ratio trainer/sampler measures the truncation as a policy difference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+def filter_logits(scaled: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """``scaled`` [..., V] (float32 logits already divided by the temperature) with the tokens outside the
+    top-k / top-p set at ``-inf``. ``top_k`` and ``top_p`` are static; ties at a threshold are kept."""
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+        scaled = jnp.where(scaled < kth, _NEG_INF, scaled)
+    if top_p < 1.0:
+        ordered = jnp.sort(scaled, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+        kept = mass_before < top_p  # always keeps the most likely token
+        threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < threshold, _NEG_INF, scaled)
+    return scaled
+
+
+def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] int32, logprobs [B] float32 of
+    those tokens under the filtered distribution at ``temperature``, see the module docstring)."""
+    scaled = filter_logits(logits.astype(jnp.float32) / temperature, top_k=top_k, top_p=top_p)
+    tokens = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs

@@ -1,0 +1,56 @@
+"""Export a training checkpoint as a Hugging Face model directory (LoRA merged into the weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jrl.models import from_pretrained, save_pretrained
+from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, merge_lora
+from jrl.train.checkpoint import TrainCheckpointer
+
+
+def _checkpoint_dir(path: Path) -> tuple[Path, int | None]:
+    """(orbax manager directory, step or None for the latest) from a run dir, its ``checkpoints``
+    dir, or one step's dir."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    if path.name.isdigit() and (path / "params").exists():
+        return path.parent, int(path.name)
+    return path, None
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_only: bool = False,
+                      dtype: str | None = None) -> Path:
+    """Write the checkpoint's model to ``out_dir`` (HF safetensors + config + tokenizer of the base).
+
+    ``checkpoint`` is a run's ``output_dir``, its ``checkpoints`` directory or one step inside it.
+    A LoRA run is merged (``W + s·A@B``); ``adapter_only`` (a PEFT adapter directory) is not supported
+    by this exporter yet.
+    """
+    if adapter_only:
+        raise NotImplementedError("--adapter-only export (PEFT adapter directory) is not yet supported; "
+                                  "use --merge-lora to write a merged Hugging Face checkpoint")
+    directory, step = _checkpoint_dir(Path(checkpoint))
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} does not exist")
+    ckpt = TrainCheckpointer(directory)
+    try:
+        meta = ckpt.restore_meta(step)
+        spec = meta["model"]
+        model = from_pretrained(spec["path"], dtype=spec["dtype"], param_dtype=spec["param_dtype"])
+        lora = None if meta.get("lora") is None else LoraConfig(
+            **{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
+        if lora is not None:
+            apply_lora(model, lora, seed=meta["seed"])
+        wrt = LoRAParam if lora is not None else nnx.Param
+        params = ckpt.restore_params(nnx.state(model, wrt), step)
+        nnx.update(model, params)
+    finally:
+        ckpt.close()
+    if lora is not None:
+        model = merge_lora(model)
+    return save_pretrained(model, out_dir, dtype=None if dtype is None else jnp.dtype(dtype),
+                           source_dir=spec["path"])

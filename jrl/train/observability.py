@@ -1,0 +1,69 @@
+"""Run observability: ``metrics.jsonl``, TensorBoard events (tensorboardX) and the final reward/loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsWriter:
+    """Append one JSON object per step to ``<dir>/metrics.jsonl`` and the same scalars to TensorBoard."""
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps > ``step`` (written after the checkpoint a resumed run restarts from)."""
+        if not self.path.exists():
+            return
+        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in lines))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if math.isfinite(float(v)):
+                    self._tb.add_scalar(k, float(v), int(step))
+            self._tb.flush()
+
+    def history(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def plot_curves(history: list[dict], out_file: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss")) -> Path:
+    """A PNG with one panel per metric in ``keys`` against ``step`` (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
+    for ax, key in zip(axes if len(keys) > 1 else [axes], keys):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), marker=".")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_file = Path(out_file)
+    fig.savefig(out_file, dpi=100)
+    plt.close(fig)
+    return out_file

@@ -1,0 +1,33 @@
+"""Export a jrl training checkpoint as a Hugging Face model directory.
+
+    python scripts/export.py CHECKPOINT OUT_DIR [--merge-lora | --adapter-only] [--dtype bfloat16]
+
+CHECKPOINT is a run's output directory (the latest checkpoint is used), its ``checkpoints``
+directory, or one step inside it. LoRA runs are merged into the base weights (``--merge-lora``, the
+default); ``--adapter-only`` (a PEFT adapter directory) is not supported yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="run output dir, its checkpoints/ dir, or checkpoints/<step>")
+    parser.add_argument("out_dir", help="Hugging Face directory to write")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the weights (default)")
+    mode.add_argument("--adapter-only", action="store_true", help="write a PEFT adapter directory (not yet supported)")
+    parser.add_argument("--dtype", default=None, help="dtype of the written weights (default: the parameter dtype)")
+    args = parser.parse_args(argv)
+    from jrl.train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only, dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

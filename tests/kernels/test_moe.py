@@ -1,0 +1,278 @@
+"""Grouped matmul (gmm / tgmm / gmm_lora) and token permutation against references: ragged and empty
+groups, rows past ``sum(group_sizes)``, dims that are not a multiple of any tile, bf16 and f32, and
+gradients.
+
+CPU: reference vs a numpy loop, pallas_tpu (megablox) in interpret mode, the Triton kernels under
+Triton's interpreter (subprocess). GPU (``-m gpu``): the triton implementation on the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.kernels import moe
+from jrl.kernels.moe import pallas_tpu, reference
+from kernels_testlib import assert_close, group_sizes_cases, rng_for, run_script
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SMALL_TPU = pallas_tpu.Configs(fwd=(16, 128, 128), dlhs=(8, 128, 128), tgmm=(16, 128, 128))
+
+
+def np_gmm(lhs, rhs, gs):
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    s = 0
+    for g, n in enumerate(np.asarray(gs)):
+        out[s:s + n] = lhs[s:s + n] @ rhs[g]
+        s += n
+    return out
+
+
+def np_tgmm(lhs, dout, gs):
+    lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+    out = np.zeros((len(gs), lhs.shape[1], dout.shape[1]))
+    s = 0
+    for g, n in enumerate(np.asarray(gs)):
+        out[g] = lhs[s:s + n].T @ dout[s:s + n]
+        s += n
+    return out
+
+
+def make(rng, t, k, n, e, dtype, gs):
+    lhs = jnp.asarray(rng.standard_normal((t, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), dtype)
+    dout = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
+    return lhs, rhs, jnp.asarray(gs, jnp.int32), dout
+
+
+def check_gmm(impl, rng, t, k, n, e, dtype, gs, **kw):
+    lhs, rhs, gs, dout = make(rng, t, k, n, e, dtype, gs)
+
+    def f(fn):
+        out, vjp = jax.vjp(lambda a, b: fn(a, b, gs), lhs, rhs)
+        return (out, *vjp(dout.astype(out.dtype)))
+
+    ref = f(reference.gmm)
+    got = f(lambda a, b, g: moe.gmm(a, b, g, impl=impl, **kw))
+    total = int(np.sum(np.asarray(gs)))
+    for name, o, r in zip(["out", "d lhs", "d rhs"], got, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype, (name, o.shape, r.shape, o.dtype, r.dtype)
+        assert_close(o, r, dtype, f"{impl} gmm {name} t={t} k={k} n={n} gs={np.asarray(gs).tolist()}")
+    assert np.all(np.asarray(got[0][total:], np.float32) == 0), "rows past sum(group_sizes) must be zero"
+    assert np.all(np.asarray(got[1][total:], np.float32) == 0)
+
+
+# --- reference --------------------------------------------------------------------------------
+
+
+def test_reference_matches_numpy(request):
+    rng = rng_for(request)
+    for name, gs in group_sizes_cases(50, 6, rng).items():
+        lhs, rhs, gsj, dout = make(rng, 50, 24, 40, 6, jnp.float32, gs)
+        assert_close(reference.gmm(lhs, rhs, gsj), np_gmm(lhs, rhs, gs), jnp.float32, f"gmm {name}")
+        assert_close(reference.tgmm(lhs, dout, gsj), np_tgmm(lhs, dout, gs), jnp.float32, f"tgmm {name}")
+        a = jnp.asarray(rng.standard_normal((6, 24, 3)), jnp.float32)
+        b = jnp.asarray(rng.standard_normal((6, 3, 40)), jnp.float32)
+        dense = np.asarray(rhs, np.float64) + 0.5 * np.einsum("ekr,ern->ekn", np.asarray(a, np.float64),
+                                                              np.asarray(b, np.float64))
+        assert_close(reference.gmm_lora(lhs, rhs, a, b, 0.5, gsj), np_gmm(lhs, dense, gs), jnp.float32, "lora")
+
+
+# --- Pallas TPU (megablox) in interpret mode --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pallas_tpu_interpret_matches_reference(request, dtype):
+    rng = rng_for(request)
+    for name, gs in group_sizes_cases(45, 5, rng).items():
+        check_gmm("pallas_tpu", rng, 45, 24, 40, 5, dtype, gs, configs=SMALL_TPU, interpret=True)
+
+
+def test_pallas_tpu_interpret_tgmm(request):
+    rng = rng_for(request)
+    gs = group_sizes_cases(40, 4, rng)["sum<T"]
+    lhs, _, gsj, dout = make(rng, 40, 24, 40, 4, jnp.float32, gs)
+    out = moe.tgmm(lhs, dout, gsj, impl="pallas_tpu", configs=SMALL_TPU, interpret=True)
+    assert_close(out, np_tgmm(lhs, dout, gs), jnp.float32, "tgmm")
+
+
+# --- LoRA on experts --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_tpu"])
+def test_gmm_lora_matches_materialized_delta(request, impl):
+    rng = rng_for(request)
+    t, k, n, e, r, s = 37, 16, 24, 4, 4, 0.75
+    gs = group_sizes_cases(t, e, rng)["ragged"]
+    lhs, rhs, gsj, dout = make(rng, t, k, n, e, jnp.float32, gs)
+    a = jnp.asarray(rng.standard_normal((e, k, r)) / 4, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((e, r, n)) / 2, jnp.float32)
+    def lora(x, w, a_, b_):
+        return moe.gmm_lora(x, w, a_, b_, s, gsj, impl=impl)
+
+    def dense(x, w, a_, b_):  # W + s * A @ B materialized per expert
+        return reference.gmm(x, w + s * jnp.einsum("ekr,ern->ekn", a_, b_, precision="highest"), gsj)
+
+    out, vjp = jax.vjp(lora, lhs, rhs, a, b)
+    ref, vjp_ref = jax.vjp(dense, lhs, rhs, a, b)
+    assert_close(out, ref, jnp.float32, "gmm_lora out")
+    for name, g, gr in zip(["d x", "d W", "d A", "d B"], vjp(dout), vjp_ref(dout)):
+        assert_close(g, gr, jnp.float32, f"gmm_lora {name}")
+
+
+# --- permute / unpermute -----------------------------------------------------------------------
+
+
+def dense_moe(x, w, weights, idx):
+    """Every token through its k experts with a per-token matmul (no sorting), float32."""
+    per = jnp.einsum("th,thn->tn", jnp.repeat(x, idx.shape[1], axis=0), w[idx.reshape(-1)],
+                     precision="highest").reshape(*idx.shape, -1)
+    return jnp.einsum("tkn,tk->tn", per, weights)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_tpu"])
+def test_permute_gmm_unpermute_matches_dense(request, impl):
+    rng = rng_for(request)
+    t, h, n, e, k = 19, 16, 24, 6, 2
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((e, h, n)) / 4, jnp.float32)
+    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(e - 1, k, replace=False) for _ in range(t)]), jnp.int32)  # expert e-1 empty
+
+    def routed(x_, w_, wt):
+        perm = moe.permute(x_, idx, e)
+        return moe.unpermute(moe.gmm(perm.sorted_x, w_, perm.group_sizes, impl=impl), perm, wt)
+
+    out, vjp = jax.vjp(routed, x, w, weights)
+    ref, vjp_ref = jax.vjp(lambda a, b, c: dense_moe(a, b, c, idx), x, w, weights)
+    assert_close(out, ref, jnp.float32, "moe out")
+    dy = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    for name, g, gr in zip(["d x", "d W", "d weights"], vjp(dy), vjp_ref(dy)):
+        assert_close(g, gr, jnp.float32, f"moe {name}")
+    perm = moe.permute(x, idx, e)
+    assert int(perm.group_sizes[e - 1]) == 0 and int(perm.group_sizes.sum()) == t * k
+
+
+def test_unpermute_inverts_permute(request):
+    rng = rng_for(request)
+    t, h, e, k = 11, 8, 5, 3
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    perm = moe.permute(x, idx, e)
+    # Experts are non-decreasing along the sorted rows.
+    assert np.all(np.diff(np.asarray(idx).reshape(-1)[np.asarray(perm.order)]) >= 0)
+    y = moe.unpermute(perm.sorted_x, perm, jnp.ones((t, k), jnp.float32) / k)
+    assert_close(y, x, jnp.float32, "unpermute(permute(x))")
+
+
+# --- Triton kernels under Triton's interpreter --------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+                    reason="needs triton and torch (Triton's CPU interpreter runs on torch tensors)")
+def test_triton_kernels_in_interpreter():
+    seed = str(int.from_bytes(os.urandom(2), "little"))
+    res = run_script(os.path.join(HERE, "triton_interpret_moe.py"), seed)
+    assert res.returncode == 0, f"seed {seed}\n{res.stdout}\n{res.stderr[-3000:]}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (compiles for sm_90, no GPU needed)")
+def test_triton_kernels_compile_for_hopper():
+    """Every Triton kernel (MoE and logprobs) compiles for sm_90 with wgmma and pipelined cp.async loads."""
+    res = run_script(os.path.join(HERE, "triton_compile_check.py"))
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr[-3000:]}"
+
+
+def test_tile_schedule_covers_every_row_once(request):
+    from jrl.kernels.moe.schedule import tile_schedule
+
+    rng = rng_for(request)
+    for t, e, bm in [(100, 7, 16), (64, 4, 64), (5, 3, 128), (1000, 64, 128)]:
+        for gs in group_sizes_cases(t, e, rng).values():
+            tg, rs, re_ = (np.asarray(a) for a in tile_schedule(jnp.asarray(gs), t, bm))
+            owner = np.full(t, -1)
+            for g, s0, s1 in zip(tg, rs, re_):
+                if g < 0:
+                    continue
+                rows = np.arange(s0, min(s0 + bm, s1))
+                assert np.all(owner[rows] == -1), "row covered twice"
+                owner[rows] = g
+            expect = np.concatenate([np.repeat(np.arange(e), gs), np.full(t - gs.sum(), e)])
+            np.testing.assert_array_equal(owner, expect)
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def test_unknown_impl_lists_available():
+    with pytest.raises(ValueError, match="available: 'auto', 'reference', 'pallas_tpu', 'triton'"):
+        moe.gmm(jnp.zeros((4, 2)), jnp.zeros((1, 2, 3)), jnp.array([4], jnp.int32), impl="megablocks")
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="K="):
+        moe.gmm(jnp.zeros((4, 2)), jnp.zeros((1, 3, 3)), jnp.array([4], jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes"):
+        moe.gmm(jnp.zeros((4, 2)), jnp.zeros((2, 2, 3)), jnp.array([4], jnp.int32))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU choice")
+def test_auto_on_cpu_is_reference_and_logged_once(request, caplog):
+    rng = rng_for(request)
+    lhs, rhs, gs, _ = make(rng, 9, 5, 7, 2, jnp.float32, [4, 5])
+    with caplog.at_level(logging.INFO, logger="jrl.kernels"):
+        out = moe.gmm(lhs, rhs, gs)
+        moe.gmm(lhs, rhs, gs)
+    lines = [r.getMessage() for r in caplog.records if "gmm" in r.getMessage() and "(9, 5)" in r.getMessage()]
+    assert len(lines) == 1 and "'reference'" in lines[0], lines
+    assert_close(out, np_gmm(lhs, rhs, [4, 5]), jnp.float32)
+
+
+# --- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t,k,n,e", [(1000, 256, 320, 8), (777, 200, 96, 64), (64, 48, 40, 3)])
+def test_gpu_triton_matches_reference(request, dtype, t, k, n, e):
+    rng = rng_for(request)
+    with jax.default_matmul_precision("highest"):
+        for gs in group_sizes_cases(t, e, rng).values():
+            check_gmm("triton", rng, t, k, n, e, dtype, gs)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_tgmm_and_lora(request):
+    rng = rng_for(request)
+    t, k, n, e, r = 900, 128, 192, 16, 8
+    gs = group_sizes_cases(t, e, rng)["sum<T"]
+    lhs, rhs, gsj, dout = make(rng, t, k, n, e, jnp.bfloat16, gs)
+    with jax.default_matmul_precision("highest"):
+        assert_close(moe.tgmm(lhs, dout.astype(jnp.bfloat16), gsj, impl="triton"),
+                     reference.tgmm(lhs, dout.astype(jnp.bfloat16), gsj), jnp.bfloat16, "tgmm")
+        a = jnp.asarray(rng.standard_normal((e, k, r)) / 8, jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal((e, r, n)) / 2, jnp.bfloat16)
+
+        def loss(impl):
+            return jax.vjp(lambda x, w, a_, b_: moe.gmm_lora(x, w, a_, b_, 2.0, gsj, impl=impl), lhs, rhs, a, b)
+
+        out, vjp = loss("triton")
+        ref, vjp_ref = loss("reference")
+        assert_close(out, ref, jnp.bfloat16, "lora out")
+        for name, g, gr in zip(["x", "W", "A", "B"], vjp(out), vjp_ref(out)):
+            assert_close(g, gr, jnp.bfloat16, f"lora d{name}")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_triton():
+    from jrl.kernels import _dispatch
+
+    name, _ = _dispatch.select("gmm", moe.api.IMPLS, moe.api.ORDER, "auto")
+    assert name == "triton"

@@ -1,0 +1,96 @@
+"""LoRA adapters: identity at init, merge equals the adapted forward, only adapters train, base reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from train_testlib import random_step_batch, tiny_model
+
+from jrl.losses import GRPOConfig
+from jrl.models import named_params
+from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, lora_disabled, lora_layers, merge_lora
+from jrl.train.config import OptimConfig
+from jrl.train.step import GRPOLearner
+
+
+def _ids(seed=0, n=2, s=7):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 262, (n, s)), jnp.int32)
+
+
+def _randomize_b(model, seed=1, std=0.3):
+    for i, layer in enumerate(lora_layers(model).values()):
+        layer.lora_b.set_value(jax.random.normal(jax.random.key(seed + i), layer.lora_b[...].shape) * std)
+
+
+def test_fresh_adapter_is_identity_and_disabled_is_base():
+    model = tiny_model(seed=0)
+    base = model(_ids())
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    assert set(p.rsplit(".", 1)[-1] for p in lora_layers(model)) == set(LoraConfig().target_modules)
+    np.testing.assert_array_equal(np.asarray(model(_ids())), np.asarray(base))
+    _randomize_b(model)
+    adapted = model(_ids())
+    assert float(jnp.max(jnp.abs(adapted - base))) > 1e-2
+    with lora_disabled(model):
+        np.testing.assert_array_equal(np.asarray(model(_ids())), np.asarray(base))
+    np.testing.assert_array_equal(np.asarray(model(_ids())), np.asarray(adapted))
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_merge_equals_adapted_forward(use_rslora):
+    model = tiny_model(seed=2)
+    cfg = LoraConfig(rank=4, alpha=8.0, use_rslora=use_rslora, target_modules=("q_proj", "v_proj", "down_proj"))
+    apply_lora(model, cfg, seed=3)
+    _randomize_b(model)
+    layer = next(iter(lora_layers(model).values()))
+    assert layer.scale == pytest.approx(8.0 / (2.0 if use_rslora else 4.0))
+    merged = merge_lora(model)
+    assert not lora_layers(merged) and set(named_params(merged)) == {
+        k for k in named_params(model) if not k.endswith(("lora_a", "lora_b"))}
+    ref = model(_ids(1))
+    np.testing.assert_allclose(np.asarray(merged(_ids(1))), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    # The merged q kernel is W + s * A @ B with PEFT's layout convention.
+    q = model.layers[0].attn.q_proj
+    a = np.asarray(q.lora_a[...]).reshape(32, 4)
+    b = np.asarray(q.lora_b[...]).reshape(4, -1)
+    want = np.asarray(q.kernel[...]).reshape(32, -1) + layer.scale * a @ b
+    np.testing.assert_allclose(np.asarray(merged.layers[0].attn.q_proj.kernel[...]).reshape(32, -1), want, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_only_adapters_train_and_reference_is_base():
+    model = tiny_model(seed=4)
+    base_lp_model = tiny_model(seed=4)
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0), seed=0)
+    base_before = {k: np.asarray(v[...]) for k, v in named_params(model).items() if not k.endswith(("lora_a", "lora_b"))}
+    algo = GRPOConfig(num_generations=2, beta=0.1, metrics="basic")
+    learner = GRPOLearner(model, algo, OptimConfig(learning_rate=1e-2), total_updates=2)
+    leaves = jax.tree_util.tree_leaves(learner.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert leaves and all(isinstance(v, LoRAParam) for v in leaves)
+    batch = random_step_batch(seed=5)
+    ref = learner.score(batch, disable_lora=True)
+    plain = GRPOLearner(base_lp_model, dataclasses.replace(algo, beta=0.0), OptimConfig(), total_updates=1)
+    np.testing.assert_allclose(ref, plain.score(batch), rtol=1e-5, atol=1e-5)
+    metrics = learner.update(batch, np.ones(8, bool))
+    assert "kl" in metrics and np.isfinite(metrics["loss"])
+    after = learner.model
+    for k, v in named_params(after).items():
+        if k in base_before:
+            np.testing.assert_array_equal(np.asarray(v[...]), base_before[k], err_msg=k)
+    b_norm = sum(float(jnp.sum(jnp.abs(layer.lora_b[...]))) for layer in lora_layers(after).values())
+    assert b_norm > 0  # B moved off zero: the gradient reached the adapters
+    # After the update, the adapters change the policy while the reference (disabled) does not move.
+    np.testing.assert_allclose(learner.score(batch, disable_lora=True), ref, rtol=1e-6, atol=1e-6)
+    assert np.max(np.abs(learner.score(batch) - ref)) > 1e-6
+
+
+def test_lora_config_errors():
+    with pytest.raises(ValueError, match="LoraConfig.rank=0"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="unknown: \\['qkv'\\]"):
+        LoraConfig(target_modules=("qkv",))

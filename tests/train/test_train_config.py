@@ -1,0 +1,94 @@
+"""TrainConfig loading, CLI overrides, --help, and bad input errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jrl.data.pipeline import DataConfig
+from jrl.losses import GRPOConfig
+from jrl.sharding import MeshConfig
+from jrl.train.config import ModelSpec, OptimConfig, TrainConfig, load_config_file
+from jrl.train.rewards import RewardError, RewardLoadError, RewardSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train_script():
+    spec = importlib.util.spec_from_file_location("jrl_train_script", ROOT / "scripts" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shipped_config_loads_and_overrides_apply():
+    base = load_config_file(ROOT / "configs" / "grpo.py")
+    assert isinstance(base, TrainConfig) and base.model.path == "models/tiny-arithmetic"
+    cfg = _train_script().parse_config(["--config", str(ROOT / "configs" / "grpo.py"), "--max-steps", "3",
+                                        "--output-dir", "runs/x", "--rollout.temperature", "0.8",
+                                        "--algo.num-generations", "4", "--optim.learning-rate", "0.001"])
+    assert (cfg.max_steps, cfg.output_dir, cfg.rollout.temperature) == (3, "runs/x", 0.8)
+    assert cfg.algo.num_generations == 4 and cfg.optim.learning_rate == 0.001
+    assert cfg.algo.temperature == 0.8  # the loss follows the sampling temperature
+    # Untouched fields keep the file's values, not the dataclass defaults.
+    assert cfg.data == base.data and cfg.save_every == base.save_every
+
+
+def test_help_lists_every_documented_field():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config",
+                          str(ROOT / "configs" / "grpo.py"), "--help"], capture_output=True, text=True, timeout=120,
+                         env={"COLUMNS": "200", "PATH": ""}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for flag in ["--max-steps", "--output-dir", "--seed", "--save-every", "--log-every", "--resume",
+                 "--num-iterations", "--model.path", "--mesh.fsdp", "--data.source", "--rollout.temperature",
+                 "--rollout.max-new-tokens", "--algo.num-generations", "--algo.beta", "--optim.learning-rate",
+                 "--optim.micro-batch-size", "--logprobs-impl", "lora:lora-config"]:
+        assert flag in text, flag
+    assert "completions per prompt" in text  # field docstrings are shown
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"algo\.num_generations=1"):
+        TrainConfig(algo=GRPOConfig(num_generations=1))
+    with pytest.raises(ValueError, match=r"optim\.micro_batch_size=5"):
+        TrainConfig(data=DataConfig(prompts_per_batch=2), algo=GRPOConfig(num_generations=4),
+                    optim=OptimConfig(micro_batch_size=5))
+    with pytest.raises(ValueError, match=r"algo\.temperature=0\.5"):
+        TrainConfig(algo=GRPOConfig(temperature=0.5))
+    with pytest.raises(ValueError, match="learning_rate"):
+        OptimConfig(learning_rate=0.0)
+    with pytest.raises(SystemExit):  # tyro reports the error and exits non-zero
+        _train_script().parse_config(["--config", str(ROOT / "configs" / "grpo.py"), "--algo.num-generations", "1"])
+
+
+def _cfg(model_dir, tmp_path, **kw):
+    base = TrainConfig(model=ModelSpec(path=str(model_dir)), data=DataConfig(prompts_per_batch=2, max_prompt_length=64),
+                       algo=GRPOConfig(num_generations=2), output_dir=str(tmp_path / "run"), max_steps=1)
+    return dataclasses.replace(base, **kw)
+
+
+def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
+    from jrl.train.grpo import GRPOTrainer
+
+    with pytest.raises(ValueError, match="MeshConfig"):
+        GRPOTrainer(_cfg(tiny_model_dir, tmp_path, mesh=MeshConfig(fsdp=3)))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        GRPOTrainer(_cfg(tiny_model_dir, tmp_path, data=DataConfig(source=str(tmp_path / "missing.jsonl"))))
+    with pytest.raises(RewardLoadError, match="no_such_module"):
+        GRPOTrainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path="no_such_module:fn"),)))
+    with pytest.raises(FileNotFoundError, match="ModelSpec.path"):
+        GRPOTrainer(_cfg(tmp_path, tmp_path))
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def one_value(prompts, completions, completion_ids=None, **kw):\n    return [1.0]\n")
+    trainer = GRPOTrainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path=f"{bad}:one_value"),)))
+    batch = next(trainer.loader)
+    with pytest.raises(RewardError, match="one_value") as e:
+        trainer.rewards(batch, [[65, 66]] * 4, step=7)
+    assert "step 7" in str(e.value)
+    trainer.close()

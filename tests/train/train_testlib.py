@@ -1,0 +1,57 @@
+"""Tiny models and rollout batches for the trainer tests (built locally, random, float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
+from jrl.models import ModelConfig, create_model, save_pretrained
+from jrl.train.step import StepBatch
+
+TINY = dict(model_type="llama", vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID, pad_token_id=PAD_ID, initializer_range=0.2)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, "dtype": "float32", "param_dtype": "float32", **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides):
+    return create_model(tiny_config(**overrides), seed=seed)
+
+
+def save_tiny_model_dir(path: Path, seed: int = 0) -> Path:
+    """A random tiny Llama + jrl's byte tokenizer as a Hugging Face directory."""
+    save_pretrained(tiny_model(seed), path)
+    save_byte_tokenizer(path)
+    return Path(path)
+
+
+def random_step_batch(seed: int, n: int = 8, prompt_len: int = 5, completion_len: int = 6,
+                      vocab: int = VOCAB_SIZE, with_sampler: bool = True) -> StepBatch:
+    """A synthetic rollout: left-padded prompts, right-padded completions with random lengths
+    (some truncated), random advantages and sampler log-probs near the true scale."""
+    rng = np.random.default_rng(seed)
+    p_len = rng.integers(1, prompt_len + 1, n)
+    p_mask = (np.arange(prompt_len)[None] >= prompt_len - p_len[:, None]).astype(np.int32)
+    c_len = rng.integers(0, completion_len + 1, n)
+    c_mask = (np.arange(completion_len)[None] < c_len[:, None]).astype(np.int32)
+    p_ids = np.where(p_mask > 0, rng.integers(0, vocab, (n, prompt_len)), PAD_ID).astype(np.int32)
+    c_ids = np.where(c_mask > 0, rng.integers(0, vocab, (n, completion_len)), PAD_ID).astype(np.int32)
+    samp = np.where(c_mask > 0, -rng.uniform(4.5, 6.5, (n, completion_len)), np.nan).astype(np.float32)
+    return StepBatch(
+        input_ids=np.concatenate([p_ids, c_ids], 1), attention_mask=np.concatenate([p_mask, c_mask], 1),
+        completion_ids=c_ids, completion_mask=c_mask, advantages=rng.standard_normal(n).astype(np.float32),
+        truncated=c_len == completion_len, sampler_logprobs=samp if with_sampler else None)
+
+
+def max_rel_err(a, b) -> float:
+    """max |a - b| / max |b| over every leaf of two pytrees of the same structure."""
+    import jax
+
+    errs = [float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / max(float(np.max(np.abs(np.asarray(y)))), 1e-30))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+    return max(errs)

@@ -45,7 +45,7 @@ from jrl.train.step import GRPOLearner, StepBatch
 
 logger = logging.getLogger(__name__)
 
-#: Rollout backend name → ``module:attribute`` of a factory ``(model, tokenizer, mesh) -> RolloutEngine``
+#: Rollout backend name → ``module:attribute`` of a factory ``(model, *, tokenizer, mesh, rules) -> RolloutEngine``
 #: (imported only when the backend is used).
 ROLLOUT_BACKENDS: dict[str, str] = {"jax": "jrl.rollout.jax_engine:JaxRolloutEngine"}
 
@@ -53,13 +53,13 @@ ROLLOUT_BACKENDS: dict[str, str] = {"jax": "jrl.rollout.jax_engine:JaxRolloutEng
 PROMPT_PAD_MULTIPLE = 16
 
 
-def make_rollout_engine(name: str, model, tokenizer, mesh=None) -> RolloutEngine:
+def make_rollout_engine(name: str, model, tokenizer, mesh=None, rules=None) -> RolloutEngine:
     """The rollout engine registered as ``name`` in :data:`ROLLOUT_BACKENDS`, built for ``model``."""
     if name not in ROLLOUT_BACKENDS:
         raise ValueError(f"RolloutConfig.backend={name!r} is unknown; use one of {sorted(ROLLOUT_BACKENDS)}")
     module, attr = ROLLOUT_BACKENDS[name].split(":")
     factory = getattr(importlib.import_module(module), attr)
-    return factory(model, tokenizer=tokenizer, mesh=mesh)
+    return factory(model, tokenizer=tokenizer, mesh=mesh, rules=rules)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -127,7 +127,8 @@ class GRPOTrainer:
     def engine(self) -> RolloutEngine:
         """The rollout engine (built from ``rollout.backend`` on first use unless one was passed in)."""
         if self._engine is None:
-            self._engine = make_rollout_engine(self.cfg.rollout.backend, self.learner.model, self.tokenizer, self.mesh)
+            self._engine = make_rollout_engine(self.cfg.rollout.backend, self.learner.model, self.tokenizer,
+                                               self.mesh, self.rules)
         return self._engine
 
     # ------------------------------------------------------------------ pieces

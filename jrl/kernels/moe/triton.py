@@ -94,10 +94,16 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmC
     stages = cfg.num_stages
     if lhs.dtype.itemsize >= 4:  # fp32 tiles: keep the pipelined shared-memory buffers within 227 KB
         bk, stages = min(bk, 32), min(stages, 3)
-    tile_group, row_start, row_end = tile_schedule(group_sizes, t, bm)
-    num_tiles = tile_group.shape[0]
+    num_tiles = -(-t // bm) + e
     grid = (num_tiles * (-(-nout // bn)),)
-    return jt.triton_call(
+
+    @jax.custom_batching.sequential_vmap  # jax-triton has no batching rule: vmap loops over the batch
+    def run(lhs, rhs, group_sizes):
+        tile_group, row_start, row_end = tile_schedule(group_sizes, t, bm)
+        return _launch_gmm(lhs, rhs, tile_group, row_start, row_end)
+
+    def _launch_gmm(lhs, rhs, tile_group, row_start, row_end):
+        return jt.triton_call(
         lhs, rhs, tile_group, row_start, row_end,
         kernel=K.gmm_kernel,
         out_shape=jax.ShapeDtypeStruct((t, nout), out_dtype),
@@ -110,6 +116,8 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmC
         EVEN_K=(kin % bk == 0),
         IEEE=(lhs.dtype == jnp.float32),
     )
+
+    return run(lhs, rhs, group_sizes)
 
 
 def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
@@ -124,9 +132,12 @@ def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
     bt, stages = cfg.block_t, cfg.num_stages
     if lhs.dtype.itemsize >= 4:
         bt, stages = min(bt, 32), min(stages, 3)
-    starts, ends = group_bounds(group_sizes, t)
     grid = (e * (-(-kdim // bk)) * (-(-ndim // bn)),)
-    return jt.triton_call(
+
+    @jax.custom_batching.sequential_vmap  # jax-triton has no batching rule: vmap loops over the batch
+    def run(lhs, dout, group_sizes):
+        starts, ends = group_bounds(group_sizes, t)
+        return jt.triton_call(
         lhs, dout, starts, ends,
         kernel=K.tgmm_kernel,
         out_shape=jax.ShapeDtypeStruct((e, kdim, ndim), out_dtype),
@@ -137,6 +148,8 @@ def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
         BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=bt,
         IEEE=(lhs.dtype == jnp.float32),
     )
+
+    return run(lhs, dout, group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

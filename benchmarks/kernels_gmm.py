@@ -4,8 +4,9 @@ matmul of the same FLOPs, forward and forward+backward, uniform and skewed group
     python benchmarks/kernels_gmm.py [--T 32768] [--K 2048] [--N 1024] [--E 8,64,128]
                                      [--impls triton,reference] [--sweep]
 
-``--sweep`` first times each Triton pass (fwd, dlhs, tgmm) alone over a few tile configs and uses the
-fastest per pass for the main table (and prints them). Times are medians of back-to-back dispatches
+``--sweep`` first times each Triton pass (fwd, dlhs, tgmm) alone over a few tile configs, per E (uniform
+groups), and uses the fastest per pass and E for the main table (and prints them); without it the
+implementation's default tile table is used. Times are medians of back-to-back dispatches
 (see kernels_common.bench); TFLOP/s counts 2*T*K*N per matmul (x3 for forward+backward). "skewed":
 expert e gets a share proportional to (e+1)^-1.2, the last quarter of the experts get no tokens.
 Prints markdown tables.
@@ -42,10 +43,11 @@ def sweep(lhs, rhs, gs, dout, log):
 
     from jrl.kernels.moe import triton as T
 
-    gcands = [T.GmmConfig(128, 128, 64, 4, 4), T.GmmConfig(128, 128, 64, 8, 3), T.GmmConfig(128, 256, 64, 8, 3),
-              T.GmmConfig(64, 128, 64, 4, 4), T.GmmConfig(128, 128, 32, 4, 5), T.GmmConfig(256, 128, 64, 8, 3)]
-    tcands = [T.TgmmConfig(128, 128, 64, 4, 4), T.TgmmConfig(128, 128, 64, 8, 3), T.TgmmConfig(128, 256, 64, 8, 3),
-              T.TgmmConfig(64, 128, 64, 4, 4), T.TgmmConfig(128, 128, 32, 4, 4), T.TgmmConfig(256, 128, 64, 8, 3)]
+    gcands = [T.GmmConfig(128, 128, 64, 8, 3), T.GmmConfig(128, 256, 64, 8, 3), T.GmmConfig(128, 256, 64, 8, 4),
+              T.GmmConfig(128, 128, 64, 8, 4), T.GmmConfig(256, 128, 64, 8, 3), T.GmmConfig(64, 256, 64, 4, 4),
+              T.GmmConfig(64, 128, 64, 4, 3)]
+    tcands = [T.TgmmConfig(128, 128, 32, 4, 4), T.TgmmConfig(128, 128, 64, 8, 3), T.TgmmConfig(128, 256, 64, 8, 3),
+              T.TgmmConfig(128, 256, 32, 8, 4), T.TgmmConfig(128, 128, 32, 8, 4), T.TgmmConfig(256, 128, 32, 8, 4)]
     best = {}
     for pass_, cands in (("fwd", gcands), ("dlhs", gcands), ("tgmm", tcands)):
         rows = []
@@ -95,13 +97,14 @@ def main():
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
     dout = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16)
-    configs = None
+    configs_by_e = {}
     if args.sweep and "triton" in args.impls:
-        log("| sweep | pass | config | ms |\n|---|---|---|---|")
-        e = 64
-        rhs = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.bfloat16)
-        configs = sweep(lhs, rhs, jnp.asarray(group_sizes(t, e, "uniform")), dout, log)
-        log(f"\nchosen per-pass configs: {configs}\n")
+        log("| sweep E | pass | config | ms |\n|---|---|---|---|")
+        for e in [int(x) for x in args.E.split(",")]:
+            rhs = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.bfloat16)
+            configs_by_e[e] = sweep(lhs, rhs, jnp.asarray(group_sizes(t, e, "uniform")), dout,
+                                    lambda s, e=e: log(s.replace("| sweep |", f"| {e} |", 1)))
+            log(f"\nE={e}: chosen per-pass configs: {configs_by_e[e]}\n")
 
     flops = 2.0 * t * k * n
     w2 = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
@@ -119,6 +122,7 @@ def main():
         for dist in args.dists.split(","):
             gs = jnp.asarray(group_sizes(t, e, dist))
             ref_out = None
+            configs = configs_by_e.get(e)
             for impl in sorted(args.impls.split(","), key=lambda x: x != "reference"):  # reference first
                 kw = {"configs": configs} if (impl == "triton" and configs is not None) else {}
                 f = jax.jit(lambda a, b, g, impl=impl, kw=kw: moe.gmm(a, b, g, impl=impl, **kw))
@@ -148,7 +152,8 @@ def main():
                 results.append(row)
                 log(f"| {e} | {dist} | {impl} | {tf:.3f} | {row['fwd_tflops']:.1f} | {100 * d_f / tf:.0f}% | "
                     f"{tfb:.3f} | {row['fb_tflops']:.1f} | {100 * d_fb / tfb:.0f}% | {err} |")
-    log("\n" + json.dumps({"dense_fwd_ms": d_f, "dense_fb_ms": d_fb, "configs": str(configs), "rows": results}))
+    log("\n" + json.dumps({"dense_fwd_ms": d_f, "dense_fb_ms": d_fb, "configs": {e: str(c) for e, c in configs_by_e.items()},
+                           "rows": results}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ export PYTHONUNBUFFERED=1
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests) XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/kernels \
+             -p no:cacheprovider -rfE -n ${TEST_WORKERS:-6} ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     gmm) timeout ${GMM_TIMEOUT:-300} python3 benchmarks/kernels_gmm.py --sweep ${GMM_ARGS:-} 2>&1 | tee "$OUT/gmm.md" ;;
     logprobs) timeout ${LP_TIMEOUT:-400} python3 benchmarks/kernels_logprobs.py --sweep ${LP_ARGS:-} 2>&1 | tee "$OUT/logprobs.md" ;;
     *) echo "unknown stage $stage" ;;

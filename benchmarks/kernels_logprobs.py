@@ -70,6 +70,8 @@ def run_variant(args):
                 c = dict(cfg)
                 if name == "triton_bwdxla":
                     c["bwd"] = "xla"
+                if name == "triton_c16k":
+                    c["chunk_v"] = 16384
                 kw = {"config": T.Config(**c)}
             impl = "triton" if name.startswith("triton") else name
 
@@ -122,12 +124,11 @@ def run_sweep(args):
     hidden, lm_head, targets, g_lp, g_ent = _inputs(n, h, v)
     inv_temp = jnp.float32(1.0)
     flags = Flags(with_entropy=True)
-    fwd_cands = [dict(fwd_block_n=128, fwd_block_v=128, fwd_block_k=64, fwd_warps=8, fwd_stages=3),
-                 dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=64, fwd_warps=8, fwd_stages=3),
-                 dict(fwd_block_n=128, fwd_block_v=128, fwd_block_k=64, fwd_warps=4, fwd_stages=4),
-                 dict(fwd_block_n=256, fwd_block_v=128, fwd_block_k=64, fwd_warps=8, fwd_stages=3),
-                 dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=64, fwd_warps=8, fwd_stages=3, num_splits=4),
-                 dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=64, fwd_warps=8, fwd_stages=3, num_splits=16)]
+    fwd_cands = [dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=64, fwd_warps=8, fwd_stages=3),
+                 dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=64, fwd_warps=8, fwd_stages=4),
+                 dict(fwd_block_n=256, fwd_block_v=128, fwd_block_k=64, fwd_warps=8, fwd_stages=4),
+                 dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=32, fwd_warps=8, fwd_stages=5),
+                 dict(fwd_block_n=128, fwd_block_v=256, fwd_block_k=64, fwd_warps=8, fwd_stages=3, num_splits=6)]
     best_f = None
     print("| sweep | kernel | config | ms | TFLOP/s |\n|---|---|---|---|---|", flush=True)
     for c in fwd_cands:
@@ -144,10 +145,10 @@ def run_sweep(args):
     lse = jnp.zeros((n,), jnp.float32) + 12.0
     ent = jnp.zeros((n,), jnp.float32) + 5.0
     width = 8192
-    bwd_cands = [dict(bwd_block_n=128, bwd_block_v=128, bwd_block_k=64, bwd_warps=8, bwd_stages=3),
-                 dict(bwd_block_n=128, bwd_block_v=256, bwd_block_k=64, bwd_warps=8, bwd_stages=3),
-                 dict(bwd_block_n=128, bwd_block_v=128, bwd_block_k=64, bwd_warps=4, bwd_stages=4),
-                 dict(bwd_block_n=256, bwd_block_v=128, bwd_block_k=64, bwd_warps=8, bwd_stages=3)]
+    bwd_cands = [dict(bwd_block_n=128, bwd_block_v=256, bwd_block_k=64, bwd_warps=8, bwd_stages=3),
+                 dict(bwd_block_n=128, bwd_block_v=256, bwd_block_k=64, bwd_warps=8, bwd_stages=4),
+                 dict(bwd_block_n=256, bwd_block_v=128, bwd_block_k=64, bwd_warps=8, bwd_stages=4),
+                 dict(bwd_block_n=128, bwd_block_v=256, bwd_block_k=64, bwd_warps=8, bwd_stages=3, bwd_group_n=16)]
     best_b = None
     for c in bwd_cands:
         cfg = T.Config(**c)
@@ -175,7 +176,7 @@ def main():
     ap.add_argument("--N", type=int, default=16384)
     ap.add_argument("--H", type=int, default=4096)
     ap.add_argument("--V", type=int, default=151936)
-    ap.add_argument("--variants", default="naive,xla,triton,triton_bwdxla,matmul")
+    ap.add_argument("--variants", default="matmul,naive,xla,triton,triton_bwdxla,triton_c16k")
     ap.add_argument("--variant", default=None, help="(child) run one variant")
     ap.add_argument("--config", default=None, help="(child) triton Config fields as JSON")
     ap.add_argument("--sweep", action="store_true")

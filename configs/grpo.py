@@ -17,7 +17,7 @@ def config() -> TrainConfig:
         lora=None,
         mesh=MeshConfig(fsdp=-1),
         data=DataConfig(source="builtin:arithmetic", prompts_per_batch=8, max_prompt_length=64, seed=0),
-        rollout=RolloutConfig(backend="jax", max_new_tokens=16, temperature=1.0),
+        rollout=RolloutConfig(backend="jax", max_new_tokens=24, temperature=1.0),
         rewards=ARITHMETIC_REWARDS,
         algo=GRPOConfig(num_generations=8, loss_type="dapo", beta=0.0),
         optim=OptimConfig(learning_rate=2e-4, warmup_steps=5, schedule="constant", max_grad_norm=1.0,

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -43,13 +44,16 @@ import optax
 from flax import nnx
 
 from jrl.data.pipeline import DataConfig, build_prompt_dataset, left_pad
-from jrl.data.tasks.arithmetic import ArithmeticConfig, exact_match, format_reward
+from jrl.data.tasks.arithmetic import ArithmeticConfig, exact_match, format_answer, format_reward
 from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_byte_tokenizer, save_byte_tokenizer
 from jrl.models import ModelConfig, create_model, from_pretrained, save_pretrained
+from jrl.models.checkpoint import _atomic_replace as replace_dir
 
 #: Where the shipped model lives, relative to the repository root.
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "tiny-arithmetic"
-#: Longest reply of the default task is ``<answer>18</answer>`` (19 bytes) + EOS; leave some slack.
+#: Longest correct reply of the default task: ``<answer>18</answer>`` (19 bytes) + EOS.
+REPLY_TOKENS = len(format_answer(18).encode()) + 1
+#: New tokens sampled when measuring accuracy (some slack beyond :data:`REPLY_TOKENS`).
 MAX_NEW_TOKENS = 24
 #: Completions sampled per prompt when measuring accuracy at temperature 1.0 (a GRPO group size).
 GROUP_SIZE = 8
@@ -260,41 +264,26 @@ minutes on a CPU.
 {command}
 ```
 
-(`scripts/make_default_model.py` in the jrl repository, seed {args.seed}; {wall_s:.0f} s of wall time on
-{os.cpu_count()} CPU cores, JAX {jax.__version__}.) The run is deterministic on a given machine and
-software stack; on other CPUs or library versions float rounding can differ slightly, and with it
-the step at which the early stop fires.
+(`scripts/make_default_model.py` in the jrl repository, seed {args.seed}; {wall_s:.0f} s of wall time on {os.cpu_count()} CPU cores, JAX {jax.__version__}.)
+The run is deterministic on a given machine and software stack; on other CPUs or library versions float rounding can differ slightly, and with it the step at which the early stop fires.
 
 - **Model**: `jrl.models.create_model(config, seed={args.seed})`: normal(0, 0.02) weights, unit norms.
-- **Data**: `jrl.data.build_prompt_dataset` with the default `DataConfig`, i.e. exactly the prompts
-  GRPO's default run uses: {len(train.prompt_ids)} examples of `ArithmeticConfig(seed={a_train.seed})`
-  (operands {a_train.min_operand}..{a_train.max_operand}, operators {ops}, {len(set(train.columns["prompt"]))}
-  distinct questions), each rendered with the chat template and the generation prompt
-  (`<|bos|><|user|>What is 7+5?<|eos|><|assistant|>`) and followed by the `solution` column and
-  `<|eos|>`. Batches of {args.batch_size} examples drawn uniformly with replacement.
+- **Data**: `jrl.data.build_prompt_dataset` with the default `DataConfig`, i.e. exactly the prompts GRPO's default run uses: {len(train.prompt_ids)} examples of `ArithmeticConfig(seed={a_train.seed})` (operands {a_train.min_operand}..{a_train.max_operand}, operators {ops}; {len(set(train.columns["prompt"]))} distinct questions), each rendered with the chat template and the generation prompt (`<|bos|><|user|>What is 7+5?<|eos|><|assistant|>`) and followed by the `solution` column and `<|eos|>`. Batches of {args.batch_size} examples drawn uniformly with replacement.
 - **Loss**: mean next-token cross-entropy over the completion tokens (solution and `<|eos|>`) only.
-- **Optimiser**: optax AdamW, learning rate {args.lr} (linear warm-up over {args.warmup_steps} steps, then
-  constant), weight decay {args.weight_decay}, gradient clipping at global norm 1.0; float32.
-- **Early stop** (`--target-accuracy {args.target_accuracy}`, `--max-steps {args.max_steps}`): every
-  {args.eval_every} steps, {args.eval_prompts} held-out prompts x {GROUP_SIZE} samples at temperature 1.0;
-  {stop}.
-- **Held-out split**: `ArithmeticConfig(seed={a_eval.seed})`, same operands and operators. The task has
-  few distinct questions, so {overlap:.0%} of the held-out questions also occur in the training split:
-  the split measures accuracy on the task's distribution (what GRPO samples from), not
-  generalisation to unseen questions.
+- **Optimiser**: optax AdamW, learning rate {args.lr} (linear warm-up over {args.warmup_steps} steps, then constant), weight decay {args.weight_decay}, gradient clipping at global norm 1.0; float32.
+- **Early stop** (`--target-accuracy {args.target_accuracy}`, `--max-steps {args.max_steps}`): every {args.eval_every} steps, {args.eval_prompts} held-out prompts x {GROUP_SIZE} samples at temperature 1.0; {stop}.
+- **Held-out split**: `ArithmeticConfig(seed={a_eval.seed})`, same operands and operators. The task has few distinct questions, so {overlap:.0%} of the held-out questions also occur in the training split: the split measures accuracy on the task's distribution (what GRPO samples from), not generalisation to unseen questions.
 
 ## Result
 
-Measured on the saved weights reloaded with `jrl.models.from_pretrained`, on the first
-{args.final_eval_prompts} held-out prompts (greedy: one completion each; temperature 1.0: {GROUP_SIZE} each), at most
-{MAX_NEW_TOKENS} new tokens, each completion cut at its first `<|eos|>`; rewards are
-`jrl.data.tasks.arithmetic.exact_match` and `format_reward`:
+Measured on the saved weights reloaded with `jrl.models.from_pretrained`, on the first {args.final_eval_prompts} held-out prompts (greedy: one completion each; temperature 1.0: {GROUP_SIZE} each), with at most {MAX_NEW_TOKENS} new tokens, each completion cut at its first `<|eos|>`; rewards are `jrl.data.tasks.arithmetic.exact_match` and `format_reward`.
+A correct reply (`<answer>12</answer><|eos|>`) is {REPLY_TOKENS} tokens long at most, so sample at least that many new tokens: with fewer, no reply can be right.
 
 | metric | greedy | temperature 1.0 |
 |---|---|---|
 | exact-match accuracy | {greedy['accuracy']:.3f} | {sampled['accuracy']:.3f} |
 | format rate (`<answer>INT</answer>`) | {greedy['format_rate']:.3f} | {sampled['format_rate']:.3f} |
-| ends with `<|eos|>` | {greedy['eos_rate']:.3f} | {sampled['eos_rate']:.3f} |
+| ends with EOS | {greedy['eos_rate']:.3f} | {sampled['eos_rate']:.3f} |
 | prompts whose {GROUP_SIZE} samples mix right and wrong | - | {sampled['mixed_group_rate']:.3f} |
 
 Training steps: {steps}. Final training loss (mean of the last {min(25, steps)} steps): {final_loss:.4f}.
@@ -307,9 +296,8 @@ Warm-up curve (held-out, temperature 1.0, {args.eval_prompts} prompts x {GROUP_S
 
 ## Architecture
 
-Parameters are stored in float32 (`model.safetensors`, {weights_bytes / 1e6:.2f} MB): GRPO starts from
-exactly the weights measured above (no rounding to bfloat16), and the directory is still only a few
-MB. head_dim is 64 because vLLM's CPU attention backend rejects smaller heads.
+Parameters are stored in float32 (`model.safetensors`, {weights_bytes / 1e6:.2f} MB): GRPO starts from exactly the weights measured above (no rounding to bfloat16), and the directory is still only a few MB.
+head_dim is 64 because vLLM's CPU attention backend rejects smaller heads.
 
 ```json
 {arch}
@@ -317,10 +305,8 @@ MB. head_dim is 64 because vLLM's CPU attention backend rejects smaller heads.
 
 ## Files
 
-`config.json`, `model.safetensors`, `generation_config.json` (`eos_token_id` = `<|eos|>` = {EOS_ID}),
-`tokenizer.json`, `tokenizer_config.json` (with the chat template) and `special_tokens_map.json`.
-The directory loads with `jrl.models.from_pretrained` and with `transformers`'
-`AutoModelForCausalLM` / `AutoTokenizer`.
+`config.json`, `model.safetensors`, `generation_config.json` (`eos_token_id` = `<|eos|>` = {EOS_ID}), `tokenizer.json`, `tokenizer_config.json` (with the chat template) and `special_tokens_map.json`.
+The directory loads with `jrl.models.from_pretrained` and with `transformers`' `AutoModelForCausalLM` / `AutoTokenizer`.
 """
 
 
@@ -406,27 +392,32 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"warning: held-out accuracy never reached --target-accuracy {args.target_accuracy} in "
               f"{args.max_steps} steps", flush=True)
 
+    # Build the whole directory (weights, tokenizer, generation config, then the card with the numbers
+    # measured on the saved files) beside the destination and swap it in at the end, so a crash never
+    # leaves a model without its card.
     out = Path(args.out)
+    building = out.parent / f".{out.name}.building-{os.getpid()}"
     with tempfile.TemporaryDirectory() as staging:
-        # save_pretrained copies tokenizer files and generation_config.json from source_dir into its
-        # atomically renamed output directory.
         save_byte_tokenizer(staging)
         (Path(staging) / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
-        save_pretrained(model, out, source_dir=staging)
-
-    reloaded = from_pretrained(out, dtype=jnp.float32)
-    final_key = jax.random.fold_in(key, 10**9)
-    greedy = evaluate(reloaded, held_out, tokenizer, num_prompts=args.final_eval_prompts, samples_per_prompt=1,
-                      temperature=0.0, key=final_key)
-    sampled = evaluate(reloaded, held_out, tokenizer, num_prompts=args.final_eval_prompts,
-                       samples_per_prompt=GROUP_SIZE, temperature=1.0, key=final_key)
-    wall_s = time.perf_counter() - t0
-    weights_bytes = (out / "model.safetensors").stat().st_size
-    final_loss = float(np.mean(losses[-25:]))
-    card = model_card(command=command, args=args, cfg=cfg, train=train, held_out=held_out, overlap=overlap,
-                      steps=step, stopped_early=stopped_early, final_loss=final_loss, history=history,
-                      greedy=greedy, sampled=sampled, wall_s=wall_s, weights_bytes=weights_bytes)
-    (out / "README.md").write_text(card)
+        save_pretrained(model, building, source_dir=staging)  # copies those files from source_dir
+    try:
+        reloaded = from_pretrained(building, dtype=jnp.float32)
+        final_key = jax.random.fold_in(key, 10**9)
+        greedy = evaluate(reloaded, held_out, tokenizer, num_prompts=args.final_eval_prompts, samples_per_prompt=1,
+                          temperature=0.0, key=final_key)
+        sampled = evaluate(reloaded, held_out, tokenizer, num_prompts=args.final_eval_prompts,
+                           samples_per_prompt=GROUP_SIZE, temperature=1.0, key=final_key)
+        wall_s = time.perf_counter() - t0
+        weights_bytes = (building / "model.safetensors").stat().st_size
+        final_loss = float(np.mean(losses[-25:]))
+        card = model_card(command=command, args=args, cfg=cfg, train=train, held_out=held_out, overlap=overlap,
+                          steps=step, stopped_early=stopped_early, final_loss=final_loss, history=history,
+                          greedy=greedy, sampled=sampled, wall_s=wall_s, weights_bytes=weights_bytes)
+        (building / "README.md").write_text(card)
+        replace_dir(building, out)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     summary = {
         "out": str(out), "steps": step, "stopped_early": stopped_early, "final_loss": final_loss,
         "greedy": greedy, "temperature_1": sampled, "weights_bytes": weights_bytes,

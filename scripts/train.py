@@ -33,7 +33,8 @@ def parse_config(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("jrl").setLevel(logging.INFO)
     from jrl.train.grpo import train
 
     history = train(cfg)

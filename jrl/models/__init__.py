@@ -10,9 +10,24 @@ from jrl.models.checkpoint import (
 )
 from jrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from jrl.models.layers import attend, make_attention_mask, positions_from_mask, positions_from_segments
+from jrl.models.lora import (
+    LORA_TARGETS,
+    LoraConfig,
+    LoRALinear,
+    LoRAParam,
+    apply_lora,
+    has_lora,
+    lora_disabled,
+    lora_layers,
+    merge_lora,
+)
 from jrl.models.transformer import Transformer, create_model, named_params, param_shardings
 
 __all__ = [
+    "LORA_TARGETS",
+    "LoRALinear",
+    "LoRAParam",
+    "LoraConfig",
     "SUPPORTED_MODEL_TYPES",
     "CheckpointError",
     "MissingTensorError",
@@ -22,10 +37,15 @@ __all__ = [
     "Transformer",
     "UnexpectedTensorError",
     "UnsupportedModelError",
+    "apply_lora",
     "attend",
     "create_model",
     "from_pretrained",
+    "has_lora",
+    "lora_disabled",
+    "lora_layers",
     "make_attention_mask",
+    "merge_lora",
     "named_params",
     "param_shardings",
     "positions_from_mask",

@@ -34,12 +34,12 @@ _ROWS = ("batch", None)
 
 @dataclasses.dataclass(frozen=True)
 class _Program:
-    """Everything static about one compiled generation program (its jit cache key)."""
+    """Everything static about one compiled generation program (its jit cache key); the temperature and the
+    top-p mass are runtime values, so changing them does not recompile."""
 
     max_new_tokens: int
-    temperature: float
     top_k: int
-    top_p: float
+    use_top_p: bool
     stop_token_ids: tuple[int, ...]
     pad_id: int
     mesh: object
@@ -48,7 +48,7 @@ class _Program:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "program"))
 def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-                   program: _Program):
+              temperature: jax.Array, top_p: jax.Array, program: _Program):
     """(tokens, mask, logprobs [N, max_new] and stopped [N]) for left-padded prompts [N, Lp].
 
     The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
@@ -60,7 +60,7 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     max_len = prompt_len + p.max_new_tokens
 
     def rows(x):
-        return constrain(x, _ROWS, p.mesh, rules)
+        return constrain(x, ("batch",) + (None,) * (x.ndim - 1), p.mesh, rules)
 
     cache = model.init_cache(n, max_len)
     key_mask = rows(jnp.zeros((n, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
@@ -83,8 +83,8 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
 
     def body(c):
         i = c["step"]
-        token, logprob = sample_tokens(jax.random.fold_in(key, i), c["logits"], temperature=p.temperature,
-                                       top_k=p.top_k, top_p=p.top_p)
+        token, logprob = sample_tokens(jax.random.fold_in(key, i), c["logits"], temperature=temperature,
+                                       top_k=p.top_k, top_p=top_p if p.use_top_p else None)
         active = ~c["stopped"]
         token = jnp.where(active, token, p.pad_id)
         stopped = c["stopped"] | (active & jnp.any(token[:, None] == stops[None, :], axis=-1))
@@ -175,12 +175,12 @@ class JaxRolloutEngine:
             prompt = prompt_ids[(r if r < rows else 0) // num_generations]
             ids[r, prompt_len - len(prompt):] = prompt
             mask[r, prompt_len - len(prompt):] = 1
-        program = _Program(max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
-                           top_k=int(params.top_k), top_p=float(params.top_p),
-                           stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
+        program = _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
+                           use_top_p=params.top_p < 1.0, stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
                            mesh=self.mesh, rules=self.rules)
         out = _generate(self._graphdef, self._state, place(ids, _ROWS, self.mesh, rules),
-                        place(mask, _ROWS, self.mesh, rules), jax.random.key(int(seed)), program=program)
+                        place(mask, _ROWS, self.mesh, rules), jax.random.key(int(seed)),
+                        np.float32(params.temperature), np.float32(params.top_p), program=program)
         tokens, completion_mask, logprobs, stopped = (x[:rows] for x in gather_to_host(out))
         return RolloutBatch(prompt_ids=ids[:rows], prompt_mask=mask[:rows], completion_ids=tokens,
                             completion_mask=completion_mask, sampling_logprobs=logprobs.astype(np.float32),

@@ -19,14 +19,15 @@ import jax.numpy as jnp
 _NEG_INF = -jnp.inf
 
 
-def filter_logits(scaled: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def filter_logits(scaled: jax.Array, *, top_k: int = 0, top_p: float | jax.Array | None = None) -> jax.Array:
     """``scaled`` [..., V] (float32 logits already divided by the temperature) with the tokens outside the
-    top-k / top-p set at ``-inf``. ``top_k`` and ``top_p`` are static; ties at a threshold are kept."""
+    top-k / top-p set at ``-inf``. ``top_k`` is static (0 = off); ``top_p`` may be traced (``None`` = off,
+    which skips the vocabulary sort). Ties at a threshold are kept."""
     vocab = scaled.shape[-1]
     if 0 < top_k < vocab:
         kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
         scaled = jnp.where(scaled < kth, _NEG_INF, scaled)
-    if top_p < 1.0:
+    if top_p is not None:
         ordered = jnp.sort(scaled, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(ordered, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
@@ -36,8 +37,8 @@ def filter_logits(scaled: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
     return scaled
 
 
-def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float | jax.Array, top_k: int = 0,
+                  top_p: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] int32, logprobs [B] float32 of
     those tokens under the filtered distribution at ``temperature``, see the module docstring)."""
     scaled = filter_logits(logits.astype(jnp.float32) / temperature, top_k=top_k, top_p=top_p)

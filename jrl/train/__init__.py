@@ -1,1 +1,34 @@
-"""Trainer loops (GRPO, EBFT), rollout producer, reward runner, checkpointing and logging."""
+"""Trainer loops (GRPO, EBFT), rollout producer, reward runner, checkpointing and logging.
+
+Names are imported lazily, so a reward worker process that imports :mod:`jrl.train.rewards` does not
+import the models, losses or the trainer.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "TrainConfig": "jrl.train.config",
+    "ModelSpec": "jrl.train.config",
+    "RolloutConfig": "jrl.train.config",
+    "OptimConfig": "jrl.train.config",
+    "load_config_file": "jrl.train.config",
+    "GRPOLearner": "jrl.train.step",
+    "StepBatch": "jrl.train.step",
+    "GRPOTrainer": "jrl.train.grpo",
+    "train": "jrl.train.grpo",
+    "TrainCheckpointer": "jrl.train.checkpoint",
+    "export_checkpoint": "jrl.train.export",
+    "RewardSpec": "jrl.train.rewards",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jrl.train' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

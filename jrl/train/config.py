@@ -62,7 +62,7 @@ class RolloutConfig:
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0
-    """Sampling temperature; the loss log-probs use the same one (``algo.temperature`` follows it)."""
+    """Sampling temperature; the loss log-probs use the same one (``algo.temperature`` is set to it)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
@@ -142,7 +142,8 @@ class TrainConfig:
     rewards: tuple[RewardSpec, ...] = ARITHMETIC_REWARDS
     """Reward functions by import path, with weights (default: the arithmetic task's two rewards)."""
     algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
-    """Objective, advantages and sampler correction (``num_generations`` completions per prompt)."""
+    """Objective, advantages and sampler correction (``num_generations`` completions per prompt);
+    ``algo.temperature`` is always set to ``rollout.temperature``."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """Optimizer, schedule and gradient accumulation."""
     logprobs_impl: str = "auto"
@@ -171,10 +172,7 @@ class TrainConfig:
             raise _bad("TrainConfig.algo.num_generations", g,
                        "GRPO compares completions of the same prompt; use >= 2 (e.g. 8)")
         if self.algo.temperature != self.rollout.temperature:
-            if self.algo.temperature != 1.0:
-                raise _bad("TrainConfig.algo.temperature", self.algo.temperature,
-                           f"it must equal rollout.temperature={self.rollout.temperature} (or stay at the default "
-                           "1.0, which follows rollout.temperature)")
+            # The loss must score tokens at the temperature they were sampled at (grpo.md §2.1, §19).
             object.__setattr__(self, "algo", dataclasses.replace(self.algo, temperature=self.rollout.temperature))
         if self.algo.max_completion_length is not None and self.algo.max_completion_length < self.rollout.max_new_tokens:
             raise _bad("TrainConfig.algo.max_completion_length", self.algo.max_completion_length,

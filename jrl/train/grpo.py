@@ -106,13 +106,15 @@ class GRPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.loader = make_prompt_loader(cfg.data, self.tokenizer)
-        self.mesh = make_mesh(cfg.mesh)
+        # One device needs no mesh: no placement or sharding constraints at all.
+        self.mesh = make_mesh(cfg.mesh) if jax.device_count() > 1 else None
         self.rules = cfg.mesh.logical_rules()
         model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
                                 mesh=self.mesh, rules=self.rules)
         if cfg.lora is not None:
             apply_lora(model, cfg.lora, seed=cfg.seed)
-            shard_model(model, self.mesh, self.rules)
+            if self.mesh is not None:
+                shard_model(model, self.mesh, self.rules)
         self.learner = GRPOLearner(model, self.algo, cfg.optim, total_updates=cfg.max_steps * cfg.num_iterations,
                                    num_iterations=cfg.num_iterations, logprobs_impl=cfg.logprobs_impl,
                                    mesh=self.mesh, rules=self.rules)

@@ -21,6 +21,7 @@ Log-probs come from ``model.hidden_states`` + :func:`jrl.kernels.logprobs.token_
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import jax
@@ -62,8 +63,11 @@ class StepBatch(NamedTuple):
         return StepBatch(*(None if x is None else x[sl] for x in self))
 
 
+@functools.lru_cache(maxsize=32)
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then constant / cosine / linear decay, after global-norm clipping."""
+    """AdamW with linear warmup then constant / cosine / linear decay, after global-norm clipping.
+
+    Cached, so learners with equal settings share one transformation object and its compiled update."""
     lr, warm = cfg.learning_rate, cfg.warmup_steps
     decay_steps = max(1, total_steps - warm)
     if cfg.schedule == "constant":
@@ -110,6 +114,33 @@ def _reduce(values: list[float], how: str) -> float:
     return float(np.mean(values))
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "algo", "impl", "disable_lora"))
+def _logprobs(params, frozen, batch, *, graphdef, algo, impl, disable_lora):
+    model = nnx.merge(graphdef, params, frozen)
+    with lora_disabled(model) if disable_lora else contextlib.nullcontext():
+        return completion_logprobs(model, batch, temperature=algo.temperature, impl=impl)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "algo", "impl"), donate_argnums=0)
+def _micro(acc, params, frozen, batch, normalizers, *, graphdef, algo, impl):
+    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
+    def loss_fn(p):
+        return step_loss(nnx.merge(graphdef, p, frozen), batch, algo, normalizers, impl=impl)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.tree.map(jnp.add, acc, grads), loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
+def _apply(params, opt_state, grads, *, tx):
+    """One optimizer update (params and optimizer state donated); returns the gradient's global norm too."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+
+_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+
 class GRPOLearner:
     """Owns the trainable state and optimizer of a model and runs GRPO updates on rollouts.
 
@@ -133,29 +164,7 @@ class GRPOLearner:
         # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
         self.ref_params = (jax.tree.map(jnp.copy, self.params)
                            if algo.beta != 0.0 and not self.lora else None)
-        gd, cfg, impl = self.graphdef, algo, logprobs_impl
-
-        def logprobs(params, frozen, batch, disable_lora):
-            model = nnx.merge(gd, params, frozen)
-            with lora_disabled(model) if disable_lora else contextlib.nullcontext():
-                return completion_logprobs(model, batch, temperature=cfg.temperature, impl=impl)[0]
-
-        def micro(acc, params, frozen, batch, normalizers):
-            def loss_fn(p):
-                return step_loss(nnx.merge(gd, p, frozen), batch, cfg, normalizers, impl=impl)
-
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            return jax.tree.map(jnp.add, acc, grads), loss, metrics
-
-        def apply(params, opt_state, grads):
-            norm = optax.tree.norm(grads)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, norm
-
-        self._logprobs = jax.jit(logprobs, static_argnums=3)
-        self._micro = jax.jit(micro, donate_argnums=0)
-        self._apply = jax.jit(apply, donate_argnums=(0, 1))
-        self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
+        self._static = dict(graphdef=self.graphdef, algo=algo, impl=logprobs_impl)
         self.num_updates = 0
 
     # ---------------------------------------------------------------- state
@@ -184,7 +193,8 @@ class GRPOLearner:
     def score(self, batch: StepBatch, *, disable_lora: bool = False, params=None) -> np.ndarray:
         """Log-probs [N, T] of the completions (no gradient), computed micro-batch by micro-batch."""
         params = self.params if params is None else params
-        parts = [np.asarray(self._logprobs(params, self.frozen, self._device(batch.rows(sl)), disable_lora))
+        parts = [np.asarray(_logprobs(params, self.frozen, self._device(batch.rows(sl)), disable_lora=disable_lora,
+                                       **self._static))
                  for sl in self._micro_slices(batch.completion_ids.shape[0])]
         return np.concatenate(parts, axis=0)
 
@@ -206,7 +216,7 @@ class GRPOLearner:
         for _ in range(self.mu):
             acc, collected, skipped = self.accumulate_gradients(batch, has_signal)
             collected["learning_rate"] = [self.schedule(self.num_updates)]
-            self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, acc)
+            self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state, acc, tx=self.tx)
             collected["grad_norm"] = [gnorm]
             self.num_updates += 1
             per_update.append(collected)
@@ -229,14 +239,15 @@ class GRPOLearner:
                                     mask_truncated_completions=cfg.mask_truncated_completions))
         norms = step_normalizers(mask, num_micro_batches=len(slices))
         has_signal = np.asarray(has_signal, bool)
-        acc = self._zeros(self.params)
+        acc = _zeros_like(self.params)
         collected: dict[str, list] = {"loss": []}
         skipped = 0
         for sl in slices:
             if cfg.skip_zero_advantage_batches and not np.any(has_signal[sl] & (mask[sl].sum(-1) > 0)):
                 skipped += 1
                 continue
-            acc, loss, metrics = self._micro(acc, self.params, self.frozen, self._device(batch.rows(sl)), norms)
+            acc, loss, metrics = _micro(acc, self.params, self.frozen, self._device(batch.rows(sl)), norms,
+                                        **self._static)
             collected["loss"].append(loss)
             for k, v in metrics.items():
                 collected.setdefault(k, []).append(v)

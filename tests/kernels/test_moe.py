@@ -276,3 +276,21 @@ def test_gpu_auto_picks_triton():
 
     name, _ = _dispatch.select("gmm", moe.api.IMPLS, moe.api.ORDER, "auto")
     assert name == "triton"
+
+
+@pytest.mark.gpu
+def test_gpu_triton_under_vmap_and_grad(request):
+    rng = rng_for(request)
+    b, t, k, n, e = 2, 300, 64, 96, 4
+    lhs = jnp.asarray(rng.standard_normal((b, t, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((e, k, n)) / 8, jnp.bfloat16)
+    gs = jnp.asarray(np.stack([group_sizes_cases(t, e, rng)["ragged"] for _ in range(b)]), jnp.int32)
+
+    def loss(impl):
+        f = lambda x, w: jnp.sum(jax.vmap(lambda a, g: moe.gmm(a, w, g, impl=impl))(x, gs).astype(jnp.float32) ** 2)
+        return jax.value_and_grad(f, argnums=(0, 1))(lhs, rhs)
+
+    (v, (dx, dw)), (v_r, (dx_r, dw_r)) = loss("triton"), loss("reference")
+    assert_close(v, v_r, jnp.bfloat16, "vmap value")
+    assert_close(dx, dx_r, jnp.bfloat16, "vmap d lhs")
+    assert_close(dw, dw_r, jnp.bfloat16, "vmap d rhs")

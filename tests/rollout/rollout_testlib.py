@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jrl.models import ModelConfig, create_model
@@ -43,7 +44,7 @@ def full_sequences(batch):
 def full_forward_logprobs(model, batch, temperature: float) -> np.ndarray:
     """log_softmax(model(...) / T) at each completion token, recomputed by one full forward pass."""
     ids, mask = full_sequences(batch)
-    logits = np.asarray(model(ids, attention_mask=mask), np.float64)
+    logits = np.asarray(jax.jit(lambda i, m: model(i, attention_mask=m))(ids, mask), np.float64)
     lp_len, t = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     z = logits[:, lp_len - 1: lp_len - 1 + t] / temperature
     z = z - z.max(-1, keepdims=True)
@@ -52,17 +53,22 @@ def full_forward_logprobs(model, batch, temperature: float) -> np.ndarray:
 
 
 def greedy_by_full_forward(model, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> list[list[int]]:
-    """Greedy completions by re-running the whole (left-padded) sequence through the model each step."""
-    out = []
-    for prompt in prompts:
-        seq = list(prompt)
-        completion = []
-        for _ in range(max_new_tokens):
-            logits = np.asarray(model(np.asarray([seq], np.int32)))[0, -1]
-            token = int(np.argmax(logits))
-            completion.append(token)
-            seq.append(token)
-            if token in stop_ids:
-                break
-        out.append(completion)
+    """Greedy completions by re-running the full forward over prompt + tokens so far at every step (no
+    cache). Prompts are left-padded into a fixed buffer whose not-yet-generated tail is masked out and,
+    being later than every query that is read, invisible under the causal mask; one compile."""
+    lp = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), lp + max_new_tokens), PAD, np.int32)
+    mask = np.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, lp - len(p):lp], mask[r, lp - len(p):lp] = p, 1
+    forward = jax.jit(lambda i, m: model(i, attention_mask=m))
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for step in range(max_new_tokens):
+        tokens = np.argmax(np.asarray(forward(ids, mask))[:, lp + step - 1], axis=-1)
+        ids[:, lp + step], mask[:, lp + step] = tokens, 1
+        for r, token in enumerate(tokens.tolist()):
+            if not done[r]:
+                out[r].append(token)
+                done[r] = token in stop_ids
     return out

@@ -27,13 +27,13 @@ class Config:
     (0 = about 512 MiB of float32 per chunk); num_splits: vocab ranges of the forward (0 = auto)."""
 
     fwd_block_n: int = 128
-    fwd_block_v: int = 128
+    fwd_block_v: int = 256
     fwd_block_k: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 3
     num_splits: int = 0
     bwd_block_n: int = 128
-    bwd_block_v: int = 128
+    bwd_block_v: int = 256
     bwd_block_k: int = 64
     bwd_warps: int = 8
     bwd_stages: int = 3
@@ -80,16 +80,21 @@ def _forward(hidden, lm_head, targets, inv_temp, flags: Flags, cfg: Config):
     splits = _num_splits(n_blocks, v_tiles, cfg)
     v_per_split = -(-v_tiles // splits) * bv
     part = jax.ShapeDtypeStruct((splits, n), jnp.float32)
-    m, s, t, tg = jt.triton_call(
-        hidden, lm_head, targets, inv_temp.reshape(1),
-        kernel=K.lp_fwd_kernel,
-        out_shape=(part, part, part, part),
-        grid=(n_blocks * splits,),
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        N=n, H=h, V=v, v_per_split=v_per_split,
-        BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, NUM_SPLITS=splits,
-        WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
-    )
+
+    @jax.custom_batching.sequential_vmap  # jax-triton has no batching rule: vmap loops over the batch
+    def run(hidden, lm_head, targets, inv_temp):
+        return jt.triton_call(
+            hidden, lm_head, targets, inv_temp.reshape(1),
+            kernel=K.lp_fwd_kernel,
+            out_shape=(part, part, part, part),
+            grid=(n_blocks * splits,),
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+            N=n, H=h, V=v, v_per_split=v_per_split,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, NUM_SPLITS=splits,
+            WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
+        )
+
+    m, s, t, tg = run(hidden, lm_head, targets, inv_temp)
     lse, logp, ent = combine_partials(m, s, t, tg)
     if not flags.with_entropy:
         ent = jnp.zeros_like(lse)
@@ -102,17 +107,22 @@ def _dz_triton(hidden, lm_head, targets, inv_temp, lse, ent, g_lp, g_ent, flags,
     bn, bv = cfg.bwd_block_n, min(cfg.bwd_block_v, max(16, 1 << (width - 1).bit_length()))
     bk = _k_block(cfg.bwd_block_k, h, hidden, lm_head)
     grid = (-(-n // bn) * -(-width // bv),)
-    return jt.triton_call(
-        hidden, lm_head, targets, inv_temp.reshape(1), jnp.asarray(v0, jnp.int32).reshape(1),
-        lse, ent, g_lp, g_ent,
-        kernel=K.lp_bwd_dz_kernel,
-        out_shape=jax.ShapeDtypeStruct((n, width), cdt),
-        grid=grid,
-        num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-        N=n, H=h, V=v, CV=width,
-        BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=cfg.bwd_group_n,
-        WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
-    )
+
+    @jax.custom_batching.sequential_vmap  # jax-triton has no batching rule: vmap loops over the batch
+    def run(hidden, lm_head, targets, inv_temp, v0, lse, ent, g_lp, g_ent):
+        return jt.triton_call(
+            hidden, lm_head, targets, inv_temp.reshape(1), v0.reshape(1),
+            lse, ent, g_lp, g_ent,
+            kernel=K.lp_bwd_dz_kernel,
+            out_shape=jax.ShapeDtypeStruct((n, width), cdt),
+            grid=grid,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            N=n, H=h, V=v, CV=width,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=cfg.bwd_group_n,
+            WITH_ENT=flags.with_entropy, UPCAST=_upcast(hidden, lm_head, flags), EVEN_H=(h % bk == 0),
+        )
+
+    return run(hidden, lm_head, targets, inv_temp, jnp.asarray(v0, jnp.int32), lse, ent, g_lp, g_ent)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -51,8 +51,12 @@ class Configs:
     tgmm: TgmmConfig = TgmmConfig()
 
 
-# Chosen on an H100 (benchmarks/kernels_gmm.py --sweep); see benchmarks/RESULTS.md.
-DEFAULT_CONFIGS = Configs()
+# Chosen by benchmarks/kernels_gmm.py --sweep on an H200 (T=32768, K=2048, N=1024, E=64, bf16).
+DEFAULT_CONFIGS = Configs(
+    fwd=GmmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    dlhs=GmmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    tgmm=TgmmConfig(128, 128, 32, num_warps=4, num_stages=4),
+)
 
 
 def unavailable_reason() -> str | None:
@@ -100,22 +104,19 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmC
     @jax.custom_batching.sequential_vmap  # jax-triton has no batching rule: vmap loops over the batch
     def run(lhs, rhs, group_sizes):
         tile_group, row_start, row_end = tile_schedule(group_sizes, t, bm)
-        return _launch_gmm(lhs, rhs, tile_group, row_start, row_end)
-
-    def _launch_gmm(lhs, rhs, tile_group, row_start, row_end):
         return jt.triton_call(
-        lhs, rhs, tile_group, row_start, row_end,
-        kernel=K.gmm_kernel,
-        out_shape=jax.ShapeDtypeStruct((t, nout), out_dtype),
-        grid=grid,
-        num_warps=cfg.num_warps,
-        num_stages=stages,
-        T=t, KDIM=kin, NDIM=nout, num_groups=e, stride_re=rhs.shape[1] * rhs.shape[2],
-        stride_rk=stride_rk, stride_rn=stride_rn,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=(kin % bk == 0),
-        IEEE=(lhs.dtype == jnp.float32),
-    )
+            lhs, rhs, tile_group, row_start, row_end,
+            kernel=K.gmm_kernel,
+            out_shape=jax.ShapeDtypeStruct((t, nout), out_dtype),
+            grid=grid,
+            num_warps=cfg.num_warps,
+            num_stages=stages,
+            T=t, KDIM=kin, NDIM=nout, num_groups=e, stride_re=rhs.shape[1] * rhs.shape[2],
+            stride_rk=stride_rk, stride_rn=stride_rn,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            EVEN_K=(kin % bk == 0),
+            IEEE=(lhs.dtype == jnp.float32),
+        )
 
     return run(lhs, rhs, group_sizes)
 
@@ -138,16 +139,16 @@ def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
     def run(lhs, dout, group_sizes):
         starts, ends = group_bounds(group_sizes, t)
         return jt.triton_call(
-        lhs, dout, starts, ends,
-        kernel=K.tgmm_kernel,
-        out_shape=jax.ShapeDtypeStruct((e, kdim, ndim), out_dtype),
-        grid=grid,
-        num_warps=cfg.num_warps,
-        num_stages=stages,
-        KDIM=kdim, NDIM=ndim,
-        BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=bt,
-        IEEE=(lhs.dtype == jnp.float32),
-    )
+            lhs, dout, starts, ends,
+            kernel=K.tgmm_kernel,
+            out_shape=jax.ShapeDtypeStruct((e, kdim, ndim), out_dtype),
+            grid=grid,
+            num_warps=cfg.num_warps,
+            num_stages=stages,
+            KDIM=kdim, NDIM=ndim,
+            BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=bt,
+            IEEE=(lhs.dtype == jnp.float32),
+        )
 
     return run(lhs, dout, group_sizes)
 

@@ -1,0 +1,46 @@
+"""The engine on a 2-device mesh (fake CPU devices in a child process; batch split over ``data``, or cache
+heads and vocabulary split over ``tensor``) generates what it generates on one device."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from rollout_testlib import random_prompts, tiny_model
+
+from jrl.rollout import SamplingParams
+from jrl.rollout.jax_engine import JaxRolloutEngine
+
+HERE = Path(__file__).parent
+
+
+def _sharding_helpers():
+    """The subprocess helpers of the sharding tests (a conftest module, loaded by path)."""
+    spec = importlib.util.spec_from_file_location("sharding_helpers", HERE.parent / "sharding" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_device_mesh_matches_one_device():
+    prompts = random_prompts(np.random.default_rng(8), [5, 2, 9])  # 3 rows: padded to 4 on the data mesh
+    helpers = _sharding_helpers()
+    env = helpers.worker_env(2)
+    env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
+    proc = subprocess.run([sys.executable, str(HERE / "rollout_mesh_worker.py"), json.dumps(prompts)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=helpers.REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = helpers.parse_json_tail(proc.stdout)
+
+    engine = JaxRolloutEngine(tiny_model("llama", seed=6), prompt_bucket=16)
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
+                              num_generations=1, seed=1)
+    for name in ("data", "tensor"):
+        got = result[name]
+        assert got["greedy"] == greedy.completion_ids.tolist(), name
+        assert got["sampled"] == sampled.completion_ids.tolist(), name
+        assert got["sampled_mask"] == sampled.completion_mask.tolist(), name
+        np.testing.assert_allclose(got["sampled_logprobs"], sampled.sampling_logprobs, atol=1e-4, err_msg=name)

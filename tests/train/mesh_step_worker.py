@@ -1,0 +1,44 @@
+"""Child process for test_grpo_e2e.py: the train step on a 2-device FSDP mesh vs one device (fake CPU devices).
+
+Prints one JSON line: the device count, the max relative gradient difference, the loss of both, and how many
+devices hold the sharded parameters.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_testlib import max_rel_err, random_step_batch, tiny_config  # noqa: E402
+
+from jrl.losses import GRPOConfig  # noqa: E402
+from jrl.models import create_model  # noqa: E402
+from jrl.sharding import MeshConfig, make_mesh  # noqa: E402
+from jrl.train.config import OptimConfig  # noqa: E402
+from jrl.train.step import GRPOLearner  # noqa: E402
+
+
+def main():
+    cfg = MeshConfig(fsdp=2)
+    mesh, rules = make_mesh(cfg), cfg.logical_rules()
+    algo = GRPOConfig(num_generations=2, loss_type="grpo")
+    batch = random_step_batch(seed=3)
+    sharded = GRPOLearner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules), algo,
+                          OptimConfig(micro_batch_size=4), total_updates=2, mesh=mesh, rules=rules)
+    single = GRPOLearner(create_model(tiny_config(), seed=1), algo, OptimConfig(), total_updates=2)
+    g2, c2, _ = sharded.accumulate_gradients(batch, np.ones(8, bool))
+    g1, c1, _ = single.accumulate_gradients(batch, np.ones(8, bool))
+    m2 = sharded.update(batch, np.ones(8, bool))
+    m1 = single.update(batch, np.ones(8, bool))
+    devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params))
+    print(json.dumps(dict(devices=jax.device_count(), grad_err=max_rel_err(g2, g1),
+                          param_err=max_rel_err(sharded.params, single.params),
+                          loss=[float(sum(c2["loss"])), float(c1["loss"][0])], param_devices=devices,
+                          grad_norm=[m2["grad_norm"], m1["grad_norm"]])))
+
+
+if __name__ == "__main__":
+    main()

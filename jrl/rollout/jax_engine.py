@@ -5,8 +5,9 @@ A call to :meth:`JaxRolloutEngine.generate` repeats each prompt ``num_generation
 program: a prefill of the whole prompt batch into a fixed-size KV cache of ``prompt_len + max_new_tokens``
 slots per layer (:meth:`jrl.models.Transformer.decode`), then a ``lax.while_loop`` that samples a token,
 writes it to the cache and decodes the next logits, until ``max_new_tokens`` tokens or every row has
-stopped. Shapes depend only on (rows, prompt bucket, sampling parameters), so a training run compiles a
-handful of programs at most.
+stopped. The program depends only on the shapes (rows, prompt bucket, ``max_new_tokens``), ``top_k``, whether
+top-p is on and the stop ids (temperature and top-p mass are runtime inputs), so a training run compiles
+once per prompt bucket.
 
 Sampling semantics and the reported logprob are those of :mod:`jrl.rollout.sampling`.
 """
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jrl.models.layers import constrain
+from jrl.models.layers import constrain, positions_from_mask
 from jrl.models.transformer import place
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.rollout.sampling import sample_tokens
@@ -64,7 +65,7 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
 
     cache = model.init_cache(n, max_len)
     key_mask = rows(jnp.zeros((n, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
-    positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=-1) - 1, 0)
+    positions = positions_from_mask(prompt_mask)
     hidden, cache = model.decode(prompt_ids, positions, key_mask, cache, 0)
     logits = model.logits(hidden[:, -1])  # left padding: the last slot is every row's last prompt token
     stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
@@ -176,7 +177,8 @@ class JaxRolloutEngine:
             ids[r, prompt_len - len(prompt):] = prompt
             mask[r, prompt_len - len(prompt):] = 1
         program = _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
-                           use_top_p=params.top_p < 1.0, stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
+                           use_top_p=params.top_p < 1.0,
+                           stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
                            mesh=self.mesh, rules=self.rules)
         out = _generate(self._graphdef, self._state, place(ids, _ROWS, self.mesh, rules),
                         place(mask, _ROWS, self.mesh, rules), jax.random.key(int(seed)),

@@ -65,9 +65,9 @@ def _k_block(bk: int, h: int, hidden, lm_head) -> int:
 def _num_splits(n_blocks: int, v_tiles: int, cfg: Config) -> int:
     if cfg.num_splits:
         return max(1, min(cfg.num_splits, v_tiles))
-    # Enough programs for ~8 waves on a 132-SM H100, but few vocab ranges so that the programs in
-    # flight share W tiles through L2.
-    want = max(1, -(-132 * 8 // n_blocks))
+    # About 6 waves on a 132-SM H100/H200 (the sweep's best at N=16384: 6 ranges x 128 row blocks), and
+    # few vocab ranges so that the programs in flight share W tiles through L2.
+    want = max(1, round(132 * 6 / n_blocks))
     return max(1, min(want, 16, v_tiles))
 
 

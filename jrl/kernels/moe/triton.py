@@ -51,12 +51,20 @@ class Configs:
     tgmm: TgmmConfig = TgmmConfig()
 
 
-# Chosen by benchmarks/kernels_gmm.py --sweep on an H200 (T=32768, K=2048, N=1024, E=64, bf16).
-DEFAULT_CONFIGS = Configs(
-    fwd=GmmConfig(128, 128, 64, num_warps=8, num_stages=3),
-    dlhs=GmmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    tgmm=TgmmConfig(128, 128, 32, num_warps=4, num_stages=4),
-)
+# Chosen by ``benchmarks/kernels_gmm.py --sweep`` on an H200 (T=32768, K=2048, N=1024, bf16, E in
+# {8, 64, 128}; tables in benchmarks/RESULTS.md). fwd and dlhs: 128x256x64 tiles, 8 warps, 4 stages won
+# or tied for every E. tgmm: wide 128x256 output tiles win for big groups (E=8, ~4096 rows each), the
+# 128x128 / 4-warp tile for small ones (E=64 and 128, 256-512 rows each).
+_GMM = GmmConfig(128, 256, 64, num_warps=8, num_stages=4)
+_TGMM_BIG_GROUPS = TgmmConfig(128, 256, 32, num_warps=8, num_stages=4)
+_TGMM_SMALL_GROUPS = TgmmConfig(128, 128, 32, num_warps=4, num_stages=4)
+DEFAULT_CONFIGS = Configs(fwd=_GMM, dlhs=_GMM, tgmm=_TGMM_SMALL_GROUPS)
+
+
+def default_configs(num_rows: int, num_groups: int) -> Configs:
+    """The tile table: per pass, by the mean rows per group."""
+    big = num_rows >= 2048 * max(num_groups, 1)
+    return Configs(fwd=_GMM, dlhs=_GMM, tgmm=_TGMM_BIG_GROUPS if big else _TGMM_SMALL_GROUPS)
 
 
 def unavailable_reason() -> str | None:
@@ -177,8 +185,8 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs 
     """Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``."""
     cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype,
-                configs or DEFAULT_CONFIGS)
+    cfgs = configs or default_configs(lhs.shape[0], rhs.shape[0])
+    return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype, cfgs)
 
 
 def tgmm(lhs, dout, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):
@@ -186,4 +194,4 @@ def tgmm(lhs, dout, group_sizes, *, preferred_element_type=None, configs: Config
     cdt = jnp.promote_types(lhs.dtype, dout.dtype)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     return tgmm_call(lhs.astype(cdt), dout.astype(cdt), group_sizes.astype(jnp.int32), out_dtype=out_dtype,
-                     cfg=(configs or DEFAULT_CONFIGS).tgmm)
+                     cfg=(configs or default_configs(lhs.shape[0], group_sizes.shape[0])).tgmm)

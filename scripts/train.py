@@ -33,6 +33,9 @@ def parse_config(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
+    from jrl.sharding import initialize
+
+    initialize()  # joins a multi-host run (TPU pod, JRL_* variables); a no-op for one process
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("jrl").setLevel(logging.INFO)
     from jrl.train.grpo import train

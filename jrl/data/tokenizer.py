@@ -164,6 +164,7 @@ def save_byte_tokenizer(out_dir: str | os.PathLike, *, model_max_length: int = D
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; tokenizer files are meant to be shared
             os.replace(tmp, out / name)
         except BaseException:
             if os.path.exists(tmp):

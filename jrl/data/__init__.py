@@ -6,7 +6,7 @@ Names are imported lazily, so importing a task's reward functions (e.g. in a rew
 process) does not import grain or transformers.
 """
 
-import importlib
+from jrl._lazy import lazy_exports
 
 _EXPORTS = {
     "DataConfig": "jrl.data.pipeline",
@@ -22,14 +22,4 @@ _EXPORTS = {
     "save_byte_tokenizer": "jrl.data.tokenizer",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'jrl.data' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports("jrl.data", _EXPORTS)

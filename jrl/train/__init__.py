@@ -4,7 +4,7 @@ Names are imported lazily, so a reward worker process that imports :mod:`jrl.tra
 import the models, losses or the trainer.
 """
 
-import importlib
+from jrl._lazy import lazy_exports
 
 _EXPORTS = {
     "TrainConfig": "jrl.train.config",
@@ -21,14 +21,4 @@ _EXPORTS = {
     "RewardSpec": "jrl.train.rewards",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'jrl.train' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports("jrl.train", _EXPORTS)

@@ -1,7 +1,7 @@
 """Does the shipped default GRPO run learn? Runs ``configs/grpo.py`` for several seeds and compares the
 mean reward of the first and the last 10 steps.
 
-    python benchmarks/grpo_default.py [--seeds 0 1 2] [--max-steps 200] [--out runs/bench_grpo]
+    python benchmarks/grpo_default.py [--seeds 0 1 2] [--max-steps 300] [--out runs/bench_grpo]
 
 Each seed is a separate ``scripts/train.py`` process (``--seed S --data.seed S``), timed end to end.
 Prints one markdown row per seed and writes ``reward_curves.png`` (10-step moving means) under ``--out``.
@@ -63,7 +63,7 @@ def plot(curves: dict[int, list[dict]], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_grpo")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def run_seed(seed: int, max_steps: int, out: Path) -> tuple[list[dict], float]:
     run_dir = out / f"seed{seed}"
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "grpo.py"),
            "--seed", str(seed), "--data.seed", str(seed), "--max-steps", str(max_steps),
-           "--output-dir", str(run_dir)]
+           "--output-dir", str(run_dir), "--overwrite"]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start

@@ -165,6 +165,9 @@ class TrainConfig:
     """Print a metrics line every this many steps (metrics.jsonl gets every step)."""
     resume: bool = False
     """Continue from the latest checkpoint in ``output_dir``."""
+    overwrite: bool = False
+    """Start afresh in an ``output_dir`` that holds an earlier run, deleting its metrics, TensorBoard
+    events, plot and checkpoints (without it, or ``resume``, such a directory is an error)."""
 
     def __post_init__(self):
         g = self.algo.num_generations

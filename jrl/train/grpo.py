@@ -39,7 +39,7 @@ from jrl.rollout.base import RolloutBatch, RolloutEngine
 from jrl.sharding import make_mesh, shard_model
 from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import TrainConfig
-from jrl.train.observability import MetricsWriter, plot_curves
+from jrl.train.observability import MetricsWriter, claim_output_dir, plot_curves
 from jrl.train.rewards import compute_rewards, load_reward_functions
 from jrl.train.step import GRPOLearner, StepBatch
 
@@ -122,6 +122,8 @@ class GRPOTrainer:
         self.sampling = cfg.rollout.sampling_params(() if eos is None else (int(eos),))
         self._engine = engine
         self.out_dir = Path(cfg.output_dir)
+        if not cfg.resume:
+            claim_output_dir(self.out_dir, overwrite=cfg.overwrite)
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
         self.step = 0
 

@@ -4,7 +4,30 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "curves.png", "checkpoints")
+
+
+def claim_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
+    """Make sure a fresh run does not mix with an earlier one in ``output_dir``.
+
+    An earlier run's outputs are an error (nothing is deleted by surprise) unless ``overwrite`` is set,
+    in which case they are removed.
+    """
+    out = Path(output_dir)
+    found = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"output_dir {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+            "--overwrite to start afresh there (deleting it), or choose another --output-dir")
+    for name in found:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 class MetricsWriter:

@@ -94,3 +94,21 @@ def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
         trainer.rewards(batch, [[65, 66]] * 4, step=7)
     assert "step 7" in str(e.value)
     trainer.close()
+
+
+def test_fresh_run_refuses_an_output_dir_holding_a_run(tmp_path):
+    from jrl.train.observability import claim_output_dir
+
+    out = tmp_path / "run"
+    claim_output_dir(out, overwrite=False)  # nothing there yet: fine
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "checkpoints" / "1").mkdir(parents=True)
+    (out / "notes.txt").write_text("kept")
+    with pytest.raises(FileExistsError, match="--resume") as e:
+        claim_output_dir(out, overwrite=False)
+    assert "metrics.jsonl" in str(e.value) and "checkpoints" in str(e.value)
+    assert (out / "metrics.jsonl").exists() and (out / "checkpoints" / "1").exists()
+    claim_output_dir(out, overwrite=True)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert (out / "notes.txt").read_text() == "kept"

@@ -37,17 +37,12 @@ def unavailable_reason() -> str | None:
     return None  # runs for real on TPU, in interpret mode elsewhere
 
 
-def _clamp_tile(t: int, dim: int, align: int) -> int:
-    """A tile no larger than needed: the full dim when it is smaller than the tile (TPU block shapes may
-    equal the full array dim), else the tile."""
-    if dim <= t:
-        return dim
-    return t
-
-
 def _tiling(tiling, m_pad, k, n):
+    """Tiles no larger than needed: a dim smaller than its tile becomes one full-dim block (TPU block
+    shapes must be multiples of (8, 128) or equal the array dim); larger dims keep the configured tile
+    and megablox masks the ragged last k/n tile."""
     tm, tk, tn = tiling
-    return (min(tm, m_pad), _clamp_tile(tk, k, 128), _clamp_tile(tn, n, 128))
+    return (min(tm, m_pad), min(tk, k), min(tn, n))
 
 
 def _round_up(x, m):

@@ -4,7 +4,7 @@
 
 CHECKPOINT is a run's output directory (the latest checkpoint is used), its ``checkpoints``
 directory, or one step inside it. LoRA runs are merged into the base weights (``--merge-lora``, the
-default); ``--adapter-only`` (a PEFT adapter directory) is not supported yet.
+default), or written as a PEFT adapter directory with ``--adapter-only`` (bfloat16 unless ``--dtype``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="Hugging Face directory to write")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the weights (default)")
-    mode.add_argument("--adapter-only", action="store_true", help="write a PEFT adapter directory (not yet supported)")
-    parser.add_argument("--dtype", default=None, help="dtype of the written weights (default: the parameter dtype)")
+    mode.add_argument("--adapter-only", action="store_true",
+                      help="write a LoRA run's adapters as a PEFT adapter directory")
+    parser.add_argument("--dtype", default=None,
+                        help="dtype of the written weights (default: parameter dtype; bfloat16 with --adapter-only)")
     args = parser.parse_args(argv)
     from jrl.train.export import export_checkpoint
 

@@ -21,6 +21,7 @@ from jrl.models.lora import (
     lora_layers,
     merge_lora,
 )
+from jrl.models.peft import save_peft_adapter
 from jrl.models.transformer import Transformer, create_model, named_params, param_shardings
 
 __all__ = [
@@ -50,5 +51,6 @@ __all__ = [
     "param_shardings",
     "positions_from_mask",
     "positions_from_segments",
+    "save_peft_adapter",
     "save_pretrained",
 ]

@@ -1,4 +1,5 @@
-"""Export a training checkpoint as a Hugging Face model directory (LoRA merged into the weights)."""
+"""Export a training checkpoint as a Hugging Face model directory (LoRA merged into the weights) or,
+for a LoRA run, as a PEFT adapter directory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from flax import nnx
 
 from jrl.models import from_pretrained, save_pretrained
 from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, merge_lora
+from jrl.models.peft import save_peft_adapter
 from jrl.train.checkpoint import TrainCheckpointer
 
 
@@ -27,12 +29,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_on
     """Write the checkpoint's model to ``out_dir`` (HF safetensors + config + tokenizer of the base).
 
     ``checkpoint`` is a run's ``output_dir``, its ``checkpoints`` directory or one step inside it.
-    A LoRA run is merged (``W + s·A@B``); ``adapter_only`` (a PEFT adapter directory) is not supported
-    by this exporter yet.
+    A LoRA run is merged (``W + s·A@B``), or with ``adapter_only`` written as a PEFT adapter directory
+    (``adapter_config.json`` + ``adapter_model.safetensors``, ``dtype`` default bfloat16) for the base
+    model the run started from.
     """
-    if adapter_only:
-        raise NotImplementedError("--adapter-only export (PEFT adapter directory) is not yet supported; "
-                                  "use --merge-lora to write a merged Hugging Face checkpoint")
     directory, step = _checkpoint_dir(Path(checkpoint))
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} does not exist")
@@ -43,6 +43,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_on
         model = from_pretrained(spec["path"], dtype=spec["dtype"], param_dtype=spec["param_dtype"])
         lora = None if meta.get("lora") is None else LoraConfig(
             **{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
+        if adapter_only and lora is None:
+            raise ValueError(f"--adapter-only: the checkpoint {str(checkpoint)!r} is from a full fine-tuning run "
+                             f"(no LoRA adapters); export it without --adapter-only")
         if lora is not None:
             apply_lora(model, lora, seed=meta["seed"])
         wrt = LoRAParam if lora is not None else nnx.Param
@@ -50,6 +53,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_on
         nnx.update(model, params)
     finally:
         ckpt.close()
+    if adapter_only:
+        return save_peft_adapter(model, out_dir, dtype=dtype or "bfloat16", base_model_name_or_path=spec["path"],
+                                 config=lora)
     if lora is not None:
         model = merge_lora(model)
     return save_pretrained(model, out_dir, dtype=None if dtype is None else jnp.dtype(dtype),

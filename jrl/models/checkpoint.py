@@ -35,6 +35,7 @@ from jrl.models import hf_mapping
 from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
 from jrl.models.transformer import Transformer, named_params, place
+from jrl.sharding.placement import to_host
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -43,7 +44,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja", "chat_template.json",
 )
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 _ST_NP = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(jnp.bfloat16)}
@@ -357,15 +358,6 @@ def _hf_layout_fn(transform, stacked: bool, dtype: str):
     return jax.jit(lambda x: fn(x).astype(dtype))
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    """Gather one (possibly sharded, possibly multi-host) array to a host numpy array."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
 def write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...], str]], arrays: Iterator[np.ndarray],
                       metadata: Mapping[str, str] | None = None) -> None:
     """Stream a safetensors file: header from (name, shape, dtype name) first, then each array in order.
@@ -376,7 +368,7 @@ def write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...], str]
     offset = 0
     for name, shape, dtype in tensors:
         n = math.prod(shape) * _np_dtype(dtype).itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -413,8 +405,8 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
     out_dir = Path(out_dir)
     cfg = model.config
     save_dtype = jnp.dtype(dtype or cfg.param_dtype).name
-    if save_dtype not in _ST_DTYPES:
-        raise ValueError(f"save dtype {save_dtype!r} is not supported; use one of {', '.join(_ST_DTYPES)}")
+    if save_dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"save dtype {save_dtype!r} is not supported; use one of {', '.join(SAFETENSORS_DTYPES)}")
     target = _np_dtype(save_dtype)
     src = source_dir if source_dir is not None else getattr(model, "source_dir", None)
     src = Path(src) if src else None
@@ -447,7 +439,7 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
         if key not in cache:
             cache.clear()  # entries are grouped by parameter: keep one gathered parameter at a time
             fn = _hf_layout_fn(e.rule.transform, e.expert is not None, save_dtype)
-            cache[key] = _to_host(fn(params[e.jrl_path].get_value()))
+            cache[key] = to_host(fn(params[e.jrl_path].get_value()))
         return cache[key]
 
     def arrays(idx: list[int], bar) -> Iterator[np.ndarray]:
@@ -478,7 +470,7 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
                 for fname in TOKENIZER_FILES:
                     if (src / fname).is_file():
                         shutil.copy2(src / fname, tmp / fname)
-            _atomic_replace(tmp, out_dir)
+            atomic_replace(tmp, out_dir)
     except BaseException:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -486,7 +478,7 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
     return out_dir
 
 
-def _atomic_replace(tmp: Path, out_dir: Path) -> None:
+def atomic_replace(tmp: Path, out_dir: Path) -> None:
     """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first and removed after."""
     old = None
     if out_dir.exists():

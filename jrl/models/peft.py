@@ -31,9 +31,10 @@ import numpy as np
 from flax import nnx
 
 from jrl.models import hf_mapping
-from jrl.models.checkpoint import _ST_DTYPES, _atomic_replace, _to_host, export_entries, write_safetensors
+from jrl.models.checkpoint import SAFETENSORS_DTYPES, atomic_replace, export_entries, write_safetensors
 from jrl.models.lora import LoraConfig, LoRALinear, LoRAParam, lora_layers
 from jrl.models.transformer import Transformer, named_params
+from jrl.sharding.placement import to_host
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -126,8 +127,9 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     adapters do not share one rank and scale.
     """
     save_dtype = jnp.dtype(dtype).name
-    if save_dtype not in _ST_DTYPES:
-        raise ValueError(f"save_peft_adapter: dtype={dtype!r} is not supported; use one of {', '.join(_ST_DTYPES)}")
+    if save_dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"save_peft_adapter: dtype={dtype!r} is not supported; "
+                         f"use one of {', '.join(SAFETENSORS_DTYPES)}")
     layers = lora_layers(model)
     stray = _stray_lora_params(model, layers)
     if stray:
@@ -150,8 +152,8 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     def arrays():
         for layer in layers.values():
             n_in = math.prod(layer.in_shape)
-            a = _to_host(layer.lora_a.get_value())
-            b = _to_host(layer.lora_b.get_value())
+            a = to_host(layer.lora_a.get_value())
+            b = to_host(layer.lora_b.get_value())
             yield np.ascontiguousarray(a.reshape(n_in, rank).T.astype(target))
             yield np.ascontiguousarray(b.reshape(rank, -1).T.astype(target))
 
@@ -171,7 +173,7 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     try:
         write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, arrays())
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-        _atomic_replace(tmp, out_dir)
+        atomic_replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

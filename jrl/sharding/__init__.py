@@ -31,6 +31,7 @@ from jrl.sharding.placement import (
     shard_model,
     state_shardings,
     state_specs,
+    to_host,
     unknown_logical_axes,
     variable_spec,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "shard_model",
     "state_shardings",
     "state_specs",
+    "to_host",
     "unknown_logical_axes",
     "variable_spec",
     "with_logical_constraint",

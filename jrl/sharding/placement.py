@@ -186,7 +186,9 @@ def _match(path: tuple, shape: tuple, by_path: dict, longest: int) -> NamedShard
     return None
 
 
-def _to_host(x: Any) -> Any:
+def to_host(x: Any) -> Any:
+    """One (possibly sharded, possibly multi-host) ``jax.Array`` as a full host numpy array; other values
+    pass through. Multi-host it is a collective (``process_allgather``): every process must call it."""
     if not isinstance(x, jax.Array):
         return x
     if x.is_fully_addressable:
@@ -201,14 +203,14 @@ def iter_to_host(tree: Any) -> Iterator[tuple[str, Any]]:
     memory holds one full tensor, not the whole model). Multi-host: every process must iterate in
     the same order (it is a collective); each gets the full tensor."""
     for path, x in jax.tree_util.tree_leaves_with_path(_as_state(tree)):
-        yield path_str(path), _to_host(x)
+        yield path_str(path), to_host(x)
 
 
 def gather_to_host(tree: Any) -> Any:
     """``tree`` (a module's state, a State or a pytree) with every ``jax.Array`` replaced by the full
     numpy array, gathered tensor by tensor. Works multi-host (``process_allgather``; every process
     must call it and each receives the full values)."""
-    return jax.tree_util.tree_map(_to_host, _as_state(tree))
+    return jax.tree_util.tree_map(to_host, _as_state(tree))
 
 
 def unknown_logical_axes(tree: Any, rules: Rules | None = None) -> dict[str, tuple]:

@@ -45,6 +45,15 @@ TOKENIZER_FILES = (
     "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja", "chat_template.json",
 )
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def save_dtype_name(dtype, what: str) -> str:
+    """The canonical name of ``dtype`` (``"bfloat16"``...), or a ValueError naming ``what`` when safetensors
+    files are not written in it."""
+    name = jnp.dtype(dtype).name
+    if name not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{what}: dtype {name!r} is not supported; use one of {', '.join(SAFETENSORS_DTYPES)}")
+    return name
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 _ST_NP = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(jnp.bfloat16)}
@@ -404,9 +413,7 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
     """
     out_dir = Path(out_dir)
     cfg = model.config
-    save_dtype = jnp.dtype(dtype or cfg.param_dtype).name
-    if save_dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"save dtype {save_dtype!r} is not supported; use one of {', '.join(SAFETENSORS_DTYPES)}")
+    save_dtype = save_dtype_name(dtype or cfg.param_dtype, "save_pretrained")
     target = _np_dtype(save_dtype)
     src = source_dir if source_dir is not None else getattr(model, "source_dir", None)
     src = Path(src) if src else None

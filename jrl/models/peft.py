@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jrl.models import hf_mapping
-from jrl.models.checkpoint import SAFETENSORS_DTYPES, atomic_replace, export_entries, write_safetensors
+from jrl.models.checkpoint import atomic_replace, export_entries, save_dtype_name, write_safetensors
 from jrl.models.lora import LoraConfig, LoRALinear, LoRAParam, lora_layers
 from jrl.models.transformer import Transformer, named_params
 from jrl.sharding.placement import to_host
@@ -126,10 +126,7 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     Raises ``ValueError`` when the model has no LoRA adapters, has LoRA on MoE expert parameters, or its
     adapters do not share one rank and scale.
     """
-    save_dtype = jnp.dtype(dtype).name
-    if save_dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"save_peft_adapter: dtype={dtype!r} is not supported; "
-                         f"use one of {', '.join(SAFETENSORS_DTYPES)}")
+    save_dtype = save_dtype_name(dtype, "save_peft_adapter")
     layers = lora_layers(model)
     stray = _stray_lora_params(model, layers)
     if stray:

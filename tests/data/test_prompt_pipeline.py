@@ -87,8 +87,9 @@ def test_json_variants(tmp_path):
 
 
 def test_parquet(tmp_path, tok):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rows = _rows(12)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     assert load_records(DataConfig(source=str(tmp_path / "d.parquet"))) == rows
@@ -97,7 +98,8 @@ def test_parquet(tmp_path, tok):
 
 
 def test_save_to_disk_dataset_and_dict(tmp_path, tok):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     rows = _rows(6)
     d = datasets.Dataset.from_list(rows)
     d.save_to_disk(str(tmp_path / "single"))
@@ -379,7 +381,8 @@ def test_config_validation(kwargs, match):
 
 
 def test_config_from_tyro(tmp_path):
-    tyro = pytest.importorskip("tyro")
+    import tyro
+
     cfg = tyro.cli(
         DataConfig,
         args=[

@@ -230,3 +230,11 @@ def test_jrl_created_model_loads_in_transformers(fam, ids, tmp_path):
     assert type(hf).__name__ == json.loads((out / "config.json").read_text())["architectures"][0]
     ref, got = hf_logits(hf, ids), jrl_logits(model, ids)
     assert np.abs(ref - got).max() <= 1e-4
+
+
+def test_unsupported_save_dtype_is_an_error(hf_checkpoints, jrl_models, tmp_path):
+    _, src = hf_checkpoints("llama_rope3")
+    model = jrl_models("llama_rope3", src)
+    with pytest.raises(ValueError, match="save_pretrained: dtype 'int8' is not supported; use one of float32"):
+        save_pretrained(model, tmp_path / "out", dtype=jnp.int8)
+    assert not (tmp_path / "out").exists()

@@ -43,9 +43,12 @@ def sweep(lhs, rhs, gs, dout, log):
 
     from jrl.kernels.moe import triton as T
 
-    gcands = [T.GmmConfig(128, 128, 64, 8, 3), T.GmmConfig(128, 256, 64, 8, 3), T.GmmConfig(128, 256, 64, 8, 4),
-              T.GmmConfig(128, 128, 64, 8, 4), T.GmmConfig(256, 128, 64, 8, 3), T.GmmConfig(64, 256, 64, 4, 4),
-              T.GmmConfig(64, 128, 64, 4, 3)]
+    # 128x128x64 with 3 stages (96 KB of shared memory) fits two programs per SM; the 5-6 stage configs
+    # keep more loads in flight for the memory-heavy many-expert shapes.
+    gcands = [T.GmmConfig(128, 256, 64, 8, 4), T.GmmConfig(128, 256, 64, 8, 3), T.GmmConfig(128, 128, 64, 4, 4),
+              T.GmmConfig(128, 128, 64, 4, 3), T.GmmConfig(128, 128, 64, 8, 3), T.GmmConfig(256, 128, 64, 8, 3),
+              T.GmmConfig(256, 128, 64, 8, 4), T.GmmConfig(64, 256, 64, 4, 4),
+              T.GmmConfig(128, 256, 32, 8, 5), T.GmmConfig(128, 256, 32, 8, 6), T.GmmConfig(128, 128, 64, 4, 6)]
     tcands = [T.TgmmConfig(128, 128, 32, 4, 4), T.TgmmConfig(128, 128, 64, 8, 3), T.TgmmConfig(128, 256, 64, 8, 3),
               T.TgmmConfig(128, 256, 32, 8, 4), T.TgmmConfig(128, 128, 32, 8, 4), T.TgmmConfig(256, 128, 32, 8, 4)]
     best = {}

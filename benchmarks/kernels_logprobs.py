@@ -3,11 +3,14 @@ implementations vs the naive XLA version (full [N, V] float32 logits) and vs the
 forward+backward (``h @ W`` -> bf16 logits, then dh and dW from a bf16 cotangent).
 
     python benchmarks/kernels_logprobs.py [--N 16384] [--H 4096] [--V 151936] [--sweep]
-                                          [--variants naive,xla,triton,triton_bwdxla,matmul]
+                                          [--variants naive,xla,triton,triton_bwdxla,triton_save,matmul]
 
 Each variant runs in its own child process (``--variant NAME``) so that ``peak_bytes_in_use`` is its
-own. ``--sweep`` first times the Triton forward kernel and the backward dz kernel over a few tile
-configs (one child process) and runs the triton variants with the fastest. Prints markdown.
+own. Triton variants are ``triton`` plus optional ``_``-joined options: ``bwdxla`` (dz by XLA),
+``c16k`` (16384-column backward chunks), ``save`` (``save_probs``: no logits recompute in the backward,
+at the cost of an [N, V] buffer in the compute dtype). ``--sweep`` first times the Triton forward kernel
+and the backward dz kernel over a few tile configs (one child process) and runs the triton variants with
+the fastest. Prints markdown.
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ def run_variant(args):
                 from jrl.kernels.logprobs import triton as T
 
                 c = dict(cfg)
-                if name == "triton_bwdxla":
-                    c["bwd"] = "xla"
-                if name == "triton_c16k":
-                    c["chunk_v"] = 16384
+                opts = {"bwdxla": ("bwd", "xla"), "c16k": ("chunk_v", 16384), "save": ("save_probs", True)}
+                for opt in name.split("_")[1:]:
+                    if opt not in opts:
+                        raise SystemExit(f"unknown triton variant option {opt!r} in {name!r}; options: {list(opts)}")
+                    c[opts[opt][0]] = opts[opt][1]
                 kw = {"config": T.Config(**c)}
             impl = "triton" if name.startswith("triton") else name
 
@@ -179,7 +183,7 @@ def main():
     ap.add_argument("--N", type=int, default=16384)
     ap.add_argument("--H", type=int, default=4096)
     ap.add_argument("--V", type=int, default=151936)
-    ap.add_argument("--variants", default="matmul,naive,xla,triton,triton_bwdxla,triton_c16k")
+    ap.add_argument("--variants", default="matmul,naive,xla,triton,triton_bwdxla,triton_c16k,triton_save")
     ap.add_argument("--variant", default=None, help="(child) run one variant")
     ap.add_argument("--config", default=None, help="(child) triton Config fields as JSON")
     ap.add_argument("--sweep", action="store_true")

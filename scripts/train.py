@@ -1,11 +1,14 @@
-"""Train with GRPO from a Python config file, with command-line overrides.
+"""Train with GRPO or EBFT from a Python config file, with command-line overrides.
 
     python scripts/train.py --config configs/grpo.py [--max-steps 3] [--output-dir runs/x]
                             [--rollout.temperature 0.8] [--resume] ...
+    python scripts/train.py --config configs/ebft.py          # EBFT structured mode
+    python scripts/train.py --config configs/ebft_strided.py  # EBFT strided mode
     python scripts/train.py --config configs/grpo.py --help     # every field, with its documentation
 
 ``--config FILE`` names a Python file defining ``config()`` that returns a ``jrl.train.TrainConfig``;
-the remaining arguments override its fields (tyro, dotted names for nested sections).
+the remaining arguments override its fields (tyro, dotted names for nested sections). A config with an
+``ebft`` section trains with EBFT (``ebft.mode``: structured or strided), one without it with GRPO.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
+#: Metrics of the last logged step that the closing summary prints, per kind of run.
+SUMMARY_METRICS = {"grpo": ("reward/mean",), "ebft": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward")}
 
 
 def parse_config(argv: list[str]):
@@ -27,7 +33,18 @@ def parse_config(argv: list[str]):
     default = load_config_file(known.config) if known.config else None
     prog = "train.py --config " + known.config if known.config else "train.py"
     return tyro.cli(TrainConfig, default=default, args=rest, prog=prog,
-                    description="GRPO training. Pass --config FILE (a Python file with config()) first.")
+                    description="GRPO or EBFT training (EBFT when the config has an ebft section). "
+                                "Pass --config FILE (a Python file with config()) first.")
+
+
+def summary(cfg, history: list[dict]) -> str:
+    """The closing line of a run: steps logged, the run kind's :data:`SUMMARY_METRICS` of the last step
+    (those it logged), and where the log and the plot are."""
+    keys = SUMMARY_METRICS["grpo" if cfg.ebft is None else "ebft"]
+    last = history[-1]
+    values = ", ".join(f"{k} {last[k]:.4f}" for k in keys if k in last)
+    return (f"done: {len(history)} steps logged in {cfg.output_dir}/metrics.jsonl; "
+            + (f"last {values}; " if values else "") + f"plot {cfg.output_dir}/curves.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     history = train(cfg)
     if history:
-        last = history[-1]
-        print(f"done: {len(history)} steps logged in {cfg.output_dir}/metrics.jsonl; last reward/mean "
-              f"{last.get('reward/mean', float('nan')):.4f}; plot {cfg.output_dir}/curves.png")
+        print(summary(cfg, history))
     return 0
 
 

@@ -2,8 +2,12 @@
 service they need is absent (never silently)."""
 
 import os
+from pathlib import Path
 
 import pytest
+
+#: Where scripts/install_vllm_cpu.sh puts vLLM's own venv; used when JRL_VLLM_PYTHON is not set.
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "python"
 
 
 def pytest_addoption(parser):
@@ -14,6 +18,11 @@ def _backend() -> str:
     import jax
 
     return jax.default_backend()
+
+
+def pytest_configure(config):
+    if not os.environ.get("JRL_VLLM_PYTHON") and DEFAULT_VLLM_PYTHON.is_file():
+        os.environ["JRL_VLLM_PYTHON"] = str(DEFAULT_VLLM_PYTHON)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,5 +40,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow test: pass --run-slow to run it"))
         if "vllm" in item.keywords and not os.environ.get("JRL_VLLM_PYTHON"):
             item.add_marker(
-                pytest.mark.skip(reason="needs a vLLM venv: set JRL_VLLM_PYTHON to its python (see README)")
+                pytest.mark.skip(reason="needs a vLLM venv: run scripts/install_vllm_cpu.sh, or set JRL_VLLM_PYTHON "
+                       "to the python of a venv with vLLM (see README)")
             )

@@ -8,6 +8,7 @@
 - :mod:`~jrl.losses.registry`: name → function tables for ``loss_type``, ``advantage_estimator`` and
   ``importance_sampling_mode``;
 - :mod:`~jrl.losses.config`: :class:`GRPOConfig`;
+- :mod:`~jrl.losses.ebft`: EBFT pooling, whitening, feature-matching rewards, advantages and losses;
 - :mod:`~jrl.losses.grpo`: :func:`grpo_loss`, the micro-batch loss that ties them together.
 """
 
@@ -23,6 +24,16 @@ from jrl.losses.advantages import (
     sequence_has_signal,
 )
 from jrl.losses.config import GRPOConfig
+from jrl.losses.ebft import (
+    cross_entropy_loss,
+    ebft_advantages,
+    embed_layers,
+    feature_rewards,
+    l2_normalize,
+    pool_hidden,
+    reinforce_loss,
+    whiten,
+)
 from jrl.losses.grpo import LossInputs, grpo_loss, has_learning_signal, policy_logprobs
 from jrl.losses.importance import (
     ISWeights,
@@ -78,8 +89,12 @@ __all__ = [
     "combined_rewards",
     "completion_metrics",
     "compute_advantages",
+    "cross_entropy_loss",
+    "ebft_advantages",
+    "embed_layers",
     "entropy_keep",
     "entropy_threshold",
+    "feature_rewards",
     "get_advantage_estimator",
     "get_importance_sampling_mode",
     "get_loss_type",
@@ -90,6 +105,7 @@ __all__ = [
     "has_learning_signal",
     "importance_weights",
     "k3_kl",
+    "l2_normalize",
     "loss_mask",
     "metric_reduction",
     "opsm_keep",
@@ -97,13 +113,16 @@ __all__ = [
     "policy_logprobs",
     "policy_metrics",
     "policy_ratio",
+    "pool_hidden",
     "register_advantage_estimator",
     "register_importance_sampling_mode",
     "register_loss_type",
+    "reinforce_loss",
     "reward_metrics",
     "rloo_advantages",
     "sampler_log_ratio",
     "sampler_metrics",
     "sequence_has_signal",
     "step_normalizers",
+    "whiten",
 ]

@@ -9,6 +9,7 @@ from jrl.models.checkpoint import (
     save_pretrained,
 )
 from jrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
+from jrl.models.features import feature_layer_indices, feature_layers
 from jrl.models.layers import attend, make_attention_mask, positions_from_mask, positions_from_segments
 from jrl.models.lora import (
     LORA_TARGETS,
@@ -41,6 +42,8 @@ __all__ = [
     "apply_lora",
     "attend",
     "create_model",
+    "feature_layer_indices",
+    "feature_layers",
     "from_pretrained",
     "has_lora",
     "lora_disabled",

@@ -88,9 +88,21 @@ class Transformer(nnx.Module):
             param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs)
 
     # ------------------------------------------------------------------ inputs
-    def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None):
-        """(positions [B, S], boolean attention mask [B, S, S]) for a forward pass."""
+    def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None,
+                       mask=None):
+        """(positions [B, S], boolean attention mask [B, S, S]) for a forward pass.
+
+        An explicit ``mask`` [B, S, S] (query, key) is returned as is: it replaces the causal, padding,
+        segment and sliding-window masks, and ``positions`` must then be given too."""
         b, s = input_ids.shape
+        if mask is not None:
+            if positions is None:
+                raise ValueError("an explicit attention mask needs explicit positions: pass positions=[B, S] too")
+            if attention_mask is not None or segment_ids is not None:
+                raise ValueError("pass either mask= or attention_mask=/segment_ids=, not both (mask replaces them)")
+            if mask.shape != (b, s, s):
+                raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, seq, seq) = {(b, s, s)}")
+            return positions.astype(jnp.int32), mask.astype(bool)
         if positions is None:
             if segment_ids is not None:
                 positions = positions_from_segments(segment_ids)
@@ -104,8 +116,11 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None,
-                      return_layers: bool | Sequence[int] = False):
+                      mask=None, return_layers: bool | Sequence[int] = False):
         """Final hidden states [B, S, H] (after the final norm, compute dtype).
+
+        ``mask``: an explicit boolean attention mask [B, S, S] (query, key) used instead of the model's own
+        (causal / padding / segments / sliding window); needs ``positions`` (see :meth:`prepare_inputs`).
 
         ``return_layers``: ``True`` also returns the tuple of all L + 1 hidden states in transformers'
         ``output_hidden_states`` convention (entry 0 = embedding output, entry i = output of layer i - 1,
@@ -121,7 +136,7 @@ class Transformer(nnx.Module):
             if any(not 0 <= i <= num_layers for i in wanted):
                 raise ValueError(f"return_layers={list(return_layers)} has indices outside [0, {num_layers}]")
         depth = num_layers if wanted is None else max(wanted, default=0)
-        positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids)
+        positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask)
         x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
         collected = [x]
         for layer in self.layers[:depth]:
@@ -148,16 +163,23 @@ class Transformer(nnx.Module):
 
         return tuple(KVCache(zeros(), zeros()) for _ in self.layers)
 
-    def decode(self, input_ids: jax.Array, positions: jax.Array, key_mask: jax.Array, cache: tuple[KVCache, ...],
-               cache_index: jax.Array | int) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    def decode(self, input_ids: jax.Array, positions: jax.Array, key_mask: jax.Array | None,
+               cache: tuple[KVCache, ...], cache_index: jax.Array | int, *,
+               mask: jax.Array | None = None) -> tuple[jax.Array, tuple[KVCache, ...]]:
         """Final hidden states [B, T, H] of ``input_ids`` [B, T] (at ``positions`` [B, T]) written to cache
         slots ``cache_index .. cache_index + T - 1``, attending causally to every cache slot marked real in
         ``key_mask`` [B, S_max] (which must already mark these T slots). Returns (hidden, updated cache).
 
-        Prefill is one call over the whole left-padded prompt at slot 0; decoding is one call per token."""
+        Prefill is one call over the whole left-padded prompt at slot 0; decoding is one call per token.
+        An explicit ``mask`` [B, T, S_max] (query, cache slot) replaces the mask built from ``key_mask``
+        (which may then be None), sliding window included."""
         t = input_ids.shape[1]
-        query_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
-        mask = cache_attention_mask(key_mask, query_slots, positions, sliding_window=self.config.sliding_window)
+        if mask is None:
+            query_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
+            mask = cache_attention_mask(key_mask, query_slots, positions, sliding_window=self.config.sliding_window)
+        elif mask.shape != (input_ids.shape[0], t, cache[0].k.shape[1]):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, tokens, cache slots) = "
+                             f"{(input_ids.shape[0], t, cache[0].k.shape[1])}")
         x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache, strict=True):
@@ -179,10 +201,11 @@ class Transformer(nnx.Module):
             out = constrain(out, ("batch", "activation_length", "vocab"), self.mesh, self.rules)
         return out
 
-    def __call__(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None) -> jax.Array:
-        """float32 logits [B, S, V]."""
+    def __call__(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None,
+                 mask=None) -> jax.Array:
+        """float32 logits [B, S, V] (``mask``: see :meth:`hidden_states`)."""
         return self.logits(self.hidden_states(input_ids, positions=positions, attention_mask=attention_mask,
-                                              segment_ids=segment_ids))
+                                              segment_ids=segment_ids, mask=mask))
 
 
 def named_params(model: nnx.Module) -> dict[str, nnx.Variable]:

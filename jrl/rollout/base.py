@@ -63,13 +63,38 @@ class RolloutBatch:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A source of completions with sampling logprobs for the current policy."""
+    """A source of completions with sampling logprobs for the current policy.
+
+    Threads: with prefetching (``rollout.prefetch_depth > 0``) the trainer calls :meth:`generate` from a
+    producer thread while its own thread trains and calls :meth:`sync_weights`. The trainer never syncs
+    while a batch that needs the previous weights is still to be generated, but an engine must still
+    be safe for the two calls overlapping: a ``generate`` call samples from the weights of one sync
+    (the latest when it starts) and tags the batch with that sync's ``version``. An engine that runs
+    programs on the trainer's own devices sets the class attribute ``shares_trainer_devices = True``
+    (absent means False, e.g. a remote server); on a multi-device mesh the trainer then never runs its
+    update while it generates.
+    """
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
                  seed: int) -> RolloutBatch:
-        """Sample ``num_generations`` completions for each prompt (unpadded token-id lists)."""
+        """Sample ``num_generations`` completions for each prompt (unpadded token-id lists); the batch's
+        ``policy_version`` is the ``version`` of the weights it was sampled from."""
         ...
 
     def sync_weights(self, model, version: int) -> None:
-        """Make the engine sample from ``model``'s current weights, tagged ``version``."""
+        """Make the engine sample from ``model``'s current weights, tagged ``version``. The engine may
+        keep references to ``model``'s arrays; the caller keeps them unchanged until the next sync for
+        as long as a ``generate`` call may run on them (it passes a copy when it trains meanwhile)."""
         ...
+
+
+def check_generate_args(prompt_ids: list[list[int]], num_generations: int) -> None:
+    """The errors every :meth:`RolloutEngine.generate` gives for no prompts, an empty prompt or
+    ``num_generations < 1``."""
+    if num_generations < 1:
+        raise ValueError(f"generate: num_generations={num_generations} must be >= 1")
+    if not prompt_ids:
+        raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+    empty = [i for i, ids in enumerate(prompt_ids) if len(ids) == 0]
+    if empty:
+        raise ValueError(f"generate: prompts {empty[:10]} are empty; every prompt needs at least one token")

@@ -2,7 +2,7 @@
 
 Layout: ``<output_dir>/checkpoints/<step>/{params,opt_state,meta}``. ``meta`` holds the step, the
 optimizer update count, the data-loader state (:meth:`jrl.data.PromptLoader.get_state`), the seed
-and the run's metric history (so the final plot covers the whole run after a resume).
+and the model and LoRA settings (written by :meth:`jrl.train.loop.TrainLoop.save`).
 
 Atomicity: orbax writes each step into a temporary directory and renames it into place when it is
 complete, and :meth:`CheckpointManager.latest_step` only lists finalised steps; a crash mid-save

@@ -17,7 +17,9 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig
 from jrl.rollout.base import SamplingParams
+from jrl.rollout.vllm_config import VLLMConfig
 from jrl.sharding import MeshConfig
+from jrl.train.ebft_config import EBFTConfig
 from jrl.train.rewards import RewardSpec
 
 #: Rewards of the built-in arithmetic task (exact answer, plus partial credit for the format).
@@ -58,7 +60,14 @@ class RolloutConfig:
     """How completions are generated."""
 
     backend: str = "jax"
-    """Rollout engine: ``jax`` (the embedded sampler with a KV cache)."""
+    """Rollout engine: ``jax`` (the embedded sampler with a KV cache) or ``vllm`` (an external vLLM
+    server, configured by ``vllm``)."""
+    sync: Literal["auto", "lora", "full"] = "auto"
+    """How trained weights reach a ``vllm`` server: ``lora`` (export the PEFT adapter and hot-load it),
+    ``full`` (export the whole checkpoint and reload it in place), ``auto`` (``lora`` for a LoRA run,
+    else ``full``)."""
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
+    """Server address, timeouts, retries and launch flags of the ``vllm`` backend."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0
@@ -69,6 +78,22 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop tokens; the tokenizer's EOS always stops."""
+    sync_interval: int = 1
+    """Training steps between weight syncs to the rollout engine (1 = after every step); checkpoint
+    steps always sync, so a resumed run samples like the uninterrupted one."""
+    prefetch_depth: int = 0
+    """Rollout batches generated in a background thread ahead of the trainer (0 = synchronous:
+    generate, then train). 1 overlaps generating step k + 1 with training step k."""
+    max_staleness: int = 1
+    """Largest lag, in policy versions (training steps), between the weights that generated a batch
+    and the weights it trains; generation waits when it would be exceeded. Must be >=
+    ``sync_interval - 1``; the background thread runs ``min(prefetch_depth, max_staleness -
+    sync_interval + 1)`` steps ahead (0 makes a prefetching run exactly the synchronous one)."""
+
+    @property
+    def run_ahead(self) -> int:
+        """Training steps by which generation runs ahead of the trainer (0 when synchronous)."""
+        return min(self.prefetch_depth, self.max_staleness - self.sync_interval + 1)
 
     def sampling_params(self, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
         stops = tuple(dict.fromkeys(tuple(eos_ids) + tuple(self.stop_token_ids)))
@@ -77,6 +102,19 @@ class RolloutConfig:
 
     def __post_init__(self):
         self.sampling_params()  # validates the sampling fields
+        if self.sync not in ("auto", "lora", "full"):
+            raise _bad("RolloutConfig.sync", self.sync, "use 'auto', 'lora' or 'full'")
+        if not _pos_int(self.sync_interval):
+            raise _bad("RolloutConfig.sync_interval", self.sync_interval, "use an int >= 1 (1 = sync after every step)")
+        for name in ("prefetch_depth", "max_staleness"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _bad(f"RolloutConfig.{name}", v, "use an int >= 0")
+        if self.max_staleness < self.sync_interval - 1:
+            raise _bad("RolloutConfig.max_staleness", self.max_staleness,
+                       f"with sync_interval={self.sync_interval} the sampler's weights are up to "
+                       f"{self.sync_interval - 1} steps old between syncs; use max_staleness >= "
+                       f"{self.sync_interval - 1} or a smaller sync_interval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +178,19 @@ class TrainConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Rollout engine and sampling."""
     rewards: tuple[RewardSpec, ...] = ARITHMETIC_REWARDS
-    """Reward functions by import path, with weights (default: the arithmetic task's two rewards)."""
+    """Reward functions by import path, with weights (default: the arithmetic task's two rewards).
+    Not used when ``ebft`` is set: EBFT's reward is feature matching against the ground truth."""
+    ebft: EBFTConfig | None = None
+    """Energy-based fine-tuning instead of reward functions (None = plain GRPO); ``ebft.mode`` picks the
+    structured (GRPO pipeline, feature-matching reward) or strided (raw documents) trainer."""
     algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     """Objective, advantages and sampler correction (``num_generations`` completions per prompt);
     ``algo.temperature`` is always set to ``rollout.temperature``."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """Optimizer, schedule and gradient accumulation."""
     logprobs_impl: str = "auto"
-    """Log-prob kernel of the train step: ``auto``, ``reference``, ``xla``, ``triton`` or ``pallas_tpu``."""
+    """Log-prob kernel of the train step: ``auto``, ``reference``, ``xla``, ``triton``, ``pallas_tpu``, or
+    ``triton_saveprobs`` (GPU: faster backward for a bf16 ``[tokens, vocab]`` buffer; never picked by auto)."""
     max_steps: int = 100
     """Training steps; each samples one rollout of ``prompts_per_batch x num_generations``
     completions and makes ``num_iterations`` optimizer updates on it."""
@@ -183,7 +226,7 @@ class TrainConfig:
         if self.algo.reward_weights is not None:
             raise _bad("TrainConfig.algo.reward_weights", self.algo.reward_weights,
                        "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
-        if not self.rewards:
+        if self.ebft is None and not self.rewards:
             raise _bad("TrainConfig.rewards", self.rewards, "give at least one RewardSpec")
         rows = self.data.prompts_per_batch * g
         mb = self.optim.micro_batch_size
@@ -200,6 +243,9 @@ class TrainConfig:
 
     @property
     def reward_weights(self) -> tuple[float, ...]:
+        """Weights of the reward columns: one per reward spec, or the single EBFT reward's 1.0."""
+        if self.ebft is not None:
+            return (1.0,)
         return tuple(float(r.weight) for r in self.rewards)
 
 

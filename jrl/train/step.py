@@ -8,8 +8,9 @@ divided by the micro-batch or device count anywhere). Micro-batches without lear
 sequence in a group whose raw rewards are constant, §14.8) are skipped on the host before dispatch
 and counted in ``skipped_zero_adv_batches``.
 
-The model is split into ``(graphdef, trainable, frozen)``: with LoRA the trainable state is the
-:class:`~jrl.models.lora.LoRAParam` variables, else every ``nnx.Param``. Three jitted functions:
+The model is split into ``(graphdef, trainable, frozen)`` (:class:`TrainableState`, shared with the
+EBFT learner): with LoRA the trainable state is the :class:`~jrl.models.lora.LoRAParam` variables,
+else every ``nnx.Param``. Three jitted functions:
 ``_logprobs`` (no gradient: old / reference log-probs, once per rollout), ``_micro`` (forward +
 backward of one micro-batch, added into a donated gradient accumulator) and ``_apply`` (global-norm
 clip + AdamW, donated params and optimizer state).
@@ -141,17 +142,17 @@ def _apply(params, opt_state, grads, *, tx):
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
 
-class GRPOLearner:
-    """Owns the trainable state and optimizer of a model and runs GRPO updates on rollouts.
+class TrainableState:
+    """A model split into ``(graphdef, params, frozen)`` (with LoRA the trainable params are the
+    :class:`~jrl.models.lora.LoRAParam` variables, else every ``nnx.Param``) and the optimizer of the
+    params; the part every learner (GRPO, EBFT) shares.
 
-    ``model`` is used in place: after :meth:`update`, ``self.model`` holds the new weights (for the
-    rollout engine's ``sync_weights`` and for export).
+    ``model`` is used in place: after an update, ``self.model`` holds the new weights (for the rollout
+    engine's ``sync_weights`` and for export).
     """
 
-    def __init__(self, model: nnx.Module, algo: GRPOConfig, optim: OptimConfig, *, total_updates: int,
-                 num_iterations: int = 1, logprobs_impl: str = "auto", mesh=None, rules=None):
-        self.algo, self.optim, self.mu, self.impl = algo, optim, int(num_iterations), logprobs_impl
-        self.mesh, self.rules = mesh, rules
+    def __init__(self, model: nnx.Module, optim: OptimConfig, *, total_updates: int, mesh=None, rules=None):
+        self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
         wrt = LoRAParam if self.lora else nnx.Param
         self.graphdef, self.params, self.frozen = nnx.split(model, wrt, ...)
@@ -161,13 +162,8 @@ class GRPOLearner:
         else:
             shardings = opt_state_shardings(jax.eval_shape(self.tx.init, self.params), self.params, mesh, rules)
             self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
-        # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
-        self.ref_params = (jax.tree.map(jnp.copy, self.params)
-                           if algo.beta != 0.0 and not self.lora else None)
-        self._static = dict(graphdef=self.graphdef, algo=algo, impl=logprobs_impl)
         self.num_updates = 0
 
-    # ---------------------------------------------------------------- state
     @property
     def model(self) -> nnx.Module:
         """The model with the current weights (shares the learner's arrays)."""
@@ -181,6 +177,31 @@ class GRPOLearner:
             return jnp.asarray(x)
         return jax.device_put(x, batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
 
+    def zero_gradients(self):
+        """A zero gradient accumulator shaped like the trainable params."""
+        return _zeros_like(self.params)
+
+    def apply_gradients(self, grads) -> jax.Array:
+        """One optimizer update with the summed gradient ``grads`` (params and optimizer state are
+        donated and replaced); returns the gradient's global norm."""
+        self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state, grads, tx=self.tx)
+        self.num_updates += 1
+        return gnorm
+
+
+class GRPOLearner(TrainableState):
+    """Owns the trainable state and optimizer of a model and runs GRPO updates on rollouts."""
+
+    def __init__(self, model: nnx.Module, algo: GRPOConfig, optim: OptimConfig, *, total_updates: int,
+                 num_iterations: int = 1, logprobs_impl: str = "auto", mesh=None, rules=None):
+        super().__init__(model, optim, total_updates=total_updates, mesh=mesh, rules=rules)
+        self.algo, self.mu, self.impl = algo, int(num_iterations), logprobs_impl
+        # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
+        self.ref_params = (jax.tree.map(jnp.copy, self.params)
+                           if algo.beta != 0.0 and not self.lora else None)
+        self._static = dict(graphdef=self.graphdef, algo=algo, impl=logprobs_impl)
+
+    # ---------------------------------------------------------------- state
     def _device(self, batch: StepBatch) -> StepBatch:
         return StepBatch(*(self._put(x) for x in batch))
 
@@ -216,9 +237,7 @@ class GRPOLearner:
         for _ in range(self.mu):
             acc, collected, skipped = self.accumulate_gradients(batch, has_signal)
             collected["learning_rate"] = [self.schedule(self.num_updates)]
-            self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state, acc, tx=self.tx)
-            collected["grad_norm"] = [gnorm]
-            self.num_updates += 1
+            collected["grad_norm"] = [self.apply_gradients(acc)]
             per_update.append(collected)
         # Reduce over micro-batches within an update (the loss is a sum: global normalisers), then
         # average the updates of this rollout (min / max metrics keep their extreme).
@@ -239,7 +258,7 @@ class GRPOLearner:
                                     mask_truncated_completions=cfg.mask_truncated_completions))
         norms = step_normalizers(mask, num_micro_batches=len(slices))
         has_signal = np.asarray(has_signal, bool)
-        acc = _zeros_like(self.params)
+        acc = self.zero_gradients()
         collected: dict[str, list] = {"loss": []}
         skipped = 0
         for sl in slices:

@@ -2,7 +2,8 @@
 inputs, odd vocab sizes, row counts that are not a multiple of any block, masked tokens, bf16 and f32.
 
 CPU: xla, pallas_tpu (interpret mode) and the Triton kernels under Triton's interpreter (subprocess).
-GPU (``-m gpu``): triton (both backward variants) and xla on the device.
+GPU (``-m gpu``): triton (logits recomputed in the backward by Triton or XLA, and the save_probs backward)
+and xla on the device.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def value_and_grads(fn, hidden, lm_head, targets, g_lp, g_ent, with_entropy, **k
 
 
 def check_against_reference(impl, rng, n, h, v, dtype, *, with_entropy=True, temperature=0.7, lm_head_f32=False,
-                            **kw):
-    hidden, lm_head, targets, g_lp, g_ent = make_inputs(rng, n, h, v, dtype)
+                            scale=0.5, **kw):
+    hidden, lm_head, targets, g_lp, g_ent = make_inputs(rng, n, h, v, dtype, scale=scale)
     common = dict(temperature=temperature, lm_head_f32=lm_head_f32)
     ref = value_and_grads(reference.token_logprobs, hidden, lm_head, targets, g_lp, g_ent, with_entropy, **common)
     out = value_and_grads(lambda *a, **k: logprobs.token_logprobs(*a, impl=impl, **k, **kw),
@@ -132,6 +133,43 @@ def test_logprobs_are_normalized(request):
     np.testing.assert_allclose(np.exp(np.asarray(lp)).reshape(3, v).sum(1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize("store", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_dz_from_saved_probs_matches_recompute(request, store):
+    """The save_probs backward's math (``_common.dz_from_saved``, shared by the GPU path): dz from the
+    forward's saved ``exp(l - running max)`` tiles equals dz from recomputed logits, for a full chunk with a
+    traced start and a remainder chunk, with running maxima that restart per vocab split (as the kernel's
+    do), and stays finite where ``e`` underflows to 0."""
+    from jrl.kernels.logprobs._common import dz_from_saved, dz_tile
+
+    rng = rng_for(request)
+    n, v, bv, splits = 9, 203, 16, 3
+    l = rng.standard_normal((n, v)) * 3.0
+    l[:, 4 * bv + 7] = -2000.0  # in the first checked chunk: e underflows to exactly 0 there (p = 0, log e = -inf)
+    tiles = -(-v // bv)
+    per_split = -(-tiles // splits)
+    e = np.zeros((n, v))
+    mt = np.zeros((n, tiles))
+    for i in range(tiles):
+        first = (i // per_split) * per_split  # the running max restarts at each split
+        m = l[:, first * bv:(i + 1) * bv].max(1)
+        mt[:, i] = m
+        e[:, i * bv:(i + 1) * bv] = np.exp(l[:, i * bv:(i + 1) * bv] - m[:, None])
+    lse = np.log(np.exp(l).sum(1))
+    ent = lse - (np.exp(l - lse[:, None]) * l).sum(1)
+    targets = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    g_lp, g_ent = (jnp.asarray(rng.standard_normal(n), jnp.float32) for _ in range(2))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    common = (targets, f32(lse), f32(ent), g_lp, g_ent, jnp.float32(0.8), True)
+    chunk = 4 * bv
+    full = jax.jit(lambda v0: dz_from_saved(jnp.asarray(e, store), f32(mt), bv, v0, chunk, *common))
+    for v0, width in [(chunk, chunk), ((v // chunk) * chunk, v % chunk)]:
+        got = full(jnp.int32(v0)) if width == chunk else \
+            dz_from_saved(jnp.asarray(e, store), f32(mt), bv, v0, width, *common)
+        cols = v0 + jnp.arange(width, dtype=jnp.int32)
+        want = dz_tile(f32(l[:, v0:v0 + width]), cols, *common)
+        assert_close(got, want, store, f"dz from saved probs, columns {v0}:{v0 + width}")
+
+
 # --- Pallas TPU kernels in interpret mode ------------------------------------------------------
 
 
@@ -207,11 +245,11 @@ GPU_SHAPES = [(1000, 256, 5003), (77, 128, 151)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("n,h,v", GPU_SHAPES)
-@pytest.mark.parametrize("impl,kw", [("triton", {}), ("triton", {"bwd": "xla"}), ("xla", {})],
-                         ids=["triton", "triton-bwdxla", "xla"])
+@pytest.mark.parametrize("impl,kw", [("triton", {}), ("triton", {"bwd": "xla"}), ("triton_saveprobs", {}), ("xla", {})],
+                         ids=["triton", "triton-bwdxla", "triton_saveprobs", "xla"])
 def test_gpu_matches_reference(request, impl, kw, dtype, n, h, v):
     extra = {}
-    if impl == "triton":
+    if impl.startswith("triton"):
         from jrl.kernels.logprobs import triton as lp_triton
 
         extra["config"] = lp_triton.Config(**kw, chunk_v=2048)
@@ -222,12 +260,33 @@ def test_gpu_matches_reference(request, impl, kw, dtype, n, h, v):
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_gpu_triton_options(request, with_entropy):
+    from jrl.kernels.logprobs import triton as lp_triton
+
     rng = rng_for(request)
     with jax.default_matmul_precision("highest"):
         check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
                                 temperature=1.0)
         check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
                                 lm_head_f32=True)
+        saving = lp_triton.Config(save_probs=True)
+        check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
+                                temperature=1.0, config=saving)
+        check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
+                                lm_head_f32=True, config=saving)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_save_probs_large_logits(request):
+    """Saved probabilities stay accurate when logits are large (|l| ~ 30): they are stored as exp(l - m),
+    not as logits, whose bf16 rounding would cost percent-level errors in p."""
+    from jrl.kernels.logprobs import triton as lp_triton
+
+    rng = rng_for(request)
+    hidden, lm_head, *_ = make_inputs(rng, 200, 128, 2000, jnp.bfloat16, scale=2.5)
+    assert float(jnp.max(jnp.abs(reference.logits_f32(hidden, lm_head)))) > 20, "inputs too tame for this test"
+    with jax.default_matmul_precision("highest"):
+        check_against_reference("triton", rng, 200, 128, 2000, jnp.bfloat16, temperature=1.0, scale=2.5,
+                                config=lp_triton.Config(save_probs=True))
 
 
 @pytest.mark.gpu

@@ -38,18 +38,28 @@ def main():
         l, lse, logp, ent, p = ref(hid, w, tgt, inv_temp)
         v_tiles = -(-v // bv)
         v_per_split = -(-v_tiles // splits) * bv
-        parts = [torch.full((splits, n), float("nan")) for _ in range(4)]
         grid = (-(-n // bn) * splits,)
         args = [torch.from_numpy(hid), torch.from_numpy(w), torch.from_numpy(tgt), torch.tensor([inv_temp])]
-        K.lp_fwd_kernel[grid](*args, *parts, n, h, v, v_per_split, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
-                              NUM_SPLITS=splits, WITH_ENT=True, UPCAST=True, EVEN_H=(h % bk == 0))
-        m, s, t, tg = (x.numpy().astype(np.float64) for x in parts)
-        big = m.max(0)
-        sc = np.exp(m - big)
-        lse_k = big + np.log((s * sc).sum(0))
-        logp_k = tg.sum(0) - lse_k
-        ent_k = lse_k - (t * sc).sum(0) / (s * sc).sum(0)
-        errs = [relerr(logp_k, logp), relerr(ent_k, ent)]
+        errs = []
+        for save in (False, True):
+            parts = [torch.full((splits, n), float("nan")) for _ in range(4)]
+            e_out = torch.full((n, v) if save else (1,), float("nan"))
+            mt_out = torch.full((n, v_tiles) if save else (1,), float("nan"))
+            K.lp_fwd_kernel[grid](*args, *parts, e_out, mt_out, n, h, v, v_per_split, BLOCK_N=bn, BLOCK_V=bv,
+                                  BLOCK_K=bk, NUM_SPLITS=splits, WITH_ENT=True, UPCAST=True, EVEN_H=(h % bk == 0),
+                                  SAVE=save)
+            m, s, t, tg = (x.numpy().astype(np.float64) for x in parts)
+            big = m.max(0)
+            sc = np.exp(m - big)
+            lse_k = big + np.log((s * sc).sum(0))
+            logp_k = tg.sum(0) - lse_k
+            ent_k = lse_k - (t * sc).sum(0) / (s * sc).sum(0)
+            errs += [relerr(logp_k, logp), relerr(ent_k, ent)]
+            if save:  # the saved tiles give back p and l: p = e * exp(mt - lse), l = mt + log(e)
+                e_k = e_out.numpy().astype(np.float64)
+                mt_k = np.repeat(mt_out.numpy().astype(np.float64), bv, axis=1)[:, :v]
+                assert np.isfinite(e_k).all() and np.isfinite(mt_k).all(), "lp_fwd_kernel left unsaved entries"
+                errs += [relerr(e_k * np.exp(mt_k - lse[:, None]), p), relerr(mt_k + np.log(e_k), l)]
         # dz over two chunks (one full, one remainder)
         glp = rng.standard_normal(n).astype(np.float32)
         gent = rng.standard_normal(n).astype(np.float32)
@@ -67,7 +77,8 @@ def main():
                                      EVEN_H=(h % bk == 0))
             assert np.isfinite(dz.numpy()).all(), "lp_bwd_dz_kernel left unwritten (NaN) output"
             errs.append(relerr(dz.numpy(), dz_ref[:, v0:v0 + width]))
-        print(f"n={n} h={h} v={v} splits={splits}: relerr logp/ent/dz {['%.2e' % e for e in errs]}")
+        errs_txt = ["%.2e" % e for e in errs]
+        print(f"n={n} h={h} v={v} splits={splits}: relerr logp/ent, saved logp/ent/p/l, dz {errs_txt}")
         worst = max(worst, *errs)
     print(f"worst relerr {worst:.2e}")
     sys.exit(0 if worst < 1e-5 else 1)

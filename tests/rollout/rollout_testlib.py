@@ -41,14 +41,19 @@ def full_sequences(batch):
     return ids, mask
 
 
+def log_softmax(z) -> np.ndarray:
+    """log_softmax over the last axis, in float64."""
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
 def full_forward_logprobs(model, batch, temperature: float) -> np.ndarray:
     """log_softmax(model(...) / T) at each completion token, recomputed by one full forward pass."""
     ids, mask = full_sequences(batch)
     logits = np.asarray(jax.jit(lambda i, m: model(i, attention_mask=m))(ids, mask), np.float64)
     lp_len, t = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    z = logits[:, lp_len - 1: lp_len - 1 + t] / temperature
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    logp = log_softmax(logits[:, lp_len - 1: lp_len - 1 + t] / temperature)
     return np.take_along_axis(logp, batch.completion_ids[..., None].astype(np.int64), axis=-1)[..., 0]
 
 

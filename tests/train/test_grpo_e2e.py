@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,28 +11,7 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
 from jrl.train.rewards import RewardSpec
-
-
-REPO = Path(__file__).resolve().parents[2]
-REWARD = '''
-CALLS = 0
-CRASH_AFTER = {crash}
-
-
-def low_ids(prompts, completions, completion_ids, **kw):
-    """Fraction of completion tokens with an id below 128: varies between random completions."""
-    global CALLS
-    CALLS += 1
-    if CRASH_AFTER is not None and CALLS > CRASH_AFTER:
-        raise KeyboardInterrupt("simulated kill")
-    return [sum(i < 128 for i in ids) / max(1, len(ids)) for ids in completion_ids]
-'''
-
-
-def _reward_file(tmp_path, name, crash=None) -> Path:
-    path = tmp_path / f"{name}.py"
-    path.write_text(REWARD.format(crash=crash))
-    return path
+from train_testlib import read_metrics_log, run_worker, write_reward_file
 
 
 def _cfg(model_dir, out, reward, **kw) -> TrainConfig:
@@ -50,24 +24,19 @@ def _cfg(model_dir, out, reward, **kw) -> TrainConfig:
     return dataclasses.replace(cfg, **kw)
 
 
-def _log(path) -> list[dict]:
-    rows = [json.loads(x) for x in (Path(path) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"} for r in rows]
-
-
 def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path):
     from jrl.train.grpo import train
 
-    ok = _reward_file(tmp_path, "reward_ok")
+    ok = write_reward_file(tmp_path, "reward_ok")
     straight = train(_cfg(tiny_model_dir, tmp_path / "a", ok), progress=False)
     assert len(straight) == 6 and any(r["skipped_zero_adv_batches"] < 2 for r in straight)
     # The second run dies during step 4 (after the step-3 checkpoint), then resumes to step 6.
-    crash = _reward_file(tmp_path, "reward_crash", crash=3)
+    crash = write_reward_file(tmp_path, "reward_crash", crash=3)
     with pytest.raises(KeyboardInterrupt):
         train(_cfg(tiny_model_dir, tmp_path / "b", crash), progress=False)
-    assert len(_log(tmp_path / "b")) == 3
+    assert len(read_metrics_log(tmp_path / "b")) == 3
     train(_cfg(tiny_model_dir, tmp_path / "b", ok, resume=True), progress=False)
-    a, b = _log(tmp_path / "a"), _log(tmp_path / "b")
+    a, b = read_metrics_log(tmp_path / "a"), read_metrics_log(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert a == b
     assert (tmp_path / "b" / "curves.png").stat().st_size > 0
@@ -107,20 +76,9 @@ def test_sampler_and_trainer_logprobs_agree(tiny_model_dir):
     assert np.max(np.abs(trainer_lp[m] - batch.sampler_logprobs[m])) <= 1e-4
 
 
-def _worker_env(num_devices: int) -> dict:
-    spec = importlib.util.spec_from_file_location("sharding_test_helpers", REPO / "tests" / "sharding" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.worker_env(num_devices)
-
-
 def test_two_device_mesh_run(tiny_model_dir, tmp_path):
-    reward = _reward_file(tmp_path, "reward_mesh")
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "e2e_worker.py"), str(tiny_model_dir),
-                           str(tmp_path / "run"), str(reward), "2"], env=_worker_env(2), capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    reward = write_reward_file(tmp_path, "reward_mesh")
+    out = run_worker("e2e_worker.py", tiny_model_dir, tmp_path / "run", reward, "2")
     assert out["devices"] == 2 and out["mesh_shape"]["fsdp"] == 2
     assert [r["step"] for r in out["history"]] == [1, 2]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward/mean"]) for r in out["history"])
@@ -129,10 +87,7 @@ def test_two_device_mesh_run(tiny_model_dir, tmp_path):
 
 def test_sharded_step_equals_single_device():
     """§12.3: the gradient of a 2-device FSDP step (2 micro-batches) equals the 1-device, 1-micro-batch one."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "mesh_step_worker.py")], env=_worker_env(2),
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    out = run_worker("mesh_step_worker.py")
     assert out["devices"] == 2 and out["param_devices"] == 2
     assert out["grad_err"] <= 1e-5 and out["param_err"] <= 1e-5
     assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-5)
@@ -147,7 +102,7 @@ def test_lora_run_exports_merged_model(tiny_model_dir, tmp_path):
     from jrl.train.export import export_checkpoint
     from jrl.train.grpo import GRPOTrainer
 
-    reward = _reward_file(tmp_path, "reward_lora")
+    reward = write_reward_file(tmp_path, "reward_lora")
     cfg = _cfg(tiny_model_dir, tmp_path / "run", reward, max_steps=2, save_every=0,
                lora=LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj", "up_proj")),
                optim=OptimConfig(learning_rate=5e-2, micro_batch_size=4))

@@ -1,4 +1,4 @@
-"""TrainConfig loading, CLI overrides, --help, and bad input errors."""
+"""TrainConfig loading, CLI overrides, --help, bad input errors, and scripts/train.py's closing summary."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jrl.data.pipeline import DataConfig
@@ -54,6 +55,31 @@ def test_help_lists_every_documented_field():
                  "--optim.micro-batch-size", "--logprobs-impl", "lora:lora-config"]:
         assert flag in text, flag
     assert "completions per prompt" in text  # field docstrings are shown
+    assert "GRPO or EBFT training" in text and "ebft:ebft-config" in text
+
+
+def test_run_summary_prints_the_metrics_of_the_run_kind():
+    """The closing line of scripts/train.py gives the last step's ebft/alignment, ebft/cfm_loss and
+    ebft/reward for an EBFT config and reward/mean for a GRPO one, skipping (never printing nan for) a
+    metric the run did not log."""
+    script = _train_script()
+    rng = np.random.default_rng(0)
+    keys = ("reward/mean", "ebft/alignment", "ebft/cfm_loss", "ebft/reward")
+    history = [{"step": s, "loss": float(rng.normal()), **{k: float(rng.normal()) for k in keys}} for s in (1, 2)]
+    last = history[-1]
+    ebft_cfg, grpo_cfg = (load_config_file(ROOT / "configs" / f) for f in ("ebft.py", "grpo.py"))
+    ebft_line = script.summary(ebft_cfg, history)
+    assert ebft_line.startswith(f"done: 2 steps logged in {ebft_cfg.output_dir}/metrics.jsonl; last ")
+    for key in ("ebft/alignment", "ebft/cfm_loss", "ebft/reward"):
+        assert f"{key} {last[key]:.4f}" in ebft_line, (key, ebft_line)
+    assert "reward/mean" not in ebft_line
+    grpo_line = script.summary(grpo_cfg, history)
+    assert f"last reward/mean {last['reward/mean']:.4f};" in grpo_line and "ebft/" not in grpo_line
+    # A run that did not log one of them: the others, and no nan.
+    partial = [{k: v for k, v in last.items() if k != "ebft/cfm_loss"}]
+    line = script.summary(ebft_cfg, partial)
+    assert "ebft/cfm_loss" not in line and "nan" not in line and f"ebft/reward {last['ebft/reward']:.4f}" in line
+    assert "; last " not in script.summary(grpo_cfg, [{"step": 1, "loss": 0.5}])
 
 
 def test_config_errors_name_the_field():

@@ -1,7 +1,13 @@
-"""Tiny models and rollout batches for the trainer tests (built locally, random, float32)."""
+"""Tiny models, rollout batches, reward files, run-log readers and multi-device workers for the trainer
+tests (models built locally, random, float32)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +61,57 @@ def max_rel_err(a, b) -> float:
     errs = [float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / max(float(np.max(np.abs(np.asarray(y)))), 1e-30))
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
     return max(errs)
+
+
+#: A reward module with a function ``low_ids`` that varies between random completions; with ``crash`` set,
+#: the call after the ``crash``-th raises ``KeyboardInterrupt`` (a simulated kill mid-run).
+LOW_IDS_REWARD = '''
+CALLS = 0
+CRASH_AFTER = {crash}
+
+
+def low_ids(prompts, completions, completion_ids, **kw):
+    """Fraction of completion tokens with an id below 128: varies between random completions."""
+    global CALLS
+    CALLS += 1
+    if CRASH_AFTER is not None and CALLS > CRASH_AFTER:
+        raise KeyboardInterrupt("simulated kill")
+    return [sum(i < 128 for i in ids) / max(1, len(ids)) for ids in completion_ids]
+'''
+
+
+def write_reward_file(tmp_path: Path, name: str, crash: int | None = None) -> Path:
+    """``<tmp_path>/<name>.py`` holding :data:`LOW_IDS_REWARD` (a distinct module name per run)."""
+    path = Path(tmp_path) / f"{name}.py"
+    path.write_text(LOW_IDS_REWARD.format(crash=crash))
+    return path
+
+
+def read_metrics_log(out_dir, timing: tuple[str, ...] = ("tokens_per_second",)) -> list[dict]:
+    """The rows of ``<out_dir>/metrics.jsonl`` without the metrics that depend on timing (``time/*`` and
+    ``timing``), so runs that compute the same thing compare equal."""
+    rows = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in timing} for r in rows]
+
+
+@functools.cache
+def _sharding_helpers():
+    """tests/sharding/conftest.py as a module (its child-process environment and JSON-result parser)."""
+    path = Path(__file__).resolve().parents[1] / "sharding" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("sharding_test_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_worker(script: str, *args: str, num_devices: int = 2, timeout: float = 300) -> dict:
+    """Run ``tests/train/<script>`` in a child process on ``num_devices`` fake CPU devices; its JSON result
+    (the last stdout line starting with ``{``)."""
+    helpers = _sharding_helpers()
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / script), *map(str, args)],
+                          env=helpers.worker_env(num_devices), capture_output=True, text=True, timeout=timeout,
+                          cwd=helpers.REPO)
+    if proc.returncode:
+        raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-6000:]}")
+    return helpers.parse_json_tail(proc.stdout)

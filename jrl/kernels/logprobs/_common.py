@@ -1,5 +1,6 @@
 """Shared math for the fused logprob kernels: the per-tile online-logsumexp update, the gradient of a
-logits tile, and the vocab-chunked backward pass used by the XLA and GPU implementations.
+logits tile (from logits, or from probabilities a forward saved), and the vocab-chunked backward pass used
+by the XLA and GPU implementations.
 
 Notation, per row n (token) and vocab column v: ``l = (h @ W) * inv_temp`` (float32),
 ``lse = logsumexp_v l``, ``p = exp(l - lse)``, ``logp = l[target] - lse`` and
@@ -68,11 +69,32 @@ def dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy: boo
 
     ``cols`` [bv] are the tile's global vocab ids; columns >= V must be masked by the caller.
     """
-    p = jnp.exp(l - lse[:, None])
+    return dz_from_probs(jnp.exp(l - lse[:, None]), l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy)
+
+
+def dz_from_probs(p, l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy: bool):
+    """:func:`dz_tile` given the tile's probabilities ``p`` as well as its logits ``l`` (``l`` is only
+    read for the entropy term, and only where ``p > 0``, so ``l = -inf`` there is harmless)."""
     d = jnp.where(cols[None, :] == targets[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
     if with_entropy:
-        d = d - g_ent[:, None] * p * (l - lse[:, None] + ent[:, None])
+        d = d - g_ent[:, None] * jnp.where(p > 0, p * (l - lse[:, None] + ent[:, None]), 0.0)
     return d * inv_temp
+
+
+def dz_from_saved(e, mt, block_v: int, v0, width: int, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy: bool):
+    """:func:`dz_tile` for columns ``[v0, v0 + width)`` from a forward that saved, per vocab tile of
+    ``block_v`` columns, ``e = exp(l - m)`` ([N, V], any float dtype) and that tile's running max ``m``
+    (``mt`` [N, cdiv(V, block_v)], float32): ``p = e * exp(m - lse)`` and ``l = m + log(e)``, no matmul.
+    ``v0`` (a multiple of ``block_v``) may be traced; ``width`` is static."""
+    n = e.shape[0]
+    tiles = -(-width // block_v)
+    e_c = jax.lax.dynamic_slice_in_dim(e, v0, width, axis=1).astype(jnp.float32)
+    mt_c = jax.lax.dynamic_slice_in_dim(mt, v0 // block_v, tiles, axis=1)
+    mt_c = jnp.broadcast_to(mt_c[:, :, None], (n, tiles, block_v)).reshape(n, tiles * block_v)[:, :width]
+    p = e_c * jnp.exp(mt_c - lse[:, None])
+    l = mt_c + jnp.log(e_c) if with_entropy else None
+    cols = v0 + jnp.arange(width, dtype=jnp.int32)
+    return dz_from_probs(p, l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy)
 
 
 def chunked_backward(hidden, lm_head, block_v: int, dz_fn: Callable, cdt):

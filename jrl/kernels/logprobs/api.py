@@ -6,13 +6,19 @@
 | `xla`        | anywhere                       | loop over vocab tiles, online logsumexp, custom VJP            |
 | `pallas_tpu` | TPU (interpret mode elsewhere) | Pallas/Mosaic fused forward, dh and dW kernels                 |
 | `triton`     | NVIDIA GPU + jax_triton        | Triton fused forward; backward per vocab chunk (Triton + cuBLAS)|
+| `triton_saveprobs` | NVIDIA GPU + jax_triton  | `triton` with ``save_probs``: no logits recompute in the backward, |
+|              |                                | at the cost of an [N, V] buffer in the compute dtype (opt-in)  |
 
-``impl="auto"`` order: TPU: pallas_tpu, xla. GPU: triton, xla. CPU: xla, reference.
+``impl="auto"`` order: TPU: pallas_tpu, xla. GPU: triton, xla. CPU: xla, reference (``auto`` never
+picks ``triton_saveprobs``: it trades an [N, V] buffer, N * V * 2 bytes in bf16, for speed, which only the
+caller can weigh).
 ``pallas_tpu`` bakes the temperature into the kernel, so with a traced temperature "auto" skips it.
 The pick is logged once per configuration on the ``jrl.kernels`` logger.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +31,7 @@ IMPLS = {
     "xla": Impl("xla", "jrl.kernels.logprobs.xla", ("cpu", "gpu", "tpu")),
     "pallas_tpu": Impl("pallas_tpu", "jrl.kernels.logprobs.pallas_tpu", ("tpu",), interpret_ok=True),
     "triton": Impl("triton", "jrl.kernels.logprobs.triton", ("gpu",)),
+    "triton_saveprobs": Impl("triton_saveprobs", "jrl.kernels.logprobs.triton", ("gpu",)),
 }
 ORDER = {
     "tpu": ("pallas_tpu", "xla", "reference"),
@@ -89,6 +96,8 @@ def token_logprobs(
 
     config = (tuple(hidden.shape), str(hidden.dtype), tuple(lm_head.shape), str(lm_head.dtype),
               f"entropy={with_entropy}", f"lm_head_f32={lm_head_f32}")
-    _, mod = _dispatch.select("logprobs", IMPLS, ORDER, impl, config=config, call_check=call_check)
+    name, mod = _dispatch.select("logprobs", IMPLS, ORDER, impl, config=config, call_check=call_check)
+    if name == "triton_saveprobs":
+        kwargs["config"] = dataclasses.replace(kwargs.get("config") or mod.Config(), save_probs=True)
     return mod.token_logprobs(hidden, lm_head, targets, temperature=temperature, with_entropy=with_entropy,
                               lm_head_f32=lm_head_f32, **kwargs)

@@ -7,7 +7,10 @@ CPU tests run them under Triton's interpreter with torch tensors).
   writes float32 partials ``m`` (running max), ``s`` (sum of exp(l - m)), ``t`` (sum of exp(l - m) * l,
   for the entropy) and ``tg`` (the target's logit when it lies in the range) at ``[split, row]``; the
   caller merges the splits. Programs are ordered split-fastest so that the ~SM-count programs in
-  flight share a few ``h`` blocks and W tiles through L2.
+  flight share a few ``h`` blocks and W tiles through L2. With ``SAVE`` it also stores, for the
+  backward, each tile's ``exp(l - m)`` (``m`` = the row's running max after that tile) in ``e`` [N, V]
+  and that ``m`` in ``mt`` [N, cdiv(V, BLOCK_V)]; ``p = e * exp(mt - lse)`` and ``l = mt + log(e)``
+  then recover probabilities and logits without a second matmul (see ``triton.py``).
 * :func:`lp_bwd_dz_kernel` -- the same GEMM over one vocab chunk ``[v_off, v_off + CV)``, whose
   epilogue turns the logits tile into the gradient of ``h @ W`` (see ``_common.py``) and stores it in
   the compute dtype; the caller multiplies it into dh and dW with ordinary (cuBLAS) matmuls.
@@ -53,10 +56,10 @@ def _logits_tile(h_ptr, w_ptr, rows_ld, cols, H: tl.constexpr, V: tl.constexpr, 
 
 @triton.jit
 def lp_fwd_kernel(
-    h_ptr, w_ptr, tgt_ptr, inv_temp_ptr, m_ptr, s_ptr, t_ptr, tg_ptr,
+    h_ptr, w_ptr, tgt_ptr, inv_temp_ptr, m_ptr, s_ptr, t_ptr, tg_ptr, e_ptr, mt_ptr,
     N: tl.constexpr, H: tl.constexpr, V: tl.constexpr, v_per_split: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, EVEN_H: tl.constexpr,
+    WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, EVEN_H: tl.constexpr, SAVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = pid // NUM_SPLITS
@@ -86,6 +89,12 @@ def lp_fwd_kernel(
         hit = (cols[None, :] == tgt[:, None]) & cmask[None, :]
         tg += tl.sum(tl.where(hit, l, 0.0), axis=1)
         m = m_new
+        if SAVE:
+            rmask_t = rows < N
+            row64 = rows.to(tl.int64)
+            tl.store(e_ptr + row64[:, None] * V + cols[None, :], e.to(e_ptr.dtype.element_ty),
+                     mask=rmask_t[:, None] & cmask[None, :])
+            tl.store(mt_ptr + row64 * tl.cdiv(V, BLOCK_V) + v0 // BLOCK_V, m_new, mask=rmask_t)
     out = split * N + rows
     rmask = rows < N
     tl.store(m_ptr + out, m, mask=rmask)

@@ -1,0 +1,51 @@
+"""Load the policy a :class:`~jrl.train.TrainConfig` names: tokenizer, device mesh, model (+ LoRA)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from jrl.models import from_pretrained
+from jrl.models.lora import apply_lora
+from jrl.sharding import make_mesh, shard_model
+
+
+@dataclasses.dataclass
+class Policy:
+    """What a trainer starts from."""
+
+    tokenizer: object
+    """The Hugging Face tokenizer of the model directory."""
+    pad_id: int
+    """The tokenizer's pad id, else its EOS id."""
+    mesh: object
+    """The device mesh (None on one device: no placement or sharding constraints at all)."""
+    rules: dict
+    """Logical-axis rules of ``cfg.mesh``."""
+    model: object
+    """The :class:`~jrl.models.Transformer`, with LoRA adapters when ``cfg.lora`` is set."""
+
+
+def load_policy(cfg) -> Policy:
+    """Tokenizer, mesh and model of ``cfg`` (``TrainConfig``), with a clear error for a bad model path."""
+    from transformers import AutoTokenizer
+
+    cfg.mesh.axis_sizes(jax.device_count())  # a clear error for a mesh that does not fit the devices
+    model_dir = Path(cfg.model.path)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"ModelSpec.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json); "
+            "point --model.path at one (the default tiny model is made by scripts/make_default_model.py)")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    mesh = make_mesh(cfg.mesh) if jax.device_count() > 1 else None
+    rules = cfg.mesh.logical_rules()
+    model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
+                            rules=rules)
+    if cfg.lora is not None:
+        apply_lora(model, cfg.lora, seed=cfg.seed)
+        if mesh is not None:
+            shard_model(model, mesh, rules)
+    return Policy(tokenizer=tokenizer, pad_id=pad_id, mesh=mesh, rules=rules, model=model)

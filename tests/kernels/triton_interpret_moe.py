@@ -10,7 +10,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jrl.kernels.moe import triton_kernels as K  # noqa: E402

@@ -15,7 +15,7 @@ from jrl.rollout import SamplingParams
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_engine import completion_request, parse_choices, prompt_seed
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError, VLLMUnavailableError
-from jrl.rollout.vllm_server import server_command, vllm_lora_rank
+from jrl.rollout.vllm_server import VLLMServer, server_command, vllm_lora_rank
 
 
 class _Scripted(http.server.BaseHTTPRequestHandler):
@@ -227,7 +227,7 @@ def test_serve_script_dry_run_prints_the_command(capsys):
     assert "--enable-lora --max-lora-rank 8 --max-loras 3" in line and "--model models/tiny-arithmetic" in line
     assert module.main(["--config", "configs/grpo.py", "--dry-run"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("VLLM_SERVER_DEV_MODE=1 python -m vllm") and "--enable-lora" not in line
+    assert line.startswith("VLLM_SERVER_DEV_MODE=1 .vllm-venv/bin/python -m vllm") and "--enable-lora" not in line
 
 
 def test_sync_mode_follows_the_model():
@@ -240,3 +240,11 @@ def test_sync_mode_follows_the_model():
     with pytest.raises(ValueError, match="sync='lora' needs a LoRA run"):
         resolve_sync_mode("lora", plain)
     assert resolve_sync_mode("auto", apply_lora(tiny_model(), LoraConfig(rank=2))) == "lora"
+
+
+def test_missing_vllm_python_is_a_clear_error(tmp_path):
+    argv = [str(tmp_path / "no-venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    server = VLLMServer(argv, {}, base_url="http://127.0.0.1:9", log_file=tmp_path / "log")
+    with pytest.raises(FileNotFoundError, match=r"rollout\.vllm\.python.*scripts/install_vllm_cpu\.sh"):
+        server.start()
+    assert server.process is None

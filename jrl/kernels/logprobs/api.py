@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from jrl.kernels import _dispatch
 from jrl.kernels._dispatch import Impl

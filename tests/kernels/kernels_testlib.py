@@ -1,4 +1,4 @@
-"""Helpers for the kernel tests: error measure, tolerances by dtype, fresh random inputs."""
+"""Helpers for the kernel tests: error measure, tolerances by dtype, fresh random inputs, numpy grouped matmuls."""
 
 from __future__ import annotations
 
@@ -55,3 +55,25 @@ def group_sizes_cases(t: int, e: int, rng: np.random.Generator):
     ragged[z] = 0
     short = rng.multinomial(t - t // 4, np.full(e, 1.0 / e))
     return {"ragged": ragged.astype(np.int32), "sum<T": short.astype(np.int32)}
+
+
+def np_gmm(lhs, rhs, gs):
+    """Grouped matmul in float64 numpy (rows sorted by group; rows past sum(gs) stay zero)."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    s = 0
+    for g, n in enumerate(np.asarray(gs)):
+        out[s:s + n] = lhs[s:s + n] @ rhs[g]
+        s += n
+    return out
+
+
+def np_tgmm(lhs, dout, gs):
+    """Transposed grouped matmul ``out[g] = lhs_g^T @ dout_g`` in float64 numpy."""
+    lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+    out = np.zeros((len(gs), lhs.shape[1], dout.shape[1]))
+    s = 0
+    for g, n in enumerate(np.asarray(gs)):
+        out[g] = lhs[s:s + n].T @ dout[s:s + n]
+        s += n
+    return out

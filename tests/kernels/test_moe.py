@@ -19,30 +19,10 @@ import pytest
 
 from jrl.kernels import moe
 from jrl.kernels.moe import pallas_tpu, reference
-from kernels_testlib import assert_close, group_sizes_cases, rng_for, run_script
+from kernels_testlib import assert_close, group_sizes_cases, np_gmm, np_tgmm, rng_for, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL_TPU = pallas_tpu.Configs(fwd=(16, 128, 128), dlhs=(8, 128, 128), tgmm=(16, 128, 128))
-
-
-def np_gmm(lhs, rhs, gs):
-    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
-    out = np.zeros((lhs.shape[0], rhs.shape[2]))
-    s = 0
-    for g, n in enumerate(np.asarray(gs)):
-        out[s:s + n] = lhs[s:s + n] @ rhs[g]
-        s += n
-    return out
-
-
-def np_tgmm(lhs, dout, gs):
-    lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
-    out = np.zeros((len(gs), lhs.shape[1], dout.shape[1]))
-    s = 0
-    for g, n in enumerate(np.asarray(gs)):
-        out[g] = lhs[s:s + n].T @ dout[s:s + n]
-        s += n
-    return out
 
 
 def make(rng, t, k, n, e, dtype, gs):

@@ -14,31 +14,13 @@ import jax.numpy as jnp  # noqa: E402
 
 from jrl.kernels.moe import triton_kernels as K  # noqa: E402
 from jrl.kernels.moe.schedule import group_bounds, tile_schedule  # noqa: E402
+from kernels_testlib import np_gmm, np_tgmm  # noqa: E402
 
 
 def schedule(group_sizes, t, bm):
     tg, rs, re_ = tile_schedule(jnp.asarray(group_sizes), t, bm)
     st, en = group_bounds(jnp.asarray(group_sizes), t)
     return [torch.from_numpy(np.array(a)) for a in (tg, rs, re_, st, en)]
-
-
-def ref_gmm(lhs, rhs, gs, transpose):
-    out = np.zeros((lhs.shape[0], rhs.shape[1] if transpose else rhs.shape[2]))
-    s = 0
-    for g, n in enumerate(gs):
-        w = rhs[g].T if transpose else rhs[g]
-        out[s:s + n] = lhs[s:s + n] @ w
-        s += n
-    return out
-
-
-def ref_tgmm(lhs, dout, gs):
-    out = np.zeros((len(gs), lhs.shape[1], dout.shape[1]))
-    s = 0
-    for g, n in enumerate(gs):
-        out[g] = lhs[s:s + n].T @ dout[s:s + n]
-        s += n
-    return out
 
 
 def relerr(a, b):
@@ -66,7 +48,7 @@ def main():
                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(k % bk == 0), IEEE=True)
         o = out.numpy()
         assert np.isfinite(o).all(), "gmm_kernel left unwritten (NaN) output"
-        err = relerr(o, ref_gmm(lhs, rhs, gs, transpose))
+        err = relerr(o, np_gmm(lhs, rhs.transpose(0, 2, 1) if transpose else rhs, gs))
         print(f"gmm t={t} k={k} n={n} gs={gs} transpose={transpose}: relerr {err:.2e}")
         worst = max(worst, err)
         if not transpose:
@@ -78,7 +60,7 @@ def main():
                                 BLOCK_K=bkt, BLOCK_N=bnt, BLOCK_T=bt, IEEE=True)
             o = outg.numpy()
             assert np.isfinite(o).all(), "tgmm_kernel left unwritten (NaN) output"
-            err = relerr(o, ref_tgmm(lhs, dout, gs))
+            err = relerr(o, np_tgmm(lhs, dout, gs))
             print(f"tgmm t={t} k={k} n={n} gs={gs}: relerr {err:.2e}")
             worst = max(worst, err)
     print(f"worst relerr {worst:.2e}")

@@ -1,6 +1,6 @@
 """Shared math for the fused logprob kernels: the per-tile online-logsumexp update, the gradient of a
-logits tile (from logits, or from probabilities a forward saved), and the vocab-chunked backward pass used
-by the XLA and GPU implementations.
+logits tile (from logits, or from probabilities a forward saved), the loop over vocab chunks, and the
+vocab-chunked backward pass used by the XLA and GPU implementations.
 
 Notation, per row n (token) and vocab column v: ``l = (h @ W) * inv_temp`` (float32),
 ``lse = logsumexp_v l``, ``p = exp(l - lse)``, ``logp = l[target] - lse`` and
@@ -46,6 +46,11 @@ def dot_f32(a, b, cdt, dims=(((1,), (0,)), ((), ()))):
                                preferred_element_type=jnp.float32)
 
 
+def tile_logits(hid, w_tile, inv_temp, cdt):
+    """One float32 logits tile ``(hid @ w_tile) * inv_temp`` (see :func:`dot_f32`)."""
+    return dot_f32(hid, w_tile, cdt) * inv_temp
+
+
 def default_block_v(n: int, v: int, budget_bytes: int = 512 * 2**20) -> int:
     """Vocab tile so that one float32 ``[n, block_v]`` logits tile stays near ``budget_bytes``."""
     bv = 128
@@ -70,6 +75,15 @@ def dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy: boo
     ``cols`` [bv] are the tile's global vocab ids; columns >= V must be masked by the caller.
     """
     return dz_from_probs(jnp.exp(l - lse[:, None]), l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy)
+
+
+def recompute_dz(hid, lm_head, v0, width: int, targets, lse, ent, g_lp, g_ent, inv_temp, cdt, with_entropy: bool):
+    """:func:`dz_tile` for columns ``[v0, v0 + width)``, recomputing that logits tile from ``hid`` (the
+    hidden states in ``cdt``) and ``lm_head``; ``v0`` may be traced, ``width`` is static."""
+    w_tile = jax.lax.dynamic_slice_in_dim(lm_head, v0, width, axis=1)
+    l = tile_logits(hid, w_tile, inv_temp, cdt)
+    cols = v0 + jnp.arange(width, dtype=jnp.int32)
+    return dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy)
 
 
 def dz_from_probs(p, l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy: bool):
@@ -97,37 +111,42 @@ def dz_from_saved(e, mt, block_v: int, v0, width: int, targets, lse, ent, g_lp, 
     return dz_from_probs(p, l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, with_entropy)
 
 
+def fold_vocab_chunks(lm_head, block_v: int, step: Callable, carry):
+    """Fold ``step(carry, w_chunk, v0, width) -> carry`` over ``lm_head``'s vocab chunks of ``block_v``
+    columns: one ``lax.fori_loop`` over the full chunks (``v0`` a traced int32 scalar) and a static
+    remainder chunk (``v0`` a Python int)."""
+    nfull, rem = divmod(lm_head.shape[1], block_v)
+    if nfull:
+        def body(i, c):
+            v0 = (i * block_v).astype(jnp.int32)
+            return step(c, jax.lax.dynamic_slice_in_dim(lm_head, v0, block_v, axis=1), v0, block_v)
+
+        carry = jax.lax.fori_loop(0, nfull, body, carry)
+    if rem:
+        v0 = nfull * block_v
+        carry = step(carry, lm_head[:, v0:], v0, rem)
+    return carry
+
+
 def chunked_backward(hidden, lm_head, block_v: int, dz_fn: Callable, cdt):
     """dh [N, H] and dW [H, V] from vocab chunks of ``block_v`` columns.
 
     ``dz_fn(v0, width)`` returns the gradient of ``h @ W[:, v0:v0+width]`` ([N, width], dtype ``cdt``),
-    ``v0`` a traced int32 scalar inside the loop, a Python int for the remainder chunk. One
-    ``lax.fori_loop`` over the full chunks (so only one chunk is live at a time) and a static
-    remainder chunk; dh accumulates in float32, dW is written chunk by chunk.
+    ``v0`` as in :func:`fold_vocab_chunks` (so only one chunk is live at a time); dh accumulates in
+    float32, dW is written chunk by chunk.
     """
     n, h = hidden.shape
     v = lm_head.shape[1]
-    nfull = v // block_v
-    rem = v - nfull * block_v
     hid = hidden.astype(cdt)
-    dh = jnp.zeros((n, h), jnp.float32)
-    dw = jnp.zeros((h, v), lm_head.dtype)
 
-    def chunk(v0, width, w_chunk, dh, dw):
+    def chunk(carry, w_chunk, v0, width):
+        dh, dw = carry
         dz = dz_fn(v0, width).astype(cdt)
         dh = dh + dot_f32(dz, w_chunk, cdt, (((1,), (1,)), ((), ())))
         dw_c = dot_f32(hid, dz, cdt, (((0,), (0,)), ((), ()))).astype(lm_head.dtype)
         dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_c, v0, axis=1)
         return dh, dw
 
-    if nfull:
-        def body(i, carry):
-            v0 = (i * block_v).astype(jnp.int32)
-            w_chunk = jax.lax.dynamic_slice_in_dim(lm_head, v0, block_v, axis=1)
-            return chunk(v0, block_v, w_chunk, *carry)
-
-        dh, dw = jax.lax.fori_loop(0, nfull, body, (dh, dw))
-    if rem:
-        v0 = nfull * block_v
-        dh, dw = chunk(v0, rem, lm_head[:, v0:], dh, dw)
+    zeros = (jnp.zeros((n, h), jnp.float32), jnp.zeros((h, v), lm_head.dtype))
+    dh, dw = fold_vocab_chunks(lm_head, block_v, chunk, zeros)
     return dh.astype(hidden.dtype), dw

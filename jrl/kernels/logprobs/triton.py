@@ -27,7 +27,7 @@ import jax_triton as jt
 
 from jrl.kernels.logprobs import triton_kernels as K
 from jrl.kernels.logprobs._common import (Flags, chunked_backward, combine_partials, compute_dtype, default_block_v,
-                                          dot_f32, dz_from_saved, dz_tile)
+                                          dz_from_saved, recompute_dz)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,10 +186,8 @@ def _fused_bwd(flags, cfg, res, cts):
         hid = hidden.astype(cdt)
 
         def dz_fn(v0, width):
-            w_tile = jax.lax.dynamic_slice_in_dim(lm_head, v0, width, axis=1)
-            l = dot_f32(hid, w_tile, cdt) * inv_temp
-            cols = v0 + jnp.arange(width, dtype=jnp.int32)
-            return dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, flags.with_entropy)
+            return recompute_dz(hid, lm_head, v0, width, targets, lse, ent, g_lp, g_ent, inv_temp, cdt,
+                                flags.with_entropy)
     else:
         raise ValueError(f"Config.bwd must be 'triton' or 'xla', got {cfg.bwd!r}")
     dh, dw = chunked_backward(hidden, lm_head, chunk, dz_fn, cdt)

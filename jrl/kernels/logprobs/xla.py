@@ -11,28 +11,21 @@ import jax
 import jax.numpy as jnp
 
 from jrl.kernels.logprobs._common import (NEG_INF, Flags, chunked_backward, compute_dtype, default_block_v,
-                                          dot_f32, dz_tile)
+                                          fold_vocab_chunks, recompute_dz, tile_logits)
 
 
 def unavailable_reason() -> str | None:
     return None
 
 
-def _tile_logits(hid, w_tile, inv_temp, cdt):
-    return dot_f32(hid, w_tile, cdt) * inv_temp
-
-
 def _forward(hidden, lm_head, targets, inv_temp, flags: Flags, block_v: int):
     n, _ = hidden.shape
-    v = lm_head.shape[1]
     cdt = compute_dtype(hidden.dtype, lm_head.dtype, flags.lm_head_f32)
     hid = hidden.astype(cdt)
-    nfull = v // block_v
-    rem = v - nfull * block_v
 
     def update(state, w_tile, v0, width):
         m, s, t, tg = state
-        l = _tile_logits(hid, w_tile, inv_temp, cdt)
+        l = tile_logits(hid, w_tile, inv_temp, cdt)
         cols = v0 + jnp.arange(width, dtype=jnp.int32)
         m_new = jnp.maximum(m, jnp.max(l, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -44,16 +37,7 @@ def _forward(hidden, lm_head, targets, inv_temp, flags: Flags, block_v: int):
         return m_new, s, t, tg
 
     z = jnp.zeros((n,), jnp.float32)
-    state = (jnp.full((n,), NEG_INF, jnp.float32), z, z, z)
-    if nfull:
-        def body(i, st):
-            v0 = (i * block_v).astype(jnp.int32)
-            return update(st, jax.lax.dynamic_slice_in_dim(lm_head, v0, block_v, axis=1), v0, block_v)
-
-        state = jax.lax.fori_loop(0, nfull, body, state)
-    if rem:
-        state = update(state, lm_head[:, nfull * block_v:], nfull * block_v, rem)
-    m, s, t, tg = state
+    m, s, t, tg = fold_vocab_chunks(lm_head, block_v, update, (jnp.full((n,), NEG_INF, jnp.float32), z, z, z))
     lse = m + jnp.log(s)
     logp = tg - lse
     ent = lse - t / s if flags.with_entropy else jnp.zeros_like(lse)
@@ -80,10 +64,8 @@ def _fused_bwd(flags, block_v, res, cts):
     hid = hidden.astype(cdt)
 
     def dz_fn(v0, width):
-        w_tile = jax.lax.dynamic_slice_in_dim(lm_head, v0, width, axis=1)
-        l = _tile_logits(hid, w_tile, inv_temp, cdt)
-        cols = v0 + jnp.arange(width, dtype=jnp.int32)
-        return dz_tile(l, cols, targets, lse, ent, g_lp, g_ent, inv_temp, flags.with_entropy)
+        return recompute_dz(hid, lm_head, v0, width, targets, lse, ent, g_lp, g_ent, inv_temp, cdt,
+                            flags.with_entropy)
 
     dh, dw = chunked_backward(hidden, lm_head, block_v, dz_fn, cdt)
     return dh, dw, None, jnp.zeros_like(inv_temp)

@@ -29,14 +29,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_ele
     ).astype(out_dtype)
 
 
-def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, num_groups: int | None = None,
-         *, preferred_element_type=None) -> jax.Array:
+def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None) -> jax.Array:
     """Transposed grouped matmul: ``out[g] = lhs[rows of g].T @ dout[rows of g]``, shape [E, K, N].
 
     This is the weight gradient of :func:`gmm`. Empty groups give zeros; rows past ``sum(group_sizes)``
-    are ignored. ``num_groups`` defaults to ``len(group_sizes)``.
+    are ignored.
     """
-    e = group_sizes.shape[0] if num_groups is None else num_groups
+    e = group_sizes.shape[0]
     out_dtype = preferred_element_type or lhs.dtype
     cdt = _common_dtype(lhs, dout)
     k, n = lhs.shape[1], dout.shape[1]

@@ -96,9 +96,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmC
     else:
         nout = rhs.shape[2]
         stride_rk, stride_rn = nout, 1
-    if t == 0 or nout == 0:
-        return jnp.zeros((t, nout), out_dtype)
-    if kin == 0:
+    if t == 0 or nout == 0 or kin == 0:
         return jnp.zeros((t, nout), out_dtype)
     bm = cfg.block_m
     bn = _fit(cfg.block_n, nout)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jrl.models.lora import has_lora, lora_disabled
+from jrl.models.lora import lora_disabled
 
 
 def feature_layer_indices(fractions: Sequence[float], num_layers: int) -> tuple[int, ...]:
@@ -42,7 +42,6 @@ def feature_layers(model, input_ids: jax.Array, *, layers: Sequence[int], disabl
     or an explicit ``mask``). With ``disable_lora`` and adapters on the model, they are switched off
     for this forward (the base weights are the feature network).
     """
-    off = disable_lora and has_lora(model)
-    with lora_disabled(model) if off else contextlib.nullcontext():
+    with lora_disabled(model) if disable_lora else contextlib.nullcontext():
         _, selected = model.hidden_states(input_ids, return_layers=tuple(int(i) for i in layers), **forward_kwargs)
     return tuple(jax.lax.stop_gradient(h) for h in selected)

@@ -67,11 +67,6 @@ def block_valid(anchor: jax.Array, valid_lengths: jax.Array, generate_len: int) 
     return anchor + generate_len <= jnp.asarray(valid_lengths, jnp.int32)[:, None]
 
 
-def packed_length(seq_len: int, num: int, generate_len: int) -> int:
-    """``S + J·g``."""
-    return int(seq_len) + int(num) * int(generate_len)
-
-
 def packed_roles(seq_len: int, anchor: jax.Array, generate_len: int):
     """(block id, index, position, anchor of the token's block) each [B, S + J·g] int32 for the packed row.
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jrl.data.pipeline import left_pad
 from jrl.models.layers import constrain, positions_from_mask
 from jrl.models.transformer import place
 from jrl.rollout.base import RolloutBatch, SamplingParams, check_generate_args
@@ -176,13 +177,9 @@ class JaxRolloutEngine:
         rows = len(prompt_ids) * num_generations
         rules = dict(self.rules) if self.rules is not None else None
         padded_rows = -(-rows // _batch_shards(self.mesh, rules)) * _batch_shards(self.mesh, rules)
-        prompt_len = -(-max(len(ids) for ids in prompt_ids) // self.prompt_bucket) * self.prompt_bucket
-        ids = np.full((padded_rows, prompt_len), self.pad_id, np.int32)
-        mask = np.zeros((padded_rows, prompt_len), np.int32)
-        for r in range(padded_rows):
-            prompt = prompt_ids[(r if r < rows else 0) // num_generations]
-            ids[r, prompt_len - len(prompt):] = prompt
-            mask[r, prompt_len - len(prompt):] = 1
+        # Rows past ``rows`` (filling the last batch shard) repeat the first prompt and are dropped after.
+        ids, mask = left_pad([prompt_ids[(r if r < rows else 0) // num_generations] for r in range(padded_rows)],
+                             self.pad_id, multiple_of=self.prompt_bucket)
         with self._lock:
             graphdef, state, version = self._graphdef, self._state, self.version
         program = _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),

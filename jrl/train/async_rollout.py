@@ -81,8 +81,9 @@ class RolloutSchedule:
         if index < self.start:
             raise ValueError(f"batch {index} comes before the schedule's start step {self.start}")
         x = max(self.start, index - self.run_ahead)
-        latest_sync = max(self._latest_multiple(self.sync_interval, x), self._latest_multiple(self.checkpoint_every, x))
-        return max(latest_sync, self._latest_multiple(self.checkpoint_every, index))
+        # Checkpoint steps are sync steps too; the latest one at or before ``index`` is also the latest at or
+        # before ``x``, or later.
+        return max(self._latest_multiple(self.sync_interval, x), self._latest_multiple(self.checkpoint_every, index))
 
 
 @dataclasses.dataclass

@@ -153,12 +153,18 @@ class EBFTStructuredTrainer(GRPOTrainer):
         with self._tokenizer_lock:
             return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
+    def generation_limit(self, gt_ids: list[list[int]]) -> int:
+        """The batch's ``max_new_tokens`` given its ground-truth token ids (:func:`adaptive_max_new_tokens`
+        with ``adaptive_max_tokens``, else ``rollout.max_new_tokens``)."""
+        if not self.ebft.adaptive_max_tokens:
+            return self.sampling.max_new_tokens
+        return adaptive_max_new_tokens([len(ids) for ids in gt_ids], self.ebft.gt_length_multiplier,
+                                       floor=self.ebft.adaptive_min_tokens, cap=self.sampling.max_new_tokens)
+
     def sampling_params(self, prompt_batch) -> SamplingParams:
         if not self.ebft.adaptive_max_tokens:
             return self.sampling
-        limit = adaptive_max_new_tokens([len(ids) for ids in self.ground_truth_ids(prompt_batch)],
-                                        self.ebft.gt_length_multiplier, floor=self.ebft.adaptive_min_tokens,
-                                        cap=self.sampling.max_new_tokens)
+        limit = self.generation_limit(self.ground_truth_ids(prompt_batch))
         return dataclasses.replace(self.sampling, max_new_tokens=limit)
 
     # ------------------------------------------------------------------ features and rewards
@@ -197,7 +203,7 @@ class EBFTStructuredTrainer(GRPOTrainer):
             whitening_ridge=e.whitening_ridge)
         metrics = {k: float(v) for k, v in ebft_metrics.items()}
         metrics["ebft/gt_truncated_frac"] = float(np.mean([len(ids) > t for ids in gt_full]))
-        metrics["ebft/max_new_tokens"] = float(self.sampling_params(prompt_batch).max_new_tokens)
+        metrics["ebft/max_new_tokens"] = float(self.generation_limit(gt_full))
         if e.ce_coef > 0:
             eos = self.tokenizer.eos_token_id
             targets = [ids + [eos] if eos is not None and len(ids) < t else ids for ids in gt]

@@ -175,12 +175,11 @@ def _packed_inputs(model, ids, anchors, spec: _Spec):
     return seq_len, positions, mask
 
 
-def block_logprobs(model, ids, anchors, spec: _Spec, hidden=None):
+def block_logprobs(model, ids, anchors, spec: _Spec):
     """log π [N, J·g] of the block tokens of packed rows at the sampling temperature (and the final hidden
     states [N, S + J·g, H] they came from)."""
     seq_len, positions, mask = _packed_inputs(model, ids, anchors, spec)
-    if hidden is None:
-        hidden = model.hidden_states(ids, positions=positions, mask=mask)
+    hidden = model.hidden_states(ids, positions=positions, mask=mask)
     n = ids.shape[0]
     pred = st.prediction_indices(seq_len, anchors, spec.generate_len).reshape(n, -1)
     h = jnp.take_along_axis(hidden, pred[..., None], axis=1)
@@ -192,9 +191,8 @@ def block_logprobs(model, ids, anchors, spec: _Spec, hidden=None):
 def strided_loss(model, batch: StridedBatch, normalizers, spec: _Spec):
     """(``rl_coef · REINFORCE + ce_coef · CE``, metrics) of a micro-batch; ``normalizers`` = (valid block
     tokens, CE tokens) of the whole step, so the micro-batch losses sum to the step's loss."""
-    seq_len, positions, mask = _packed_inputs(model, batch.input_ids, batch.anchors, spec)
-    hidden = model.hidden_states(batch.input_ids, positions=positions, mask=mask)
-    lp, _ = block_logprobs(model, batch.input_ids, batch.anchors, spec, hidden=hidden)
+    lp, hidden = block_logprobs(model, batch.input_ids, batch.anchors, spec)
+    seq_len = batch.ce_mask.shape[1]
     m = batch.block_mask
     share = jnp.sum(m) / jnp.maximum(1.0, normalizers[0])
     rl = reinforce_loss(lp, batch.advantages, m) * share
@@ -237,6 +235,8 @@ def _block_features(params, frozen, ids, anchors, *, graphdef, spec: _Spec):
 class StridedLearner(TrainableState):
     """The trainable state of a strided EBFT run, its frozen feature network and the update."""
 
+    rows_phrase = "the step has {n} rows (documents x n_samples_per_prompt)"
+
     def __init__(self, model: nnx.Module, ebft: EBFTConfig, optim: OptimConfig, *, total_updates: int,
                  logprobs_impl: str = "auto", mesh=None, rules=None):
         super().__init__(model, optim, total_updates=total_updates, mesh=mesh, rules=rules)
@@ -256,13 +256,6 @@ class StridedLearner(TrainableState):
         params = self.params if self.feature_params is None else self.feature_params
         return np.asarray(_block_features(params, self.frozen, self._put(ids), self._put(anchors),
                                           graphdef=self.graphdef, spec=self.spec))
-
-    def _micro_slices(self, n: int) -> list[slice]:
-        mb = self.optim.micro_batch_size or n
-        if n % mb:
-            raise ValueError(f"the step has {n} rows (documents x n_samples_per_prompt), not a multiple of "
-                             f"OptimConfig.micro_batch_size={mb}")
-        return [slice(i, i + mb) for i in range(0, n, mb)]
 
     def accumulate_gradients(self, batch: StridedBatch):
         """(summed gradient of the step loss over the micro-batches, summed metrics: loss, the loss terms

@@ -86,14 +86,19 @@ def embedded_rollout_engine(model, *, tokenizer, mesh, rules, rollout, output_di
     return JaxRolloutEngine(model, tokenizer=tokenizer, mesh=mesh, rules=rules)
 
 
+def _import_entry(entry: str):
+    """The attribute a registry entry ``module:attribute`` names (its module imported now)."""
+    module, attr = entry.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def make_rollout_engine(name: str, model, tokenizer, mesh=None, rules=None, *,
                         rollout: RolloutConfig | None = None, output_dir: str | Path = ".") -> RolloutEngine:
     """The rollout engine registered as ``name`` in :data:`ROLLOUT_BACKENDS`, built for ``model`` with the
     run's ``rollout`` section (default: its defaults) and ``output_dir`` (where a backend writes weight syncs)."""
     if name not in ROLLOUT_BACKENDS:
         raise ValueError(f"RolloutConfig.backend={name!r} is unknown; use one of {sorted(ROLLOUT_BACKENDS)}")
-    module, attr = ROLLOUT_BACKENDS[name].split(":")
-    factory = getattr(importlib.import_module(module), attr)
+    factory = _import_entry(ROLLOUT_BACKENDS[name])
     return factory(model, tokenizer=tokenizer, mesh=mesh, rules=rules,
                    rollout=rollout if rollout is not None else RolloutConfig(backend=name), output_dir=Path(output_dir))
 
@@ -347,8 +352,7 @@ def trainer_class(cfg: TrainConfig) -> type:
     """The trainer of ``cfg``: :class:`GRPOTrainer`, or the EBFT trainer of ``cfg.ebft.mode``."""
     if cfg.ebft is None:
         return GRPOTrainer
-    module, attr = EBFT_TRAINERS[cfg.ebft.mode].split(":")
-    return getattr(importlib.import_module(module), attr)
+    return _import_entry(EBFT_TRAINERS[cfg.ebft.mode])
 
 
 def train(cfg: TrainConfig, **kwargs) -> list[dict[str, Any]]:

@@ -151,6 +151,9 @@ class TrainableState:
     engine's ``sync_weights`` and for export).
     """
 
+    #: What a step's rows are, in the error for a step not split evenly into micro-batches.
+    rows_phrase: str = "the rollout has {n} sequences"
+
     def __init__(self, model: nnx.Module, optim: OptimConfig, *, total_updates: int, mesh=None, rules=None):
         self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
@@ -176,6 +179,13 @@ class TrainableState:
         if self.mesh is None:
             return jnp.asarray(x)
         return jax.device_put(x, batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
+
+    def _micro_slices(self, n: int) -> list[slice]:
+        """Row slices of the ``optim.micro_batch_size`` micro-batches of a step of ``n`` rows."""
+        mb = self.optim.micro_batch_size or n
+        if n % mb:
+            raise ValueError(f"{self.rows_phrase.format(n=n)}, not a multiple of OptimConfig.micro_batch_size={mb}")
+        return [slice(i, i + mb) for i in range(0, n, mb)]
 
     def zero_gradients(self):
         """A zero gradient accumulator shaped like the trainable params."""
@@ -204,12 +214,6 @@ class GRPOLearner(TrainableState):
     # ---------------------------------------------------------------- state
     def _device(self, batch: StepBatch) -> StepBatch:
         return StepBatch(*(self._put(x) for x in batch))
-
-    def _micro_slices(self, n: int) -> list[slice]:
-        mb = self.optim.micro_batch_size or n
-        if n % mb:
-            raise ValueError(f"the rollout has {n} sequences, not a multiple of OptimConfig.micro_batch_size={mb}")
-        return [slice(i, i + mb) for i in range(0, n, mb)]
 
     def score(self, batch: StepBatch, *, disable_lora: bool = False, params=None) -> np.ndarray:
         """Log-probs [N, T] of the completions (no gradient), computed micro-batch by micro-batch."""

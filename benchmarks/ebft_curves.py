@@ -5,7 +5,7 @@ and ``ebft/reward`` and compares the means of the first and the last 10 steps.
         [--name NAME] [--out runs/bench_ebft_NAME] [-- extra scripts/train.py overrides]
 
 Each seed is a separate ``scripts/train.py --config CONFIG --seed S --data.seed S`` process, timed end to
-end (arguments after ``--`` are appended, e.g. ``-- ebft:ebft-config --ebft.use-whitening``).
+end (arguments after ``--`` are appended, e.g. ``-- --ebft.use-whitening``).
 Prints a markdown table (one row per seed) and writes ``benchmarks/plots/ebft_NAME.png`` (10-step moving
 means; NAME defaults to the config's file name, so ``configs/ebft_strided.py`` gives
 ``plots/ebft_strided.png``).

@@ -9,12 +9,14 @@ from __future__ import annotations
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
-from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.rollout.config import RolloutConfig
+from jrl.train.config import ModelSpec, OptimConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
 
 
 def config() -> TrainConfig:
     return TrainConfig(
+        algorithm="ebft_structured",
         model=ModelSpec(path="models/tiny-arithmetic", dtype="float32"),
         lora=None,
         mesh=MeshConfig(fsdp=-1),
@@ -25,7 +27,7 @@ def config() -> TrainConfig:
         # pooling is the same ">" token in every completion.
         # Per-group whitening (axolotl's estimator) makes a group's samples orthonormal, so the diversity
         # term is ~0 anyway: it is switched off. Without whitening, alignment is ~1.9 of 2 from the start.
-        ebft=EBFTConfig(mode="structured", feature_layers=(0.5, 1.0), embed_method="last_token",
+        ebft=EBFTConfig(feature_layers=(0.5, 1.0), embed_method="last_token",
                         use_whitening=True, whitening_scope="group", alignment_coef=1.0, diversity_coef=0.0,
                         gt_column="solution"),
         algo=GRPOConfig(num_generations=8, loss_type="dapo", beta=0.0),

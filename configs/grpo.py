@@ -8,7 +8,8 @@ from __future__ import annotations
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
-from jrl.train.config import ARITHMETIC_REWARDS, ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.rollout.config import RolloutConfig
+from jrl.train.config import ARITHMETIC_REWARDS, ModelSpec, OptimConfig, TrainConfig
 
 
 def config() -> TrainConfig:

@@ -36,7 +36,9 @@ def parse(argv: list[str]):
     pre.add_argument("--dry-run", action="store_true", help="print the command and exit")
     pre.add_argument("--log-file", default=None, help="write the server's output there (default: this terminal)")
     opts, rest = pre.parse_known_args(argv)
-    default = load_config_file(opts.config) if opts.config else None
+    default = load_config_file(opts.config) if opts.config else TrainConfig()
+    # The server is for the run's ``vllm`` backend, whatever backend the file names (its rollout.vllm flags apply).
+    default = dataclasses.replace(default, rollout=dataclasses.replace(default.rollout, backend="vllm"))
     prog = "serve_vllm.py --config " + opts.config if opts.config else "serve_vllm.py"
     cfg = tyro.cli(TrainConfig, default=default, args=rest, prog=prog,
                    description="Start a vLLM server for a jrl config. Also: --device cpu|gpu, --dry-run, --log-file.")
@@ -54,7 +56,7 @@ def command_for(cfg) -> tuple[list[str], dict[str, str]]:
     keep = r.vllm.keep_versions if r.vllm.keep_versions is not None else r.max_staleness + 1
     lora = cfg.lora is not None and r.sync in ("auto", "lora")
     if r.sync == "lora" and cfg.lora is None:
-        raise ValueError("rollout.sync='lora' needs a LoRA run: set --lora.rank (or use --rollout.sync full)")
+        raise ValueError("rollout.sync='lora' needs a LoRA run: set --lora.rank (or use --rollout.sync filesystem)")
     return server_command(r.vllm, model=cfg.model.path, lora_rank=cfg.lora.rank if lora else None,
                           max_loras=keep)
 

@@ -7,8 +7,8 @@
     python scripts/train.py --config configs/grpo.py --help     # every field, with its documentation
 
 ``--config FILE`` names a Python file defining ``config()`` that returns a ``jrl.train.TrainConfig``;
-the remaining arguments override its fields (tyro, dotted names for nested sections). A config with an
-``ebft`` section trains with EBFT (``ebft.mode``: structured or strided), one without it with GRPO.
+the remaining arguments override its fields (tyro, dotted names for nested sections). ``--algorithm``
+picks the training method (``grpo``, ``ebft_structured``, ``ebft_strided``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import logging
 import sys
 
 #: Metrics of the last logged step that the closing summary prints, per kind of run.
-SUMMARY_METRICS = {"grpo": ("reward/mean",), "ebft": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward")}
+SUMMARY_METRICS = {"grpo": ("reward/mean",), "ebft_structured": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward"),
+                   "ebft_strided": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward")}
 
 
 def parse_config(argv: list[str]):
@@ -33,14 +34,14 @@ def parse_config(argv: list[str]):
     default = load_config_file(known.config) if known.config else None
     prog = "train.py --config " + known.config if known.config else "train.py"
     return tyro.cli(TrainConfig, default=default, args=rest, prog=prog,
-                    description="GRPO or EBFT training (EBFT when the config has an ebft section). "
+                    description="GRPO or EBFT training (--algorithm grpo | ebft_structured | ebft_strided). "
                                 "Pass --config FILE (a Python file with config()) first.")
 
 
 def summary(cfg, history: list[dict]) -> str:
     """The closing line of a run: steps logged, the run kind's :data:`SUMMARY_METRICS` of the last step
     (those it logged), and where the log and the plot are."""
-    keys = SUMMARY_METRICS["grpo" if cfg.ebft is None else "ebft"]
+    keys = SUMMARY_METRICS[cfg.algorithm]
     last = history[-1]
     values = ", ".join(f"{k} {last[k]:.4f}" for k in keys if k in last)
     return (f"done: {len(history)} steps logged in {cfg.output_dir}/metrics.jsonl; "
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     initialize()  # joins a multi-host run (TPU pod, JRL_* variables); a no-op for one process
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("jrl").setLevel(logging.INFO)
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     history = train(cfg)
     if history:

@@ -40,6 +40,7 @@ import numpy as np
 
 from jrl.data.tasks import BUILTIN_TASKS
 from jrl.data.tasks.arithmetic import ArithmeticConfig
+from jrl.validation import check_int, invalid
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class DataConfig:
     file (a list of objects, or JSON lines), a ``.parquet`` file, or a directory written by
     ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
     split: str | None = None
-    """Split to read from a saved ``DatasetDict`` (default: ``train``, or the only split)."""
+    """Split to read from a saved ``DatasetDict`` directory (default: ``train``, or the only split); set for
+    another source, an error."""
     prompt_column: str = "prompt"
     """Column holding the prompt: a string, or a list of ``{"role", "content"}`` chat messages
     (the latter needs ``use_chat_template``). Every column is kept and passed to the rewards."""
@@ -85,38 +87,35 @@ class DataConfig:
     drop_remainder: bool = True
     """Drop the last, smaller batch of a finite run so every batch has ``prompts_per_batch``."""
     arithmetic: ArithmeticConfig = dataclasses.field(default_factory=ArithmeticConfig)
-    """Options of ``builtin:arithmetic`` (ignored for other sources)."""
+    """Options of ``builtin:arithmetic`` (set for another source, an error)."""
 
     def __post_init__(self):
-        def bad(field, value, fix):
-            raise ValueError(f"DataConfig.{field}={value!r} is invalid: {fix}")
-
         if not isinstance(self.source, str) or not self.source.strip():
-            bad(
-                "source",
-                self.source,
-                "give 'builtin:<task>' or a path to a .jsonl/.json/.parquet file or a save_to_disk dir",
-            )
-        if self.source.startswith(BUILTIN_PREFIX):
+            raise invalid("DataConfig", "source", self.source,
+                          "give 'builtin:<task>' or a path to a .jsonl/.json/.parquet file or a save_to_disk dir")
+        builtin = self.source.startswith(BUILTIN_PREFIX)
+        if builtin:
             name = self.source[len(BUILTIN_PREFIX) :]
             if name not in BUILTIN_TASKS:
-                bad("source", self.source, f"unknown built-in task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)}")
+                raise invalid("DataConfig", "source", self.source,
+                              f"unknown built-in task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)}")
+        elif self.arithmetic != ArithmeticConfig():
+            raise invalid("DataConfig", "arithmetic", self.arithmetic,
+                          f"it configures source='builtin:arithmetic' and source={self.source!r} does not read it")
+        if self.split is not None and (builtin or Path(self.source).suffix):
+            raise invalid("DataConfig", "split", self.split,
+                          f"it picks a split of a saved DatasetDict directory; source={self.source!r} has none")
         if not isinstance(self.prompt_column, str) or not self.prompt_column:
-            bad("prompt_column", self.prompt_column, "give the name of the column holding the prompts")
+            raise invalid("DataConfig", "prompt_column", self.prompt_column,
+                          "give the name of the column holding the prompts")
         if self.system_prompt is not None and not self.use_chat_template:
-            bad("system_prompt", self.system_prompt, "a system prompt needs use_chat_template=True (or drop it)")
-        if self.max_prompt_length is not None and (
-            not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1
-        ):
-            bad("max_prompt_length", self.max_prompt_length, "use a positive int, or None for no limit")
-        if self.max_examples is not None and (not isinstance(self.max_examples, int) or self.max_examples < 1):
-            bad("max_examples", self.max_examples, "use a positive int, or None for all records")
-        if not isinstance(self.seed, int):
-            bad("seed", self.seed, "use an int")
-        if self.num_epochs is not None and (not isinstance(self.num_epochs, int) or self.num_epochs < 1):
-            bad("num_epochs", self.num_epochs, "use a positive int, or None to repeat forever")
-        if not isinstance(self.prompts_per_batch, int) or self.prompts_per_batch < 1:
-            bad("prompts_per_batch", self.prompts_per_batch, "use an int >= 1")
+            raise invalid("DataConfig", "system_prompt", self.system_prompt,
+                          "a system prompt needs use_chat_template=True (or drop it)")
+        check_int(self, "max_prompt_length", lo=1, optional=True, fix="use a positive int, or None for no limit")
+        check_int(self, "max_examples", lo=1, optional=True, fix="use a positive int, or None for all records")
+        check_int(self, "seed", lo=-2**63, fix="use an int")
+        check_int(self, "num_epochs", lo=1, optional=True, fix="use a positive int, or None to repeat forever")
+        check_int(self, "prompts_per_batch", lo=1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""GRPO-family objectives as pure, jit-able functions of arrays (grpo.md §1–§13).
+"""GRPO-family objectives as pure, jit-able functions of arrays (docs/algorithms/grpo.md §1–§13).
 
 - :mod:`~jrl.losses.advantages`: rewards [N, K] (NaN = None) → advantages [N], signal flags, reward metrics;
 - :mod:`~jrl.losses.policy`: masks, PPO ratios (token / GSPO / GSPO-token), clipped surrogate, k3 KL,
   loss-type aggregation with step-global normalisers;
 - :mod:`~jrl.losses.importance`: sampler IS weights (4 modes), OPSM, entropy mask;
 - :mod:`~jrl.losses.metrics`: metric dicts and their names;
-- :mod:`~jrl.losses.registry`: name → function tables for ``loss_type``, ``advantage_estimator`` and
-  ``importance_sampling_mode``;
+- :mod:`~jrl.losses.registry`: name → function tables for ``objective``, ``loss_type``,
+  ``advantage_estimator`` and ``importance_sampling_mode``;
+- :mod:`~jrl.losses.cispo`: the CISPO objective (one registered unit);
 - :mod:`~jrl.losses.config`: :class:`GRPOConfig`;
 - :mod:`~jrl.losses.ebft`: EBFT pooling, whitening, feature-matching rewards, advantages and losses;
 - :mod:`~jrl.losses.grpo`: :func:`grpo_loss`, the micro-batch loss that ties them together.
@@ -61,22 +62,26 @@ from jrl.losses.policy import (
     policy_ratio,
     step_normalizers,
 )
+from jrl.losses import cispo as _cispo  # noqa: F401  (registers the ``cispo`` objective)
 from jrl.losses.registry import (
     ADVANTAGE_ESTIMATORS,
     IS_MODES,
     LOSS_TYPES,
+    OBJECTIVES,
     get_advantage_estimator,
     get_importance_sampling_mode,
     get_loss_type,
     register_advantage_estimator,
     register_importance_sampling_mode,
     register_loss_type,
+    register_objective,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "IS_MODES",
     "LOSS_TYPES",
+    "OBJECTIVES",
     "GRPOConfig",
     "ISWeights",
     "LossInputs",
@@ -117,6 +122,7 @@ __all__ = [
     "register_advantage_estimator",
     "register_importance_sampling_mode",
     "register_loss_type",
+    "register_objective",
     "reinforce_loss",
     "reward_metrics",
     "rloo_advantages",

@@ -1,4 +1,4 @@
-"""Rewards → advantages (grpo.md §1), the per-group signal flags and the reward metrics (§13.1).
+"""Rewards → advantages (docs/algorithms/grpo.md §1), the per-group signal flags and the reward metrics (§13.1).
 
 Layout: ``rewards`` is ``[N, K]`` (N completions, K reward functions; ``[N]`` means K = 1), with the
 G completions of a prompt in consecutive rows (axolotl's ``mini_repeat_count = G``). A reward
@@ -7,7 +7,7 @@ means and stds). All statistics use the Bessel-corrected std (divide by count �
 value (G = 1, or one non-NaN entry) is 0. Every function is a pure, jit-able function of arrays with
 static shapes; ``group_size`` must be a Python int.
 
-There is exactly one definition of each aggregation (grpo.md §21 open point 5), used everywhere:
+There is exactly one definition of each aggregation (docs/algorithms/grpo.md §21 open point 5), used everywhere:
 
 - ``sum_then_normalize`` (§1.2): r_i = nansum_k w_k r_ik; A_i = (r_i − mean_group r) / (σ_i + 1e-4)
   with σ_i the group std (``scale_rewards="group"``), the batch std (``"batch"``) or no division
@@ -18,6 +18,7 @@ There is exactly one definition of each aggregation (grpo.md §21 open point 5),
   (open point 5). ``scale_rewards`` does not apply to it (as in TRL).
 - RLOO (§1.4): A_i = G/(G−1) · (r_i − mean_group r) on the weighted sum r, no std scaling (the pure
   form; ``scale_rewards`` is ignored). Needs G ≥ 2 and ``sum_then_normalize``.
+- REINFORCE: A_i = r_i, the weighted sum itself (no baseline). Needs ``sum_then_normalize``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jrl.losses.registry import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
 ADV_EPS = 1e-4
-"""Added to every std before dividing (grpo.md §1.2, §1.3)."""
+"""Added to every std before dividing (docs/algorithms/grpo.md §1.2, §1.3)."""
 ZERO_STD_ATOL = 1e-8
 """``torch.isclose(σ, 0)`` tolerance (atol; rtol·0 = 0) used by the zero-std flags (§1.5)."""
 
@@ -149,6 +150,18 @@ def _check_aggregation(aggregation: str) -> None:
         raise ValueError(f"multi_objective_aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
 
+def _weighted_sum(estimator: str, rewards: jax.Array, group_size: int, reward_weights, aggregation: str) -> jax.Array:
+    """r_i = Σ_k w_k r_ik [N] for an estimator that works on the weighted sum (needs ``sum_then_normalize``)."""
+    _check_aggregation(aggregation)
+    if aggregation != "sum_then_normalize":
+        raise ValueError(
+            f"advantage_estimator={estimator!r} works on the weighted reward sum; "
+            "set multi_objective_aggregation='sum_then_normalize'"
+        )
+    r = _rewards_2d(rewards, group_size)
+    return _nansum_weighted(r, _weights(reward_weights, r.shape[1], r.dtype))
+
+
 @register_advantage_estimator("grpo")
 def group_relative_advantages(
     rewards: jax.Array,
@@ -178,17 +191,24 @@ def rloo_advantages(
 ) -> jax.Array:
     """Leave-one-out advantages [N] (§1.4): G/(G−1)·(r_i − mean_group r). ``scale_rewards`` is ignored."""
     del scale_rewards  # the pure RLOO form has no std scaling (§1.4)
-    _check_aggregation(aggregation)
-    if aggregation != "sum_then_normalize":
-        raise ValueError(
-            "advantage_estimator='rloo' works on the weighted reward sum; "
-            "set multi_objective_aggregation='sum_then_normalize'"
-        )
     if group_size < 2:
         raise ValueError(f"advantage_estimator='rloo' needs num_generations >= 2, got {group_size}")
-    r = _rewards_2d(rewards, group_size)
-    r = _nansum_weighted(r, _weights(reward_weights, r.shape[1], r.dtype))
+    r = _weighted_sum("rloo", rewards, group_size, reward_weights, aggregation)
     return group_size / (group_size - 1) * _group_relative(r, group_size, "none")
+
+
+@register_advantage_estimator("reinforce")
+def reinforce_advantages(
+    rewards: jax.Array,
+    *,
+    group_size: int,
+    reward_weights=None,
+    scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize",
+) -> jax.Array:
+    """A_i = r_i, the weighted reward sum itself (no baseline; EBFT with one sample per document)."""
+    del scale_rewards  # no group statistics
+    return _weighted_sum("reinforce", rewards, group_size, reward_weights, aggregation)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "estimator", "scale_rewards", "aggregation"))
@@ -204,7 +224,7 @@ def compute_advantages(
     """Advantages [N] from rewards [N, K] (NaN = None) with the estimator registered as ``estimator``.
 
     Call it once per optimizer step on the whole generation batch (all groups, all processes),
-    after every reward of the step is in; never on a chunk (grpo.md §21 open point 5).
+    after every reward of the step is in; never on a chunk (docs/algorithms/grpo.md §21 open point 5).
     Jitted (``group_size`` and the names are static); it nests inside a caller's ``jax.jit``.
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
@@ -235,7 +255,7 @@ def advantages_from_config(rewards: jax.Array, config) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def group_zero_std(rewards: jax.Array, *, group_size: int, reward_weights=None) -> jax.Array:
-    """[N // G] bool: the group's combined raw reward r has std ≈ 0 (grpo.md §21 open point 12).
+    """[N // G] bool: the group's combined raw reward r has std ≈ 0 (docs/algorithms/grpo.md §21 open point 12).
 
     Computed before any normalisation and independent of ``scale_rewards`` / aggregation.
     """
@@ -254,7 +274,7 @@ def group_has_signal(
 ) -> jax.Array:
     """[N // G] bool: the group carries a learning signal; from raw rewards, never ``A == 0``.
 
-    This is the flag for the zero-advantage skip and replay/re-roll (grpo.md §14.8, §21 open
+    This is the flag for the zero-advantage skip and replay/re-roll (docs/algorithms/grpo.md §14.8, §21 open
     point 13). ``sum_then_normalize`` (and RLOO): the combined raw reward varies in the group.
     ``normalize_then_sum``: some weighted function varies in the group, because GDPO normalises
     each function separately, so a group whose weighted sum is constant can still get non-zero
@@ -285,7 +305,7 @@ def reward_metrics(
     reward_weights=None,
     reward_names: Sequence[str] | None = None,
 ) -> dict[str, jax.Array]:
-    """Reward metrics of grpo.md §13.1 as a flat dict of scalars.
+    """Reward metrics of docs/algorithms/grpo.md §13.1 as a flat dict of scalars.
 
     - ``reward``: mean_i r_i (combined weighted nan-sum);
     - ``reward_std``: mean over groups of the group std of r;

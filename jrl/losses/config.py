@@ -1,4 +1,4 @@
-"""The typed GRPO-family algorithm config (names and defaults from grpo.md §18, decisions from §21).
+"""The typed GRPO-family algorithm config (names and defaults from docs/algorithms/grpo.md §18, decisions from §21).
 
 Only knobs the losses, advantages and IS correction read live here; generation, sync, replay and
 async knobs belong to the trainer and rollout configs. Names follow TRL/axolotl where one exists,
@@ -11,22 +11,14 @@ The config is frozen and hashable, so it can be a static argument of ``jax.jit``
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 # Importing the implementing modules registers the built-in names that validation checks against.
 from jrl.losses import advantages as _advantages
 from jrl.losses import importance as _importance  # noqa: F401  (registers IS modes)
 from jrl.losses import policy as _policy
-from jrl.losses.registry import ADVANTAGE_ESTIMATORS, IS_MODES, LOSS_TYPES
-
-
-def _bad(field: str, value, why: str, fix: str) -> ValueError:
-    return ValueError(f"GRPOConfig.{field}={value!r} is invalid: {why}. Fix: {fix}.")
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+from jrl.losses.registry import ADVANTAGE_ESTIMATORS, IS_MODES, LOSS_TYPES, OBJECTIVES
+from jrl.validation import invalid, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +40,9 @@ class GRPOConfig:
     """w_k, one per reward function; None means all 1."""
 
     # --- policy loss (§3–§5) ---
+    objective: str = "ppo_clip"
+    """Registered per-token surrogate: ``ppo_clip`` (GRPO / DAPO / GSPO clipped ratio) or ``cispo``
+    (clipped, gradient-stopped IS weight times logπ; :mod:`jrl.losses.cispo`)."""
     loss_type: str = "dapo"
     """Registered aggregation: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (§5; normalisers §12.3)."""
     max_completion_length: int | None = None
@@ -60,8 +55,6 @@ class GRPOConfig:
     """Two-sided GRPO cap δ on the unclipped branch, min(ρ, δ)·A (§4); must be > 1. None: off."""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
     """PPO ratio level: per token (§3.1), per sequence (GSPO, §3.2) or GSPO-token (§3.3)."""
-    temperature: float = 1.0
-    """Sampling temperature τ; every log-prob (new, old, ref, OPSM, entropy) is of logits / τ (§2.1)."""
 
     # --- KL (§6) ---
     beta: float = 0.0
@@ -114,70 +107,41 @@ class GRPOConfig:
     def __post_init__(self) -> None:  # noqa: C901 - one check per field, in field order
         g = self.num_generations
         if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise _bad("num_generations", g, "it must be an int >= 1", "set the group size G, e.g. 8")
+            raise invalid("GRPOConfig", "num_generations", g, "set the group size G, e.g. 8", why="it must be an int >= 1")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise _bad(
-                "advantage_estimator",
-                self.advantage_estimator,
-                "no such estimator is registered",
-                f"use one of {ADVANTAGE_ESTIMATORS.names()}",
-            )
+            raise invalid("GRPOConfig", "advantage_estimator", self.advantage_estimator, f"use one of {ADVANTAGE_ESTIMATORS.names()}", why="no such estimator is registered")
         if isinstance(self.scale_rewards, bool) or self.scale_rewards not in _advantages.SCALE_REWARDS:
-            raise _bad(
-                "scale_rewards",
-                self.scale_rewards,
-                "booleans are not accepted" if isinstance(self.scale_rewards, bool) else "unknown value",
-                f"use one of {_advantages.SCALE_REWARDS} (True meant 'group', False meant 'none')",
-            )
+            raise invalid("GRPOConfig", "scale_rewards", self.scale_rewards, f"use one of {_advantages.SCALE_REWARDS} (True meant 'group', False meant 'none')", why="booleans are not accepted" if isinstance(self.scale_rewards, bool) else "unknown value")
         if self.multi_objective_aggregation not in _advantages.AGGREGATIONS:
-            raise _bad(
-                "multi_objective_aggregation",
-                self.multi_objective_aggregation,
-                "unknown value",
-                f"use one of {_advantages.AGGREGATIONS}",
-            )
+            raise invalid("GRPOConfig", "multi_objective_aggregation", self.multi_objective_aggregation, f"use one of {_advantages.AGGREGATIONS}", why="unknown value")
         if self.advantage_estimator == "rloo":
             if g < 2:
-                raise _bad("num_generations", g, "rloo needs a leave-one-out baseline", "set num_generations >= 2")
+                raise invalid("GRPOConfig", "num_generations", g, "set num_generations >= 2", why="rloo needs a leave-one-out baseline")
             if self.multi_objective_aggregation != "sum_then_normalize":
-                raise _bad(
-                    "multi_objective_aggregation",
-                    self.multi_objective_aggregation,
-                    "rloo works on the weighted reward sum",
-                    "set multi_objective_aggregation='sum_then_normalize' or use advantage_estimator='grpo'",
-                )
+                raise invalid("GRPOConfig", "multi_objective_aggregation", self.multi_objective_aggregation, "set multi_objective_aggregation='sum_then_normalize' or use advantage_estimator='grpo'", why="rloo works on the weighted reward sum")
         if self.reward_weights is not None:
             w = tuple(self.reward_weights) if isinstance(self.reward_weights, (list, tuple)) else None
-            if not w or not all(_is_real(x) for x in w):
-                raise _bad(
-                    "reward_weights",
-                    self.reward_weights,
-                    "it must be a non-empty sequence of finite numbers",
-                    "give one float per reward function, or None for all 1.0",
-                )
+            if not w or not all(is_real(x) for x in w):
+                raise invalid("GRPOConfig", "reward_weights", self.reward_weights, "give one float per reward function, or None for all 1.0", why="it must be a non-empty sequence of finite numbers")
             object.__setattr__(self, "reward_weights", tuple(float(x) for x in w))
+        if self.objective not in OBJECTIVES:
+            raise invalid("GRPOConfig", "objective", self.objective, f"use one of {OBJECTIVES.names()}",
+                          why="no such objective is registered")
         if self.loss_type not in LOSS_TYPES:
-            raise _bad("loss_type", self.loss_type, "no such loss type is registered", f"use one of {LOSS_TYPES.names()}")
+            raise invalid("GRPOConfig", "loss_type", self.loss_type, f"use one of {LOSS_TYPES.names()}", why="no such loss type is registered")
         m = self.max_completion_length
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise _bad("max_completion_length", m, "it must be an int >= 1 or None", "set the generation limit")
-        if not _is_real(self.epsilon) or not 0.0 <= self.epsilon < 1.0:
-            raise _bad("epsilon", self.epsilon, "it must be in [0, 1) so that 1 - epsilon > 0", "use e.g. 0.2")
-        if self.epsilon_high is not None and (not _is_real(self.epsilon_high) or self.epsilon_high < 0.0):
-            raise _bad("epsilon_high", self.epsilon_high, "it must be >= 0 or None", "use e.g. 0.28, or None")
-        if self.delta is not None and (not _is_real(self.delta) or self.delta <= 1.0):
-            raise _bad("delta", self.delta, "the cap on the unclipped ratio must be > 1", "use a value above 1 + epsilon_high (e.g. 2.0), or None")
+            raise invalid("GRPOConfig", "max_completion_length", m, "set the generation limit", why="it must be an int >= 1 or None")
+        if not is_real(self.epsilon) or not 0.0 <= self.epsilon < 1.0:
+            raise invalid("GRPOConfig", "epsilon", self.epsilon, "use e.g. 0.2", why="it must be in [0, 1) so that 1 - epsilon > 0")
+        if self.epsilon_high is not None and (not is_real(self.epsilon_high) or self.epsilon_high < 0.0):
+            raise invalid("GRPOConfig", "epsilon_high", self.epsilon_high, "use e.g. 0.28, or None", why="it must be >= 0 or None")
+        if self.delta is not None and (not is_real(self.delta) or self.delta <= 1.0):
+            raise invalid("GRPOConfig", "delta", self.delta, "use a value above 1 + epsilon_high (e.g. 2.0), or None", why="the cap on the unclipped ratio must be > 1")
         if self.importance_sampling_level not in _policy.IMPORTANCE_SAMPLING_LEVELS:
-            raise _bad(
-                "importance_sampling_level",
-                self.importance_sampling_level,
-                "unknown value",
-                f"use one of {_policy.IMPORTANCE_SAMPLING_LEVELS}",
-            )
-        if not _is_real(self.temperature) or self.temperature <= 0.0:
-            raise _bad("temperature", self.temperature, "it must be > 0", "pass the sampler's temperature")
-        if not _is_real(self.beta) or self.beta < 0.0:
-            raise _bad("beta", self.beta, "it must be a finite number >= 0", "use 0.0 (no KL) or e.g. 0.04")
+            raise invalid("GRPOConfig", "importance_sampling_level", self.importance_sampling_level, f"use one of {_policy.IMPORTANCE_SAMPLING_LEVELS}", why="unknown value")
+        if not is_real(self.beta) or self.beta < 0.0:
+            raise invalid("GRPOConfig", "beta", self.beta, "use 0.0 (no KL) or e.g. 0.04", why="it must be a finite number >= 0")
         for name in (
             "use_bias_correction_kl",
             "mask_truncated_completions",
@@ -185,25 +149,20 @@ class GRPOConfig:
             "skip_zero_advantage_batches",
         ):
             if not isinstance(getattr(self, name), bool):
-                raise _bad(name, getattr(self, name), "it must be a bool", "use True or False")
+                raise invalid("GRPOConfig", name, getattr(self, name), "use True or False", why="it must be a bool")
         q = self.top_entropy_quantile
-        if not _is_real(q) or not 0.0 < q <= 1.0:
-            raise _bad("top_entropy_quantile", q, "it must be in (0, 1]", "use 1.0 (off) or e.g. 0.2")
+        if not is_real(q) or not 0.0 < q <= 1.0:
+            raise invalid("GRPOConfig", "top_entropy_quantile", q, "use 1.0 (off) or e.g. 0.2", why="it must be in (0, 1]")
         if self.importance_sampling_mode not in IS_MODES:
-            raise _bad(
-                "importance_sampling_mode",
-                self.importance_sampling_mode,
-                "no such mode is registered",
-                f"use one of {IS_MODES.names()}",
-            )
+            raise invalid("GRPOConfig", "importance_sampling_mode", self.importance_sampling_mode, f"use one of {IS_MODES.names()}", why="no such mode is registered")
         cap = self.importance_sampling_cap
-        if not _is_real(cap) or cap < 1.0:
-            raise _bad("importance_sampling_cap", cap, "the cap C must be a finite number >= 1", "use e.g. 3.0")
+        if not is_real(cap) or cap < 1.0:
+            raise invalid("GRPOConfig", "importance_sampling_cap", cap, "use e.g. 3.0", why="the cap C must be a finite number >= 1")
         f = self.is_ratio_floor
-        if f is not None and (not _is_real(f) or not 0.0 < f <= 1.0):
-            raise _bad("is_ratio_floor", f, "the floor must be in (0, 1] or None", "use 1 / importance_sampling_cap, or None")
+        if f is not None and (not is_real(f) or not 0.0 < f <= 1.0):
+            raise invalid("GRPOConfig", "is_ratio_floor", f, "use 1 / importance_sampling_cap, or None", why="the floor must be in (0, 1] or None")
         t = self.off_policy_mask_threshold
-        if t is not None and not _is_real(t):
-            raise _bad("off_policy_mask_threshold", t, "it must be a finite number or None", "use e.g. 0.5, or None")
+        if t is not None and not is_real(t):
+            raise invalid("GRPOConfig", "off_policy_mask_threshold", t, "use e.g. 0.5, or None", why="it must be a finite number or None")
         if self.metrics not in ("basic", "full"):
-            raise _bad("metrics", self.metrics, "unknown level", "use 'basic' or 'full'")
+            raise invalid("GRPOConfig", "metrics", self.metrics, "use 'basic' or 'full'", why="unknown level")

@@ -1,8 +1,8 @@
-"""EBFT (energy-based fine-tuning) rewards and losses as pure JAX functions on arrays (ebft.md §4–§7).
+"""EBFT (energy-based fine-tuning) rewards and losses as pure JAX functions on arrays (docs/algorithms/ebft.md §4–§7).
 
 The pipeline of one step: hidden states of a few layers of the frozen feature network →
 :func:`pool_hidden` per layer → :func:`embed_layers` (optionally L2-normalising each pooled layer,
-ebft.md §14 point 1) → :func:`feature_rewards` (whiten or L2-normalise, alignment, diversity, CFM)
+docs/algorithms/ebft.md §14 point 1) → :func:`feature_rewards` (whiten or L2-normalise, alignment, diversity, CFM)
 → :func:`ebft_advantages` → a policy loss (GRPO surrogate in structured mode, :func:`reinforce_loss`
 in strided mode, optionally plus :func:`cross_entropy_loss` on ground-truth tokens).
 
@@ -20,11 +20,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jrl.losses.advantages import rloo_advantages
+from jrl.losses.advantages import compute_advantages
 
 POOL_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
 WHITENING_SCOPES = ("group", "batch")
-EBFT_ESTIMATORS = ("rloo", "group_norm", "reinforce")
 
 COS_EPS = 1e-8
 """Cosine similarity divides by max(‖a‖·‖b‖, COS_EPS) (axolotl's constant)."""
@@ -189,7 +188,7 @@ def whiten(gen: jax.Array, gt: jax.Array, *, scope: str = "group", tol: float = 
     ``scope="group"``: axolotl's estimator per group, from that group's n generations only (no centring,
     second moment not divided by n); the ground truth goes through the same W. For n ≤ E and
     independent samples the whitened generations are orthonormal, so diversity ≈ 0 and Σ_j cos_j² = 1
-    (ebft.md §5.2). ``rank`` [G] is the number of singular values kept.
+    (docs/algorithms/ebft.md §5.2). ``rank`` [G] is the number of singular values kept.
 
     ``scope="batch"``: W = (Σ̂ + ridge·I)^(-1/2) from the centred covariance of all G·n generations
     (normalised by count, ground truths excluded), applied to centred embeddings; deterministic
@@ -251,28 +250,18 @@ def feature_rewards(gen: jax.Array, gt: jax.Array, *, alignment_coef: float = 1.
 # advantages (§7) and losses (§9.1)
 
 
-def ebft_advantages(rewards: jax.Array, estimator: str, eps: float = 1e-6) -> jax.Array:
-    """Advantages [G, n] from rewards [G, n] (the n samples of a group share a baseline).
-
-    - ``rloo``: r_j − mean_{j'≠j} r_j' = n/(n−1)·(r_j − mean) (needs n ≥ 2);
-    - ``group_norm``: (r_j − mean) / (std + eps), std Bessel-corrected as in GRPO (needs n ≥ 2);
-    - ``reinforce``: r_j.
-    """
+def ebft_advantages(rewards: jax.Array, estimator: str) -> jax.Array:
+    """Advantages [G, n] from rewards [G, n] (the n samples of a group share a baseline), with an
+    estimator of the shared registry :data:`jrl.losses.ADVANTAGE_ESTIMATORS`: ``grpo`` (r − mean) /
+    (std + 1e-4), ``rloo`` r_j − mean_{j'≠j} r_j', ``reinforce`` r_j."""
     r = jnp.asarray(rewards, jnp.float32)
     if r.ndim != 2:
         raise ValueError(f"ebft_advantages needs rewards [G, n], got shape {r.shape}")
     g, n = r.shape
-    if estimator == "reinforce":
-        return r
-    if estimator not in EBFT_ESTIMATORS:
-        raise ValueError(f"advantage estimator {estimator!r} is unknown; use one of {EBFT_ESTIMATORS}")
-    if n < 2:
+    if estimator != "reinforce" and n < 2:
         raise ValueError(f"advantage estimator {estimator!r} needs n >= 2 samples per group, got {n}; "
                          "use 'reinforce' for one sample")
-    if estimator == "rloo":
-        return rloo_advantages(r.reshape(-1), group_size=n).reshape(g, n)
-    centred = r - r.mean(axis=1, keepdims=True)
-    return centred / (jnp.std(r, axis=1, ddof=1, keepdims=True) + eps)
+    return compute_advantages(r.reshape(-1), group_size=n, estimator=estimator).reshape(g, n)
 
 
 def _masked_token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The top-level GRPO-family loss: one micro-batch in, ``(loss, metrics)`` out (grpo.md §10).
+"""The top-level GRPO-family loss: one micro-batch in, ``(loss, metrics)`` out (docs/algorithms/grpo.md §10).
 
 :func:`grpo_loss` takes either per-token log-probs ``[B, T]`` already computed at temperature τ, or
 hidden states ``[B, T, H]`` + the lm head ``[H, V]`` + target ids ``[B, T]``, in which case it calls
@@ -10,7 +10,8 @@ Order of operations (§10), per token, with m the loss mask (§11):
 
 1. logπθ (and entropy H) at τ;
 2. ρ (token / sequence / sequence_token) against logπold (``old_logprobs``, or sg(logπθ) when
-   absent: on-policy, ρ ≡ 1, §2.4); ℓ = −min(ρ'·A, clip(ρ)·A) (§4);
+   absent: on-policy, ρ ≡ 1, §2.4); ℓ from the registered ``objective``: ``ppo_clip``
+   ℓ = −min(ρ'·A, clip(ρ)·A) (§4), or ``cispo``;
 3. ℓ ← ℓ · keep_OPSM (§8; sampler log-probs, falling back to logπold where missing);
 4. ℓ ← ℓ · 1[H ≥ threshold] (§9; threshold from the global batch when passed in);
 5. ℓ ← ℓ · r, the sampler IS weight (§7; only with ``sampler_logprobs`` and the correction on);
@@ -32,6 +33,7 @@ from jrl.kernels.logprobs import token_logprobs
 from jrl.losses import importance, metrics, policy
 from jrl.losses.config import GRPOConfig
 from jrl.losses.policy import Normalizers, to_float
+from jrl.losses.registry import OBJECTIVES
 
 
 class LossInputs(NamedTuple):
@@ -65,7 +67,7 @@ class LossInputs(NamedTuple):
 
 
 def policy_logprobs(
-    inputs: LossInputs, config: GRPOConfig, *, with_entropy: bool = False
+    inputs: LossInputs, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
     """(logπθ [B, T], H [B, T] or None) from the log-prob inputs or via the logprob kernel."""
     if (inputs.logprobs is None) == (inputs.hidden is None):
@@ -79,7 +81,7 @@ def policy_logprobs(
         inputs.hidden.reshape(b * t, h),
         inputs.lm_head,
         inputs.completion_ids.reshape(b * t),
-        temperature=config.temperature,
+        temperature=temperature,
         with_entropy=with_entropy,
     )
     return lp.reshape(b, t), None if ent is None else ent.reshape(b, t)
@@ -102,6 +104,8 @@ def grpo_loss(
     config: GRPOConfig,
     normalizers: Normalizers | None = None,
     entropy_threshold: jax.Array | None = None,
+    *,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO-family loss of one micro-batch and its metrics (names in :mod:`jrl.losses.metrics`).
 
@@ -116,7 +120,7 @@ def grpo_loss(
     """
     cfg = config
     need_entropy = cfg.needs_entropy
-    lp, ent = policy_logprobs(inputs, cfg, with_entropy=need_entropy)
+    lp, ent = policy_logprobs(inputs, temperature=temperature, with_entropy=need_entropy)
     _check_shapes(inputs, lp)
     lp = to_float(lp)
     m = policy.loss_mask(
@@ -129,9 +133,9 @@ def grpo_loss(
     old = jax.lax.stop_gradient(lp if inputs.old_logprobs is None else to_float(inputs.old_logprobs))
     eps_low, eps_high = cfg.epsilon_low, cfg.effective_epsilon_high
 
-    # 2. ratio and clipped surrogate
+    # 2. ratio and the registered objective (``ppo_clip``: the clipped surrogate)
     rho, log_rho = policy.policy_ratio(lp, old, m, cfg.importance_sampling_level)
-    per_token = policy.clipped_surrogate(rho, adv, eps_low, eps_high, cfg.delta)
+    per_token = OBJECTIVES.get(cfg.objective)(rho, lp, adv, cfg)
     out: dict[str, jax.Array] = {}
 
     samp = None if inputs.sampler_logprobs is None else to_float(inputs.sampler_logprobs)

@@ -1,4 +1,4 @@
-"""Sampler-vs-trainer correction (grpo.md §7), OPSM (§8) and entropy-based token masking (§9).
+"""Sampler-vs-trainer correction (docs/algorithms/grpo.md §7), OPSM (§8) and entropy-based token masking (§9).
 
 Two ratios exist and must not be confused (§7.2): the PPO ratio ρ (policy being trained vs old,
 :func:`jrl.losses.policy.policy_ratio`) and the sampler ratio r (old vs sampler) here. r is a
@@ -14,7 +14,7 @@ d_t = (logπold_t − logπsamp_t) · m_t, computed in log space:
 | ``sequence_truncate`` | Σ_t d_t (one per seq) | as token_truncate, broadcast over the sequence           |
 | ``sequence_mask``     | Σ_t d_t               | as token_mask, broadcast over the sequence               |
 
-Decisions (grpo.md §21 open point 1, 14): a masked token or sequence weighs 0 (not axolotl's 1/C),
+Decisions (docs/algorithms/grpo.md §21 open point 1, 14): a masked token or sequence weighs 0 (not axolotl's 1/C),
 nothing is clamped after masking; truncation is one-sided min(r, C) as in TRL and the TIS
 literature unless ``is_ratio_floor`` is set (``floor = 1/C`` gives axolotl's symmetric variant);
 sequence modes decide on Σd against log C before exponentiating, so a long sequence cannot give
@@ -145,7 +145,7 @@ def opsm_keep(
 def entropy_threshold(entropy: jax.Array, mask: jax.Array, top_entropy_quantile: float) -> jax.Array:
     """The (1 − q)-quantile (linear interpolation, as torch.quantile) of H over loss tokens.
 
-    grpo.md §9: jrl takes it over the global batch, so the trainer calls this once per step on the
+    docs/algorithms/grpo.md §9: jrl takes it over the global batch, so the trainer calls this once per step on the
     whole batch and passes the result to every micro-batch; 0 loss tokens give −inf (keep all).
     """
     h = jnp.where(to_float(mask) > 0, to_float(entropy), jnp.nan).reshape(-1)

@@ -1,4 +1,4 @@
-"""GRPO metrics (grpo.md §13) as flat dicts of scalar arrays with stable names.
+"""GRPO metrics (docs/algorithms/grpo.md §13) as flat dicts of scalar arrays with stable names.
 
 Conventions: m is the loss mask (completion × tool × truncation), n_i = Σ_t m_it,
 w_it = m_it / max(1, n_i), ``num_docs`` = max(1, #{i : n_i > 0}); a "masked mean" is

@@ -1,9 +1,9 @@
-"""Policy-loss pieces (grpo.md §3–§6, §11, §12.3): masks, ratios, clipped surrogate, k3 KL, normalisers.
+"""Policy-loss pieces (docs/algorithms/grpo.md §3–§6, §11, §12.3): masks, ratios, clipped surrogate, k3 KL, normalisers.
 
 All functions are pure and jit-able on arrays of static shape ``[B, T]`` (B sequences, T padded
 completion tokens); ``advantages`` is one value per sequence, ``[B]``.
 
-**Aggregation rule** (grpo.md §5 "jrl rule", §12.3). Every ``loss_type`` is written as
+**Aggregation rule** (docs/algorithms/grpo.md §5 "jrl rule", §12.3). Every ``loss_type`` is written as
 
     L = Σ_{i,t} ℓ_it · m_it · c_i / Z
 
@@ -20,7 +20,7 @@ gives a gradient that does not depend on how the step was split:
 | dapo      | 1              | N_tok                              |
 
 ``N_tok`` = Σ m and ``N_seq`` = the number of sequences with at least one loss token, both counted
-after **all** data masks (completion × tool × truncation; grpo.md §21 open point 11); OPSM and
+after **all** data masks (completion × tool × truncation; docs/algorithms/grpo.md §21 open point 11); OPSM and
 entropy masks are weights and do not change them. ``Z`` is clamped to ≥ 1.
 When no normalisers are passed the micro-batch is taken to be the whole step.
 """
@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jrl.losses.registry import LOSS_TYPES, register_loss_type
+from jrl.losses.registry import LOSS_TYPES, register_loss_type, register_objective
 
 LOG_RATIO_MAX = 20.0
 """Upper clamp on log-ratios before ``exp`` (ρ ≤ e^20 ≈ 4.9e8): keeps ρ, its gradient and ρ·0 finite.
@@ -153,7 +153,7 @@ def aggregate_loss(
     normalizers: Normalizers | None = None,
     max_completion_length: int | None = None,
 ) -> jax.Array:
-    """Σ ℓ · m · c_i / Z for the registered ``loss_type`` (grpo.md §5 jrl rule)."""
+    """Σ ℓ · m · c_i / Z for the registered ``loss_type`` (docs/algorithms/grpo.md §5 jrl rule)."""
     mask = to_float(mask)
     c, z = aggregation_weights(loss_type, mask, normalizers, max_completion_length)
     return jnp.sum(jnp.where(mask > 0, per_token_loss * mask * c[:, None], 0.0)) / z
@@ -218,6 +218,13 @@ def clipped_surrogate(
     unclipped = (ratio if delta is None else jnp.minimum(ratio, delta)) * a
     clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * a
     return -jnp.minimum(unclipped, clipped)
+
+
+@register_objective("ppo_clip")
+def ppo_clip_objective(ratio: jax.Array, logprobs: jax.Array, advantages: jax.Array, config) -> jax.Array:
+    """The PPO clipped surrogate of GRPO / DAPO / GSPO (:func:`clipped_surrogate` with the config's ε, δ)."""
+    del logprobs  # the ratio carries the gradient
+    return clipped_surrogate(ratio, advantages, config.epsilon_low, config.effective_epsilon_high, config.delta)
 
 
 def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,11 +1,14 @@
 """Name → function registries, so configs select algorithms by name (Tunix ``algo_core.py`` style).
 
-Three registries exist, one per config knob that names an algorithm:
+Four registries exist, one per config knob that names an algorithm:
+
+- ``OBJECTIVES`` (``GRPOConfig.objective``): the per-token surrogate of the policy ratio and the
+  advantage, ``ppo_clip`` (registered in :mod:`jrl.losses.policy`) and ``cispo`` (:mod:`jrl.losses.cispo`);
 
 - ``LOSS_TYPES`` (``GRPOConfig.loss_type``): ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``
   (registered in :mod:`jrl.losses.policy`);
-- ``ADVANTAGE_ESTIMATORS`` (``GRPOConfig.advantage_estimator``): ``grpo``, ``rloo``
-  (registered in :mod:`jrl.losses.advantages`);
+- ``ADVANTAGE_ESTIMATORS`` (``GRPOConfig.advantage_estimator``, ``EBFTConfig.advantage_estimator``):
+  ``grpo``, ``rloo``, ``reinforce`` (registered in :mod:`jrl.losses.advantages`);
 - ``IS_MODES`` (``GRPOConfig.importance_sampling_mode``): ``token_truncate``, ``token_mask``,
   ``sequence_truncate``, ``sequence_mask`` (registered in :mod:`jrl.losses.importance`).
 
@@ -21,59 +24,24 @@ built-ins; an unknown name raises a ``KeyError`` that lists every registered nam
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Registry:
-    """A named table of functions filled by a decorator; ``get`` fails with the list of names."""
-
-    def __init__(self, kind: str, config_field: str):
-        self.kind = kind
-        self.config_field = config_field
-        self._fns: dict[str, Callable[..., Any]] = {}
-
-    def register(self, name: str, *, override: bool = False) -> Callable[[F], F]:
-        """Decorator: register ``fn`` under ``name``. Re-registering a name needs ``override=True``."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
-
-        def deco(fn: F) -> F:
-            if name in self._fns and not override and self._fns[name] is not fn:
-                raise ValueError(
-                    f"{self.kind} {name!r} is already registered; pass override=True to replace it"
-                )
-            self._fns[name] = fn
-            return fn
-
-        return deco
-
-    def get(self, name: str) -> Callable[..., Any]:
-        """The function registered as ``name``; ``KeyError`` naming the field and the valid names."""
-        try:
-            return self._fns[name]
-        except KeyError:
-            raise KeyError(
-                f"unknown {self.kind} {name!r} (config field `{self.config_field}`); "
-                f"registered: {', '.join(repr(n) for n in self.names())}. "
-                f"Pick one of those or register yours with @register_{self.config_field}(name)."
-            ) from None
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self._fns))
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._fns
+from jrl.registry import Registry
 
 
-LOSS_TYPES = Registry("loss type", "loss_type")
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "advantage_estimator")
-IS_MODES = Registry("importance-sampling mode", "importance_sampling_mode")
+def _registry(kind: str, field: str) -> Registry:
+    return Registry(kind, field, how_to_register=f"@register_{field}(name)")
+
+
+LOSS_TYPES = _registry("loss type", "loss_type")
+ADVANTAGE_ESTIMATORS = _registry("advantage estimator", "advantage_estimator")
+IS_MODES = _registry("importance-sampling mode", "importance_sampling_mode")
+OBJECTIVES = _registry("objective", "objective")
 
 register_loss_type = LOSS_TYPES.register
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 register_importance_sampling_mode = IS_MODES.register
+register_objective = OBJECTIVES.register
 
 
 def get_loss_type(name: str) -> Callable[..., Any]:
@@ -86,3 +54,7 @@ def get_advantage_estimator(name: str) -> Callable[..., Any]:
 
 def get_importance_sampling_mode(name: str) -> Callable[..., Any]:
     return IS_MODES.get(name)
+
+
+def get_objective(name: str) -> Callable[..., Any]:
+    return OBJECTIVES.get(name)

@@ -1,4 +1,4 @@
-"""The frozen feature network of EBFT (ebft.md §2, §3): hidden states of a few layers, no gradient.
+"""The frozen feature network of EBFT (docs/algorithms/ebft.md §2, §3): hidden states of a few layers, no gradient.
 
 With LoRA the feature network is the policy's own base weights with the adapters switched off
 (:func:`jrl.models.lora.lora_disabled`; no copy). With full fine-tuning the caller passes a model

@@ -1,4 +1,4 @@
-"""LoRA adapters on the model's ``Linear`` layers (PEFT conventions, moe_lora.md §6 and §8).
+"""LoRA adapters on the model's ``Linear`` layers (PEFT conventions, the PEFT adapter format).
 
 :func:`apply_lora` replaces every targeted :class:`~jrl.models.layers.Linear` (HF module names:
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``) by a

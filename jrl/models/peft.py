@@ -1,4 +1,4 @@
-"""Export a model's LoRA adapters as a PEFT adapter directory (moe_lora.md §6 and §8.4).
+"""Export a model's LoRA adapters as a PEFT adapter directory (the PEFT adapter format: adapter_config.json + adapter_model.safetensors).
 
 The directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` exactly as ``peft``'s
 ``PeftModel.save_pretrained`` writes them for a transformers model (checked against peft 0.21): one pair

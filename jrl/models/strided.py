@@ -1,4 +1,4 @@
-"""The strided EBFT layout (ebft.md §9.2) as pure index math: anchors, blocks, the packed row, its mask.
+"""The strided EBFT layout (docs/algorithms/ebft.md §9.2) as pure index math: anchors, blocks, the packed row, its mask.
 
 A document ``x_0 .. x_{S-1}`` is right-padded (index = position; ``S_valid`` real tokens). With context
 ``c``, stride ``s`` and generation length ``g``, block ``j`` has its anchor at ``a_j = a_0 + j·s``; it is

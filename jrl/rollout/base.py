@@ -7,6 +7,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from jrl.registry import Registry
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -86,6 +88,13 @@ class RolloutEngine(Protocol):
         keep references to ``model``'s arrays; the caller keeps them unchanged until the next sync for
         as long as a ``generate`` call may run on them (it passes a copy when it trains meanwhile)."""
         ...
+
+
+#: ``rollout.backend`` name → engine factory ``(model, *, pad_id, mesh, rules, rollout, output_dir) ->
+#: RolloutEngine`` (``rollout``: the run's :class:`~jrl.rollout.config.RolloutConfig`; ``output_dir``: where
+#: the engine may write weight syncs). ``jax`` registers in :mod:`jrl.rollout.jax_engine`, ``vllm`` in
+#: :mod:`jrl.rollout.vllm_engine`; importing :mod:`jrl.rollout` registers both.
+ROLLOUT_ENGINES = Registry("rollout engine", "rollout.backend", how_to_register="@ROLLOUT_ENGINES.register(name)")
 
 
 def check_generate_args(prompt_ids: list[list[int]], num_generations: int) -> None:

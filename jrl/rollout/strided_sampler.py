@@ -1,4 +1,4 @@
-"""Block-parallel sampling for strided EBFT (ebft.md §9.2): every block of a document generated at once.
+"""Block-parallel sampling for strided EBFT (docs/algorithms/ebft.md §9.2): every block of a document generated at once.
 
 One jitted program per call: a causal pass over the documents [B, S] fills a KV cache, the first token of
 every block ``j`` is sampled from the document's output at ``a_j - 1``, then ``g - 1`` decode steps feed

@@ -8,9 +8,7 @@ import math
 from typing import Literal
 from urllib.parse import urlsplit
 
-
-def _bad(field: str, value, fix: str) -> ValueError:
-    return ValueError(f"VLLMConfig.{field}={value!r} is invalid: {fix}")
+from jrl.validation import invalid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,35 +66,41 @@ class VLLMConfig:
     """More server arguments, passed through verbatim (e.g. ``--enforce-eager``)."""
 
     def __post_init__(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for device, field in (("gpu", "cpu_kvcache_gib"), ("cpu", "gpu_memory_utilization")):
+            if self.device == device and getattr(self, field) != defaults[field]:
+                raise invalid("VLLMConfig", field, getattr(self, field),
+                              f"a server on device={device!r} does not use it; leave it at {defaults[field]!r} "
+                              "or set device to the one it configures")
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise _bad("base_url", self.base_url, "use an http(s) URL such as http://127.0.0.1:8000")
+            raise invalid("VLLMConfig", "base_url", self.base_url, "use an http(s) URL such as http://127.0.0.1:8000")
         if parts.path.rstrip("/") not in ("",):
-            raise _bad("base_url", self.base_url, "give the server root without a path (no /v1)")
+            raise invalid("VLLMConfig", "base_url", self.base_url, "give the server root without a path (no /v1)")
         for name in ("connect_timeout", "read_timeout", "startup_timeout", "restart_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise _bad(name, v, "use a finite number of seconds > 0")
+                raise invalid("VLLMConfig", name, v, "use a finite number of seconds > 0")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise _bad("max_retries", self.max_retries, "use an int >= 0")
+            raise invalid("VLLMConfig", "max_retries", self.max_retries, "use an int >= 0")
         if not isinstance(self.backoff_seconds, (int, float)) or self.backoff_seconds < 0:
-            raise _bad("backoff_seconds", self.backoff_seconds, "use a number of seconds >= 0")
+            raise invalid("VLLMConfig", "backoff_seconds", self.backoff_seconds, "use a number of seconds >= 0")
         for name in ("max_concurrent_requests", "max_model_len", "cpu_kvcache_gib"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise _bad(name, v, "use an int >= 1")
+                raise invalid("VLLMConfig", name, v, "use an int >= 1")
         for name in ("keep_versions", "max_lora_rank"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise _bad(name, v, "use an int >= 1, or None for the default")
+                raise invalid("VLLMConfig", name, v, "use an int >= 1, or None for the default")
         if self.adapter_dtype not in ("bfloat16", "float16", "float32"):
-            raise _bad("adapter_dtype", self.adapter_dtype, "use 'bfloat16', 'float16' or 'float32'")
+            raise invalid("VLLMConfig", "adapter_dtype", self.adapter_dtype, "use 'bfloat16', 'float16' or 'float32'")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise _bad("dtype", self.dtype, "use 'auto', 'bfloat16', 'float16' or 'float32'")
+            raise invalid("VLLMConfig", "dtype", self.dtype, "use 'auto', 'bfloat16', 'float16' or 'float32'")
         if self.device not in ("cpu", "gpu"):
-            raise _bad("device", self.device, "use 'cpu' or 'gpu'")
+            raise invalid("VLLMConfig", "device", self.device, "use 'cpu' or 'gpu'")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "use a fraction in (0, 1]")
+            raise invalid("VLLMConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "use a fraction in (0, 1]")
 
     @property
     def host(self) -> str:

@@ -7,16 +7,10 @@ token's log-probability. The server must run with ``--logprobs-mode processed_lo
 ``scripts/serve_vllm.py`` starts it) so that log-probability is taken under the distribution actually
 sampled from (temperature, top-k, top-p applied), the same quantity :mod:`jrl.rollout.sampling` reports.
 
-Weight sync (``sync``):
-
-- ``lora``: the model's adapters are written as a PEFT directory ``<sync_dir>/lora-v{N}``
-  (:func:`jrl.models.save_peft_adapter`), loaded with ``POST /v1/load_lora_adapter`` under a name of
-  this engine and version, the prefix cache is reset, and new requests go to that name. The newest
-  ``keep_versions`` adapters stay loaded (requests still running finish under their own version); older
-  ones are unloaded and their directories deleted.
-- ``full``: the model is written as a Hugging Face checkpoint ``<sync_dir>/full-v{N}`` and the server
-  reloads it in place (``POST /collective_rpc`` ``reload_weights``; the server needs
-  ``VLLM_SERVER_DEV_MODE=1``), then the prefix cache is reset; the previous checkpoint is deleted.
+Weight sync: the transport named by ``rollout.sync`` (:mod:`jrl.rollout.weight_sync`: LoRA adapter
+hot-load, full checkpoints through the filesystem, shared memory or an asynchronous writer) delivers
+each version; the engine resets the prefix cache and sends new requests to the name the transport
+returns once that version is served.
 
 If the server goes away mid-run (connection refused) the engine waits for ``/health`` (at most
 ``restart_timeout``), restores the current weights on it (reloads the adapter, or the full checkpoint)
@@ -26,36 +20,19 @@ and retries the request, so no step is lost.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from jrl.data.pipeline import left_pad
-from jrl.models import save_peft_adapter, save_pretrained
-from jrl.models.lora import has_lora
-from jrl.rollout.base import RolloutBatch, SamplingParams, check_generate_args
+from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError
-
-SYNC_MODES = ("lora", "full")
-
-
-def resolve_sync_mode(sync: str, model) -> str:
-    """``auto`` -> ``lora`` when the model has LoRA adapters, else ``full``; checks an explicit choice."""
-    lora = has_lora(model)
-    if sync == "auto":
-        return "lora" if lora else "full"
-    if sync not in SYNC_MODES:
-        raise ValueError(f"RolloutConfig.sync={sync!r} is invalid: use 'auto', 'lora' or 'full'")
-    if sync == "lora" and not lora:
-        raise ValueError("RolloutConfig.sync='lora' needs a LoRA run (set TrainConfig.lora), or use sync='full'")
-    return sync
-
+from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, LoRAAdapterTransport, reset_prefix_cache, resolve_transport
 
 def prompt_seed(seed: int, index: int) -> int:
     """Sampling seed of prompt ``index`` of a call with ``seed`` (independent streams per prompt)."""
@@ -104,9 +81,9 @@ def parse_choices(response: dict, *, n: int, url: str) -> list[tuple[list[int], 
 class VLLMRolloutEngine:
     """:class:`~jrl.rollout.base.RolloutEngine` over a running vLLM server.
 
-    ``model``: the policy being trained (its LoRA adapters or full weights are pushed on
-    :meth:`sync_weights`; the constructor pushes them once as version 0). ``config``: server address,
-    timeouts, retries (:class:`VLLMConfig`). ``sync``: ``auto``, ``lora`` or ``full``. ``sync_dir``: where
+    ``model``: the policy being trained (its weights are delivered on :meth:`sync_weights`; the constructor
+    delivers them once as version 0). ``config``: server address, timeouts, retries (:class:`VLLMConfig`).
+    ``sync``: a :data:`~jrl.rollout.weight_sync.WEIGHT_TRANSPORTS` name or ``auto``. ``sync_dir``: where
     adapters/checkpoints are written (the server must be able to read it). ``keep_versions``: adapter
     versions kept loaded. ``pad_id``: the id filling prompt and completion padding.
 
@@ -117,29 +94,29 @@ class VLLMRolloutEngine:
     def __init__(self, model, *, config: VLLMConfig, sync: str = "auto", sync_dir: str | os.PathLike,
                  keep_versions: int = 2, pad_id: int):
         self.config = config
-        self.sync_mode = resolve_sync_mode(sync, model)
+        self.sync_mode = resolve_transport(sync, model)
         if keep_versions < 1:
             raise ValueError(f"VLLMRolloutEngine keep_versions={keep_versions} must be >= 1")
-        self.keep_versions = int(keep_versions)
-        self.sync_dir = Path(sync_dir).resolve()
         self.pad_id = int(pad_id)
         self.client = VLLMClient(config.base_url, api_key=config.api_key, connect_timeout=config.connect_timeout,
                                  read_timeout=config.read_timeout, max_retries=config.max_retries,
                                  backoff_seconds=config.backoff_seconds, restart_timeout=config.restart_timeout,
                                  on_reconnect=self._restore)
-        # _sync_lock serialises syncs (held across their HTTP calls); _state_lock guards the served names and
-        # version and is never held across a request, so a restore triggered from any thread cannot deadlock.
+        # _sync_lock serialises syncs; _state_lock guards the served name and version and is never held across a
+        # request, so a restore triggered from any thread cannot deadlock.
         self._sync_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="jrl-vllm")
         self.tag = f"jrl-{uuid.uuid4().hex[:8]}"  # adapter names of this engine never clash with another run's
-        self._adapters: list[tuple[int, str, Path]] = []  # (version, served name, dir), oldest first
-        self._full_dir: Path | None = None
         self.version = 0
         self.last_sync_seconds = float("nan")
+        self._pending: tuple[Future, int, float] | None = None  # (delivery, version, start time)
         self.client.wait_healthy(config.startup_timeout)
         self.base_name = self._check_base_model(model)
         self.current_name = self.base_name
+        self.transport = WEIGHT_TRANSPORTS.get(self.sync_mode)(
+            self.client, config, sync_dir=Path(sync_dir).resolve(), base_name=self.base_name, tag=self.tag,
+            keep_versions=keep_versions)
         self.sync_weights(model, 0)
 
     # ------------------------------------------------------------------ startup checks
@@ -170,20 +147,28 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, model, version: int) -> None:
-        """Push ``model``'s weights to the server as ``version`` (see the module docstring); records the
-        wall time in :attr:`last_sync_seconds`."""
-        t0 = time.perf_counter()
-        version = int(version)
+        """Deliver ``model``'s weights as ``version`` through the transport. A synchronous transport is done
+        when this returns; an asynchronous one finishes in the background and the next :meth:`generate`
+        waits for it. :attr:`last_sync_seconds` is the wall time until the version was served."""
         with self._sync_lock:
-            if self.sync_mode == "lora":
-                name = self._sync_lora(model, version)
-            else:
-                name = self._sync_full(model, version)
-            self._reset_prefix_cache()
-            with self._state_lock:  # new requests go to the new weights, tagged with their version
-                self.current_name, self.version = name, version
-            if self.sync_mode == "lora":
-                self._unload_old_adapters()
+            self._finish_sync()  # versions are served in order
+            self._pending = (self.transport.send(model, int(version)), int(version), time.perf_counter())
+            if self._pending[0].done():
+                self._finish_sync()
+
+    def _finish_sync(self) -> None:
+        """Wait for the pending delivery (if any), then serve it: reset the prefix cache, switch new requests
+        to its name and version, retire versions nobody needs."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        delivery, version, t0 = pending
+        name = delivery.result()
+        reset_prefix_cache(self.client)
+        with self._state_lock:
+            self.current_name, self.version = name, version
+        if isinstance(self.transport, LoRAAdapterTransport):
+            self.transport.retire_old()
         self.last_sync_seconds = time.perf_counter() - t0
 
     @property
@@ -192,91 +177,13 @@ class VLLMRolloutEngine:
         return {"time/sync": float(self.last_sync_seconds), "sync/version": float(self.version)}
 
     def adapter_name(self, version: int) -> str:
-        """The name version ``version`` of this engine's adapter is served under."""
-        return f"{self.tag}-v{version}"
-
-    def _load_adapter(self, name: str, path: Path) -> None:
-        body = {"lora_name": name, "lora_path": str(path)}
-        try:
-            self.client.post("/v1/load_lora_adapter", body)
-        except VLLMRequestError as e:
-            if e.status == 404:
-                raise VLLMError(
-                    f"{self.config.base_url} has no /v1/load_lora_adapter route: start the server with --enable-lora "
-                    f"and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (scripts/serve_vllm.py does both)") from e
-            if e.status == 400 and "already been loaded" in e.detail:
-                self.client.post("/v1/load_lora_adapter", {**body, "load_inplace": True})
-            else:
-                raise VLLMError(f"vLLM could not load the adapter {path} as {name!r}: {e.detail}; check "
-                                f"--max-lora-rank (>= lora.rank) and --max-loras (>= keep_versions="
-                                f"{self.keep_versions})") from e
-
-    def _sync_lora(self, model, version: int) -> str:
-        """Export and load the adapter of ``version``; returns its served name."""
-        path = self.sync_dir / f"lora-v{version}"
-        save_peft_adapter(model, path, dtype=self.config.adapter_dtype)
-        name = self.adapter_name(version)
-        self._load_adapter(name, path)
-        with self._state_lock:
-            self._adapters = [a for a in self._adapters if a[0] != version] + [(version, name, path)]
-        return name
-
-    def _unload_old_adapters(self) -> None:
-        """Unload and delete all but the newest ``keep_versions`` adapters."""
-        with self._state_lock:
-            old = self._adapters[:-self.keep_versions]
-            self._adapters = self._adapters[-self.keep_versions:]
-        for _, old_name, old_path in old:
-            try:
-                self.client.post("/v1/unload_lora_adapter", {"lora_name": old_name})
-            except VLLMRequestError as e:
-                if e.status != 404:  # 404: already gone (e.g. the server restarted)
-                    raise
-            shutil.rmtree(old_path, ignore_errors=True)
-
-    def _reload_full(self, path: Path) -> None:
-        try:
-            self.client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-        except VLLMRequestError as e:
-            hint = ("start the server with VLLM_SERVER_DEV_MODE=1 (scripts/serve_vllm.py does)" if e.status == 404
-                    else "check the server log")
-            raise VLLMError(f"vLLM could not reload the weights from {path}: {e.detail}; {hint}") from e
-
-    def _sync_full(self, model, version: int) -> str:
-        """Export the checkpoint of ``version`` and reload the server's weights from it; returns the base name."""
-        path = self.sync_dir / f"full-v{version}"
-        dtype = self.config.dtype if self.config.dtype != "auto" else None
-        save_pretrained(model, path, dtype=dtype, progress=False)
-        self._reload_full(path)
-        with self._state_lock:
-            old, self._full_dir = self._full_dir, path
-        if old is not None and old != path:
-            shutil.rmtree(old, ignore_errors=True)
-        return self.base_name
+        """The name version ``version`` of this engine's adapter is served under (``lora`` transport)."""
+        return self.transport.adapter_name(version)
 
     def _restore(self) -> None:
         """Put the current weights back on a server that restarted (called after a reconnect)."""
-        with self._state_lock:
-            full_dir, adapters = self._full_dir, list(self._adapters)
-        if self.sync_mode == "full":
-            if full_dir is not None:
-                self._reload_full(full_dir)
-        else:
-            served = {m.get("id") for m in self.client.get("/v1/models", retry=False).get("data") or []}
-            for _, name, path in adapters:
-                if name not in served:
-                    self._load_adapter(name, path)
-        self._reset_prefix_cache(retry=False)
-
-    def _reset_prefix_cache(self, *, retry: bool = True) -> None:
-        """Drop KV blocks computed with earlier weights (vLLM serves this route only in dev mode)."""
-        try:
-            self.client.post("/reset_prefix_cache", retry=retry)
-        except VLLMRequestError as e:
-            if e.status == 404:
-                raise VLLMError(f"{self.config.base_url} has no /reset_prefix_cache route: start the server with "
-                                f"VLLM_SERVER_DEV_MODE=1 (scripts/serve_vllm.py does)") from e
-            raise
+        self.transport.restore()
+        reset_prefix_cache(self.client, retry=False)
 
     # ------------------------------------------------------------------ generation
     def _complete(self, body: dict) -> dict:
@@ -295,6 +202,8 @@ class VLLMRolloutEngine:
         logprobs; reproducible for a ``seed`` on the same server and weights."""
         check_generate_args(prompt_ids, num_generations)
         g = int(num_generations)
+        with self._sync_lock:
+            self._finish_sync()
         with self._state_lock:
             name, version = self.current_name, self.version
         bodies = [completion_request(name, p, params, n=g, seed=prompt_seed(seed, i)) for i, p in enumerate(prompt_ids)]
@@ -320,21 +229,22 @@ class VLLMRolloutEngine:
                             policy_version=version)
 
     def close(self) -> None:
-        """Stop the request threads (the server keeps running; it is not this engine's process)."""
+        """Finish a pending sync and stop the request threads (the server keeps running; it is not this
+        engine's process)."""
+        with self._sync_lock:
+            self._finish_sync()
+        self.transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_vllm_engine(model, *, tokenizer=None, mesh=None, rules=None, rollout, output_dir) -> VLLMRolloutEngine:
-    """The ``vllm`` entry of the trainer's backend registry: an engine for ``rollout`` (a
-    :class:`jrl.train.config.RolloutConfig`), writing syncs under ``rollout.vllm.sync_dir`` or
+@ROLLOUT_ENGINES.register("vllm")
+def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir) -> VLLMRolloutEngine:
+    """The ``vllm`` backend: an engine for the run's ``rollout`` section (a
+    :class:`~jrl.rollout.config.RolloutConfig`), writing syncs under ``rollout.vllm.sync_dir`` or
     ``<output_dir>/vllm_sync``."""
+    del mesh, rules  # the server has its own devices
     cfg: VLLMConfig = rollout.vllm
     keep = cfg.keep_versions if cfg.keep_versions is not None else rollout.max_staleness + 1
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    if pad is None:
-        pad = model.config.pad_token_id
     sync_dir = cfg.sync_dir if cfg.sync_dir is not None else Path(output_dir) / "vllm_sync"
     return VLLMRolloutEngine(model, config=cfg, sync=rollout.sync, sync_dir=sync_dir, keep_versions=keep,
-                             pad_id=int(pad))
+                             pad_id=pad_id)

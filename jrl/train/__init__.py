@@ -1,4 +1,5 @@
-"""Trainer loops (GRPO, EBFT), rollout producer, reward runner, checkpointing and logging.
+"""The training loop composed of parts (rollout source, algorithm, learner), the algorithms (GRPO, EBFT),
+rollout producer, reward runner, checkpointing and logging.
 
 Names are imported lazily, so a reward worker process that imports :mod:`jrl.train.rewards` does not
 import the models, losses or the trainer.
@@ -9,16 +10,16 @@ from jrl._lazy import lazy_exports
 _EXPORTS = {
     "TrainConfig": "jrl.train.config",
     "ModelSpec": "jrl.train.config",
-    "RolloutConfig": "jrl.train.config",
+    "RolloutConfig": "jrl.rollout.config",
     "OptimConfig": "jrl.train.config",
     "load_config_file": "jrl.train.config",
     "EBFTConfig": "jrl.train.ebft_config",
-    "EBFTStructuredTrainer": "jrl.train.ebft",
-    "EBFTStridedTrainer": "jrl.train.ebft_strided",
-    "GRPOLearner": "jrl.train.step",
-    "StepBatch": "jrl.train.step",
-    "GRPOTrainer": "jrl.train.grpo",
-    "train": "jrl.train.grpo",
+    "ALGORITHMS": "jrl.train.algorithms",
+    "Learner": "jrl.train.learner",
+    "LossTerm": "jrl.train.learner",
+    "StepBatch": "jrl.train.algorithms.grpo",
+    "Trainer": "jrl.train.trainer",
+    "train": "jrl.train.trainer",
     "TrainCheckpointer": "jrl.train.checkpoint",
     "export_checkpoint": "jrl.train.export",
     "RewardSpec": "jrl.train.rewards",

@@ -1,5 +1,5 @@
 """Asynchronous rollouts: which policy version generates each batch, and the background producer
-(grpo.md §14.1, §14.4, §14.11).
+(docs/algorithms/grpo.md §14.1, §14.4, §14.11).
 
 **Versions.** The policy version is the number of training steps the weights have seen (version
 ``v`` = the weights after step ``v - 1``; rollout batch ``k`` is the one consumed by step ``k``, which

@@ -2,7 +2,7 @@
 
 Layout: ``<output_dir>/checkpoints/<step>/{params,opt_state,meta}``. ``meta`` holds the step, the
 optimizer update count, the data-loader state (:meth:`jrl.data.PromptLoader.get_state`), the seed
-and the model and LoRA settings (written by :meth:`jrl.train.loop.TrainLoop.save`).
+and the model and LoRA settings (written by :meth:`jrl.train.trainer.Trainer.save`).
 
 Atomicity: orbax writes each step into a temporary directory and renames it into place when it is
 complete, and :meth:`CheckpointManager.latest_step` only lists finalised steps; a crash mid-save
@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 
 
 class TrainCheckpointer:
-    """Save / restore :class:`~jrl.train.step.GRPOLearner` state plus a JSON ``meta`` dict."""
+    """Save / restore :class:`~jrl.train.learner.Learner` state plus a JSON ``meta`` dict."""
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 2):
         self.directory = Path(directory).absolute()

@@ -1,4 +1,4 @@
-"""The typed config of a GRPO training run (:class:`TrainConfig`) and its sections.
+"""The typed config of a training run (:class:`TrainConfig`) and its sections.
 
 A config file is a Python file defining ``config() -> TrainConfig`` (see ``configs/grpo.py``);
 ``scripts/train.py --config FILE`` loads it and applies command-line overrides with tyro
@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 from pathlib import Path
 from typing import Literal
 
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig
-from jrl.rollout.base import SamplingParams
-from jrl.rollout.vllm_config import VLLMConfig
+from jrl.rollout.config import RolloutConfig
 from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.rewards import RewardSpec
+from jrl.validation import check_choice, check_int, check_real, invalid
 
 #: Rewards of the built-in arithmetic task (exact answer, plus partial credit for the format).
 ARITHMETIC_REWARDS = (
@@ -29,12 +28,7 @@ ARITHMETIC_REWARDS = (
 )
 
 
-def _bad(field: str, value, fix: str) -> ValueError:
-    return ValueError(f"{field}={value!r} is invalid: {fix}")
-
-
-def _pos_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,72 +43,9 @@ class ModelSpec:
     """Storage dtype of the weights; None = ``dtype``."""
 
     def __post_init__(self):
-        for name in ("dtype", "param_dtype"):
-            v = getattr(self, name)
-            if v is not None and v not in ("float32", "bfloat16", "float16"):
-                raise _bad(f"ModelSpec.{name}", v, "use 'float32', 'bfloat16' or 'float16'")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """How completions are generated."""
-
-    backend: str = "jax"
-    """Rollout engine: ``jax`` (the embedded sampler with a KV cache) or ``vllm`` (an external vLLM
-    server, configured by ``vllm``)."""
-    sync: Literal["auto", "lora", "full"] = "auto"
-    """How trained weights reach a ``vllm`` server: ``lora`` (export the PEFT adapter and hot-load it),
-    ``full`` (export the whole checkpoint and reload it in place), ``auto`` (``lora`` for a LoRA run,
-    else ``full``)."""
-    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
-    """Server address, timeouts, retries and launch flags of the ``vllm`` backend."""
-    max_new_tokens: int = 16
-    """Most tokens per completion; also the padded completion length of the train step."""
-    temperature: float = 1.0
-    """Sampling temperature; the loss log-probs use the same one (``algo.temperature`` is set to it)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
-    """Top-k sampling (0 = off)."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra stop tokens; the tokenizer's EOS always stops."""
-    sync_interval: int = 1
-    """Training steps between weight syncs to the rollout engine (1 = after every step); checkpoint
-    steps always sync, so a resumed run samples like the uninterrupted one."""
-    prefetch_depth: int = 0
-    """Rollout batches generated in a background thread ahead of the trainer (0 = synchronous:
-    generate, then train). 1 overlaps generating step k + 1 with training step k."""
-    max_staleness: int = 1
-    """Largest lag, in policy versions (training steps), between the weights that generated a batch
-    and the weights it trains; generation waits when it would be exceeded. Must be >=
-    ``sync_interval - 1``; the background thread runs ``min(prefetch_depth, max_staleness -
-    sync_interval + 1)`` steps ahead (0 makes a prefetching run exactly the synchronous one)."""
-
-    @property
-    def run_ahead(self) -> int:
-        """Training steps by which generation runs ahead of the trainer (0 when synchronous)."""
-        return min(self.prefetch_depth, self.max_staleness - self.sync_interval + 1)
-
-    def sampling_params(self, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
-        stops = tuple(dict.fromkeys(tuple(eos_ids) + tuple(self.stop_token_ids)))
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, stop_token_ids=stops)
-
-    def __post_init__(self):
-        self.sampling_params()  # validates the sampling fields
-        if self.sync not in ("auto", "lora", "full"):
-            raise _bad("RolloutConfig.sync", self.sync, "use 'auto', 'lora' or 'full'")
-        if not _pos_int(self.sync_interval):
-            raise _bad("RolloutConfig.sync_interval", self.sync_interval, "use an int >= 1 (1 = sync after every step)")
-        for name in ("prefetch_depth", "max_staleness"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _bad(f"RolloutConfig.{name}", v, "use an int >= 0")
-        if self.max_staleness < self.sync_interval - 1:
-            raise _bad("RolloutConfig.max_staleness", self.max_staleness,
-                       f"with sync_interval={self.sync_interval} the sampler's weights are up to "
-                       f"{self.sync_interval - 1} steps old between syncs; use max_staleness >= "
-                       f"{self.sync_interval - 1} or a smaller sync_interval")
+        check_choice(self, "dtype", DTYPES)
+        if self.param_dtype is not None:
+            check_choice(self, "param_dtype", DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,30 +73,27 @@ class OptimConfig:
     sequences are split into micro-batches whose gradients are summed (None = one micro-batch)."""
 
     def __post_init__(self):
-        for name in ("learning_rate", "eps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise _bad(f"OptimConfig.{name}", v, "use a finite number > 0")
-        for name in ("b1", "b2"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise _bad(f"OptimConfig.{name}", v, "use a number in [0, 1)")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            raise _bad("OptimConfig.weight_decay", self.weight_decay, "use a number >= 0")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise _bad("OptimConfig.warmup_steps", self.warmup_steps, "use an int >= 0")
-        if self.schedule not in ("constant", "cosine", "linear"):
-            raise _bad("OptimConfig.schedule", self.schedule, "use 'constant', 'cosine' or 'linear'")
-        if self.max_grad_norm is not None and (not isinstance(self.max_grad_norm, (int, float))
-                                               or not self.max_grad_norm > 0):
-            raise _bad("OptimConfig.max_grad_norm", self.max_grad_norm, "use a number > 0, or None for no clipping")
-        if self.micro_batch_size is not None and not _pos_int(self.micro_batch_size):
-            raise _bad("OptimConfig.micro_batch_size", self.micro_batch_size, "use an int >= 1, or None")
+        check_real(self, "learning_rate", gt=0, fix="use a finite number > 0")
+        check_real(self, "eps", gt=0, fix="use a finite number > 0")
+        check_real(self, "b1", ge=0, lt=1, fix="use a number in [0, 1)")
+        check_real(self, "b2", ge=0, lt=1, fix="use a number in [0, 1)")
+        check_real(self, "weight_decay", ge=0, fix="use a number >= 0")
+        check_int(self, "warmup_steps", lo=0)
+        check_choice(self, "schedule", ("constant", "cosine", "linear"))
+        check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
+        check_int(self, "micro_batch_size", lo=1, optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A GRPO run: model, adapters, devices, prompts, rollouts, rewards, objective, optimizer, bookkeeping."""
+    """A training run: algorithm, model, adapters, devices, prompts, rollouts, rewards, objective, optimizer,
+    bookkeeping. Fields an algorithm or rollout backend does not read must keep their defaults (a set
+    value there is an error naming the field), so every flag of ``--help`` has an effect."""
+
+    algorithm: str = "grpo"
+    """Training algorithm (an ``ALGORITHMS`` name): ``grpo`` (reward functions, GRPO-family loss of
+    ``algo``), ``ebft_structured`` (feature-matching reward against ``ebft.gt_column`` on the GRPO
+    pipeline) or ``ebft_strided`` (raw documents, generated blocks, REINFORCE + CE)."""
 
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     """The checkpoint to train."""
@@ -178,17 +106,16 @@ class TrainConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Rollout engine and sampling."""
     rewards: tuple[RewardSpec, ...] = ARITHMETIC_REWARDS
-    """Reward functions by import path, with weights (default: the arithmetic task's two rewards).
-    Not used when ``ebft`` is set: EBFT's reward is feature matching against the ground truth."""
-    ebft: EBFTConfig | None = None
-    """Energy-based fine-tuning instead of reward functions (None = plain GRPO); ``ebft.mode`` picks the
-    structured (GRPO pipeline, feature-matching reward) or strided (raw documents) trainer."""
+    """Reward functions by import path, with weights (default: the arithmetic task's two rewards);
+    ``grpo`` only (EBFT's reward is feature matching against the ground truth)."""
+    ebft: EBFTConfig = dataclasses.field(default_factory=EBFTConfig)
+    """Feature network, reward and loss knobs of the ``ebft_structured`` / ``ebft_strided`` algorithms."""
     algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
-    """Objective, advantages and sampler correction (``num_generations`` completions per prompt);
-    ``algo.temperature`` is always set to ``rollout.temperature``."""
+    """Objective, advantages and sampler correction (``num_generations`` completions per prompt) of the
+    GRPO-family update (``grpo`` and ``ebft_structured``); log-probs are taken at ``rollout.temperature``."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """Optimizer, schedule and gradient accumulation."""
-    logprobs_impl: str = "auto"
+    logprobs_impl: Literal["auto", "reference", "xla", "triton", "pallas_tpu", "triton_saveprobs"] = "auto"
     """Log-prob kernel of the train step: ``auto``, ``reference``, ``xla``, ``triton``, ``pallas_tpu``, or
     ``triton_saveprobs`` (GPU: faster backward for a bf16 ``[tokens, vocab]`` buffer; never picked by auto)."""
     max_steps: int = 100
@@ -213,40 +140,74 @@ class TrainConfig:
     events, plot and checkpoints (without it, or ``resume``, such a directory is an error)."""
 
     def __post_init__(self):
-        g = self.algo.num_generations
-        if g < 2:
-            raise _bad("TrainConfig.algo.num_generations", g,
-                       "GRPO compares completions of the same prompt; use >= 2 (e.g. 8)")
-        if self.algo.temperature != self.rollout.temperature:
-            # The loss must score tokens at the temperature they were sampled at (grpo.md §2.1, §19).
-            object.__setattr__(self, "algo", dataclasses.replace(self.algo, temperature=self.rollout.temperature))
-        if self.algo.max_completion_length is not None and self.algo.max_completion_length < self.rollout.max_new_tokens:
-            raise _bad("TrainConfig.algo.max_completion_length", self.algo.max_completion_length,
-                       f"it must be >= rollout.max_new_tokens={self.rollout.max_new_tokens}, or None")
+        from jrl.train.algorithms import ALGORITHMS  # the algorithms import this module
+
+        if self.algorithm not in ALGORITHMS:
+            raise invalid("TrainConfig", "algorithm", self.algorithm, f"use one of {ALGORITHMS.names()} "
+                          "(ebft.mode='structured' / 'strided' is now algorithm='ebft_structured' / 'ebft_strided')")
+        algorithm = ALGORITHMS.get(self.algorithm)
+        reject_unused(self, algorithm.ignores, f"algorithm={self.algorithm!r}")
+        from jrl.rollout import ROLLOUT_ENGINES
+
+        reject_unused(self, getattr(ROLLOUT_ENGINES.get(self.rollout.backend), "ignores", ()),
+                      f"rollout.backend={self.rollout.backend!r}")
+        if "algo" not in algorithm.ignores:
+            g = self.algo.num_generations
+            if g < 2:
+                raise invalid("TrainConfig", "algo.num_generations", g,
+                              "GRPO compares completions of the same prompt; use >= 2 (e.g. 8)")
+            m = self.algo.max_completion_length
+            if m is not None and m < self.rollout.max_new_tokens:
+                raise invalid("TrainConfig", "algo.max_completion_length", m,
+                              f"it must be >= rollout.max_new_tokens={self.rollout.max_new_tokens}, or None")
         if self.algo.reward_weights is not None:
-            raise _bad("TrainConfig.algo.reward_weights", self.algo.reward_weights,
-                       "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
-        if self.ebft is None and not self.rewards:
-            raise _bad("TrainConfig.rewards", self.rewards, "give at least one RewardSpec")
-        rows = self.data.prompts_per_batch * g
+            raise invalid("TrainConfig", "algo.reward_weights", self.algo.reward_weights,
+                          "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
+        if "rewards" not in algorithm.ignores and not self.rewards:
+            raise invalid("TrainConfig", "rewards", self.rewards, "give at least one RewardSpec")
+        rows = self.data.prompts_per_batch * _value_at(self, algorithm.samples_field)
         mb = self.optim.micro_batch_size
         if mb is not None and rows % mb:
-            raise _bad("TrainConfig.optim.micro_batch_size", mb,
-                       f"it must divide data.prompts_per_batch x algo.num_generations = {rows}")
+            raise invalid("TrainConfig", "optim.micro_batch_size", mb,
+                          f"it must divide the {rows} rows of a step (data.prompts_per_batch x "
+                          f"{algorithm.samples_field})")
         for name in ("max_steps", "num_iterations", "log_every", "keep_checkpoints"):
-            if not _pos_int(getattr(self, name)):
-                raise _bad(f"TrainConfig.{name}", getattr(self, name), "use an int >= 1")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
-            raise _bad("TrainConfig.save_every", self.save_every, "use an int >= 0 (0 = only at the end)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise _bad("TrainConfig.seed", self.seed, "use an int")
+            check_int(self, name, lo=1)
+        check_int(self, "save_every", lo=0, fix="use an int >= 0 (0 = only at the end)")
+        check_int(self, "seed", lo=-2**63, fix="use an int")
 
     @property
     def reward_weights(self) -> tuple[float, ...]:
-        """Weights of the reward columns: one per reward spec, or the single EBFT reward's 1.0."""
-        if self.ebft is not None:
+        """Weights of the reward columns: one per reward spec, or EBFT's single feature-matching reward's 1.0."""
+        if self.algorithm != "grpo":
             return (1.0,)
         return tuple(float(r.weight) for r in self.rewards)
+
+
+def _default_at(path: str):
+    """The default value of the dotted ``path`` of :class:`TrainConfig` (e.g. ``rollout.vllm``)."""
+    obj: object = TrainConfig
+    for part in path.split("."):
+        f = {x.name: x for x in dataclasses.fields(obj)}[part]
+        obj = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return obj
+
+
+def _value_at(cfg: TrainConfig, path: str):
+    """The value of the dotted ``path`` of ``cfg``."""
+    value: object = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def reject_unused(cfg: TrainConfig, paths: tuple[str, ...], user: str) -> None:
+    """An error for the first of ``paths`` (fields ``user`` does not read) that is set to a non-default value."""
+    for path in paths:
+        value = _value_at(cfg, path)
+        if value != _default_at(path):
+            raise invalid("TrainConfig", path, value, f"{user} does not use it; leave it at its default "
+                          f"({_default_at(path)!r}) or choose an algorithm / backend that reads it")
 
 
 def load_config_file(path: str | Path) -> TrainConfig:

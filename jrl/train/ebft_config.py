@@ -3,8 +3,9 @@
 
 EBFT rewards each sampled continuation for matching the ground-truth continuation in the feature
 space of a frozen copy of the model (alignment) and penalises it for resembling its siblings
-(diversity). ``mode`` picks the trainer: ``structured`` (prompt → completion data on the GRPO
-pipeline) or ``strided`` (raw documents, many short generated blocks per document).
+(diversity). ``TrainConfig.algorithm`` picks the mode: ``ebft_structured`` (prompt → completion data on
+the GRPO pipeline) or ``ebft_strided`` (raw documents, many short generated blocks per document); both
+sample at the ``rollout`` section's temperature / top-p / top-k.
 
 Whitening note (``whitening_scope="group"``, the default and axolotl's estimator): the whitening
 matrix of a group is estimated from that group's n generations only, so the whitened generations
@@ -21,39 +22,20 @@ the policy to noise (entropy 0.15 → 2.2 in 200 steps); use a much smaller ``di
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Literal
 
-MODES = ("structured", "strided")
+from jrl.losses import ADVANTAGE_ESTIMATORS
+from jrl.validation import check_bool, check_choice, check_int, check_real, invalid, is_real
+
 EMBED_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
 CONCAT_SPANS = ("sequence", "completion")
 WHITENING_SCOPES = ("group", "batch")
-ADVANTAGE_ESTIMATORS = ("group_norm", "rloo", "reinforce")
-#: The advantage estimator each mode uses when ``advantage_estimator`` is None.
-DEFAULT_ESTIMATOR = {"structured": "group_norm", "strided": "rloo"}
-
-
-def _bad(field: str, value, fix: str) -> ValueError:
-    return ValueError(f"EBFTConfig.{field}={value!r} is invalid: {fix}")
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _int_at_least(x, lo: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
 
 
 @dataclasses.dataclass(frozen=True)
 class EBFTConfig:
     """Feature network, pooling, whitening, reward, advantage and loss knobs of an EBFT run."""
-
-    mode: Literal["structured", "strided"] = "structured"
-    """``structured``: prompt → completion data on the GRPO pipeline (``algo.num_generations``
-    samples per prompt, GRPO surrogate loss); ``strided``: raw documents, blocks of
-    ``generate_max_len`` tokens generated every ``stride`` tokens, REINFORCE loss."""
 
     # --- features (reference §3, §4) ---
     feature_layers: tuple[float, ...] = (0.25, 0.5, 0.75)
@@ -90,10 +72,10 @@ class EBFTConfig:
     ce_coef: float = 0.0
     """γ: weight of cross-entropy on the ground-truth completion tokens added to the loss (0 = pure
     feature matching; 0.03 is the paper's recommended balance)."""
-    advantage_estimator: Literal["group_norm", "rloo", "reinforce"] | None = None
-    """Advantages from the rewards of one group: ``group_norm`` (r − mean)/std, ``rloo`` (r minus the
-    mean of the others) or ``reinforce`` (r itself). None: ``group_norm`` in structured mode, ``rloo``
-    in strided mode."""
+    advantage_estimator: str | None = None
+    """Advantages from the rewards of one group, an ``ADVANTAGE_ESTIMATORS`` name shared with GRPO:
+    ``grpo`` (r − mean)/(std + 1e-4), ``rloo`` (r minus the mean of the others) or ``reinforce`` (r
+    itself). None: ``grpo`` for ``ebft_structured``, ``rloo`` for ``ebft_strided``."""
 
     # --- structured mode (reference §8) ---
     adaptive_max_tokens: bool = True
@@ -122,64 +104,43 @@ class EBFTConfig:
     """Strided: weight of the REINFORCE loss."""
     min_completion_prefix: int = 0
     """Strided, structured data: minimum completion tokens before the first anchor."""
-    temperature: float = 0.6
-    """Strided: sampling temperature of the blocks (structured mode samples at ``rollout.temperature``)."""
-    top_p: float = 1.0
-    """Strided: nucleus sampling mass of the blocks (1 = off)."""
 
-    @property
-    def estimator(self) -> str:
-        """The advantage estimator in effect (``advantage_estimator`` or the mode's default)."""
-        return self.advantage_estimator or DEFAULT_ESTIMATOR[self.mode]
+    def estimator(self, default: str) -> str:
+        """The advantage estimator in effect: ``advantage_estimator``, else the algorithm's ``default``."""
+        return self.advantage_estimator or default
 
-    def __post_init__(self) -> None:  # noqa: C901 - one check per field, in field order
-        if self.mode not in MODES:
-            raise _bad("mode", self.mode, f"use one of {MODES}")
+    def __post_init__(self) -> None:
         layers = self.feature_layers
         if isinstance(layers, list):
             layers = tuple(layers)
             object.__setattr__(self, "feature_layers", layers)
-        if not isinstance(layers, tuple) or not layers or not all(_real(f) and 0.0 <= f <= 1.0 for f in layers):
-            raise _bad("feature_layers", self.feature_layers,
-                       "give a non-empty tuple of fractions in [0, 1], e.g. (0.25, 0.5, 0.75)")
-        if self.embed_method not in EMBED_METHODS:
-            raise _bad("embed_method", self.embed_method, f"use one of {EMBED_METHODS}")
-        if self.concat_span not in CONCAT_SPANS:
-            raise _bad("concat_span", self.concat_span, f"use one of {CONCAT_SPANS}")
-        for name in ("per_layer_norm", "use_whitening", "adaptive_max_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise _bad(name, getattr(self, name), "use True or False")
-        if self.whitening_scope not in WHITENING_SCOPES:
-            raise _bad("whitening_scope", self.whitening_scope, f"use one of {WHITENING_SCOPES}")
-        if not _real(self.whitening_ridge) or self.whitening_ridge <= 0:
-            raise _bad("whitening_ridge", self.whitening_ridge, "use a finite number > 0, e.g. 1e-3")
+        if not isinstance(layers, tuple) or not layers or not all(is_real(f) and 0.0 <= f <= 1.0 for f in layers):
+            raise invalid("EBFTConfig", "feature_layers", self.feature_layers,
+                          "give a non-empty tuple of fractions in [0, 1], e.g. (0.25, 0.5, 0.75)")
+        check_choice(self, "embed_method", EMBED_METHODS)
+        check_choice(self, "concat_span", CONCAT_SPANS)
+        check_bool(self, "per_layer_norm", "use_whitening", "adaptive_max_tokens")
+        check_choice(self, "whitening_scope", WHITENING_SCOPES)
+        check_real(self, "whitening_ridge", gt=0, fix="use a finite number > 0, e.g. 1e-3")
         for name in ("alignment_coef", "diversity_coef", "ce_coef", "rl_coef"):
-            v = getattr(self, name)
-            if not _real(v) or v < 0:
-                raise _bad(name, v, "use a finite number >= 0")
+            check_real(self, name, ge=0, fix="use a finite number >= 0")
         if self.alignment_coef == 0 and self.diversity_coef == 0:
-            raise _bad("alignment_coef", self.alignment_coef,
-                       "with diversity_coef=0 too the reward is always 0; set alignment_coef > 0")
+            raise invalid("EBFTConfig", "alignment_coef", self.alignment_coef,
+                          "with diversity_coef=0 too the reward is always 0; set alignment_coef > 0")
         if self.advantage_estimator is not None and self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise _bad("advantage_estimator", self.advantage_estimator,
-                       f"use one of {ADVANTAGE_ESTIMATORS}, or None for the mode's default")
-        if not _real(self.gt_length_multiplier) or self.gt_length_multiplier < 0.1:
-            raise _bad("gt_length_multiplier", self.gt_length_multiplier, "use a number >= 0.1, e.g. 1.5")
+            raise invalid("EBFTConfig", "advantage_estimator", self.advantage_estimator,
+                          f"use one of {ADVANTAGE_ESTIMATORS.names()}, or None for the algorithm's default "
+                          "('group_norm' is now 'grpo')")
+        check_real(self, "gt_length_multiplier", ge=0.1, fix="use a number >= 0.1, e.g. 1.5")
         if not isinstance(self.gt_column, str) or not self.gt_column:
-            raise _bad("gt_column", self.gt_column, "name the data column holding the ground-truth completion")
+            raise invalid("EBFTConfig", "gt_column", self.gt_column, "name the data column holding the ground-truth completion")
         for name in ("adaptive_min_tokens", "stride", "context_length", "generate_max_len", "n_samples_per_prompt"):
-            if not _int_at_least(getattr(self, name), 1):
-                raise _bad(name, getattr(self, name), "use an int >= 1")
-        if not _int_at_least(self.min_completion_prefix, 0):
-            raise _bad("min_completion_prefix", self.min_completion_prefix, "use an int >= 0")
+            check_int(self, name, lo=1)
+        check_int(self, "min_completion_prefix", lo=0)
         if self.n_samples_per_prompt == 1 and (self.advantage_estimator != "reinforce" or self.diversity_coef != 0):
-            raise _bad("n_samples_per_prompt", 1,
-                       "one sample per document has no baseline and no siblings; set "
-                       "advantage_estimator='reinforce' and diversity_coef=0 explicitly, or use >= 2 samples")
-        if not _real(self.temperature) or self.temperature <= 0:
-            raise _bad("temperature", self.temperature, "use a finite number > 0, e.g. 0.6")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            raise _bad("top_p", self.top_p, "use a number in (0, 1]")
+            raise invalid("EBFTConfig", "n_samples_per_prompt", 1,
+                          "one sample per document has no baseline and no siblings; set "
+                          "advantage_estimator='reinforce' and diversity_coef=0 explicitly, or use >= 2 samples")
         if self.use_whitening and self.whitening_scope == "group" and self.diversity_coef != 0:
             warnings.warn(
                 f"EBFTConfig: use_whitening=True with whitening_scope='group' makes each group's whitened "

@@ -9,7 +9,7 @@ completion), ``completions`` (decoded completion strings, or chat message lists)
 (token-id lists), and every dataset column except ``prompt`` / ``completion`` / ``completion_ids``
 as a keyword (one value per completion), so a function should accept ``**kwargs``. It returns one
 value per completion; ``None`` (or NaN) means "no reward for this one" and becomes NaN, which every
-later aggregation skips (grpo.md §1.1).
+later aggregation skips (docs/algorithms/grpo.md §1.1).
 
 Functions are named by import path in configs (:class:`RewardSpec`):
 
@@ -20,7 +20,7 @@ Functions are named by import path in configs (:class:`RewardSpec`):
 :func:`compute_rewards` returns the per-function reward matrix ``[N, F]`` (float32, NaN for None);
 weights are applied by the advantage code (``jrl.losses.advantages``), which takes the matrix as is. Optional CPU parallelism:
 :class:`RewardWorkers` runs the functions in persistent worker processes on contiguous blocks of
-whole groups (grpo.md §14.6), falling back to the main process if any worker fails.
+whole groups (docs/algorithms/grpo.md §14.6), falling back to the main process if any worker fails.
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ def _worker_run(args: tuple) -> np.ndarray:
 
 
 class RewardWorkers:
-    """Persistent pool of reward worker processes (grpo.md §14.6).
+    """Persistent pool of reward worker processes (docs/algorithms/grpo.md §14.6).
 
     Reward functions run in ``num_workers`` processes, each on a contiguous block of whole groups;
     useful for slow CPU-bound verifiers (and for those using ``signal.alarm``, which needs a

@@ -1,4 +1,4 @@
-"""Float64 NumPy references for the GRPO-family losses, written from grpo.md's formulas.
+"""Float64 NumPy references for the GRPO-family losses, written from the formulas of docs/algorithms/grpo.md.
 
 Independent of ``jrl.losses``: explicit loops over sequences and tokens, plain NumPy, no JAX. Only
 the config object is read (as data). The tests compare the implementation against these.
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-EPS = 1e-4  # grpo.md §1.2 / §1.3
+EPS = 1e-4  # docs/algorithms/grpo.md §1.2 / §1.3
 LOG_RATIO_MAX = 20.0  # jrl's overflow clamp on log-ratios (documented in jrl.losses.policy)
 
 

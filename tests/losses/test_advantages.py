@@ -1,4 +1,4 @@
-"""Advantages, signal flags and reward metrics against float64 NumPy references (grpo.md §1, §13.1)."""
+"""Advantages, signal flags and reward metrics against float64 NumPy references (docs/algorithms/grpo.md §1, §13.1)."""
 
 import jax
 import jax.numpy as jnp
@@ -169,7 +169,7 @@ def test_from_config_and_errors():
         compute_advantages(jnp.ones((4, 2)), group_size=2, reward_weights=(1.0,))
     with pytest.raises(ValueError, match="scale_rewards"):
         compute_advantages(jnp.ones((4, 1)), group_size=2, scale_rewards="groups")
-    with pytest.raises(KeyError, match="registered: 'grpo', 'rloo'"):
+    with pytest.raises(KeyError, match="registered: 'grpo', 'reinforce', 'rloo'"):
         compute_advantages(jnp.ones((4, 1)), group_size=2, estimator="ppo")
 
 

@@ -23,7 +23,7 @@ from jrl.losses.registry import Registry
 def test_defaults_follow_the_reference():
     c = GRPOConfig()
     assert (c.epsilon, c.epsilon_high, c.effective_epsilon_high, c.epsilon_low) == (0.2, None, 0.2, 0.2)
-    assert c.beta == 0.0 and c.delta is None and c.temperature == 1.0
+    assert c.beta == 0.0 and c.delta is None and c.objective == "ppo_clip"
     assert c.scale_rewards == "group" and c.multi_objective_aggregation == "sum_then_normalize"
     assert c.importance_sampling_level == "token"
     assert c.importance_sampling_correction is True
@@ -51,8 +51,8 @@ def test_frozen_hashable_and_normalises_weights():
         ("scale_rewards", True, "True meant 'group'"),
         ("scale_rewards", "std", "'group', 'batch', 'none'"),
         ("multi_objective_aggregation", "mean", "normalize_then_sum"),
-        ("advantage_estimator", "ppo", "'grpo', 'rloo'"),
-        ("loss_type", "cispo", "'bnpo', 'dapo', 'dr_grpo', 'grpo'"),
+        ("advantage_estimator", "ppo", "'grpo', 'reinforce', 'rloo'"),
+        ("loss_type", "clip_cov", "'bnpo', 'dapo', 'dr_grpo', 'grpo'"),
         ("reward_weights", (), "one float per reward function"),
         ("reward_weights", (1.0, float("nan")), "one float per reward function"),
         ("max_completion_length", 0, "generation limit"),
@@ -60,7 +60,7 @@ def test_frozen_hashable_and_normalises_weights():
         ("epsilon_high", -0.1, "0.28"),
         ("delta", 1.0, "1 + epsilon_high"),
         ("importance_sampling_level", "segment", "sequence_token"),
-        ("temperature", 0.0, "sampler's temperature"),
+        ("objective", "ppo", "'cispo', 'ppo_clip'"),
         ("beta", -0.1, "0.04"),
         ("use_bias_correction_kl", 1, "True or False"),
         ("top_entropy_quantile", 0.0, "1.0 (off)"),
@@ -114,4 +114,4 @@ def test_registering_a_loss_type_makes_it_selectable():
         loss, _ = grpo_loss(inp, cfg)
         np.testing.assert_allclose(float(loss), -(3 * 1.0 + 3 * -2.0))
     finally:
-        LOSS_TYPES._fns.pop("test_token_sum")
+        LOSS_TYPES._entries.pop("test_token_sum")

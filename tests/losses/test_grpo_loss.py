@@ -80,7 +80,7 @@ def test_hidden_state_path_equals_logprobs_path(level):
     ids = rng.integers(0, v, size=(b, t))
     lp, ent = _np_logprobs(hidden, w, ids, tau)
     batch.update(lp=lp, ent=ent)
-    cfg = GRPOConfig(**{**EVERYTHING, "temperature": tau, "importance_sampling_level": level})
+    cfg = GRPOConfig(**{**EVERYTHING, "importance_sampling_level": level})
     with jax.enable_x64(True):
         via_lp = grpo_loss(to_inputs(batch), cfg)
         via_hidden = grpo_loss(
@@ -88,6 +88,7 @@ def test_hidden_state_path_equals_logprobs_path(level):
                 hidden=jnp.asarray(hidden), lm_head=jnp.asarray(w), completion_ids=jnp.asarray(ids)
             ),
             cfg,
+            temperature=tau,
         )
     # the kernel forms float32 logits (fp32 lm head, §2.2), hence float32 tolerances
     np.testing.assert_allclose(float(via_hidden[0]), float(via_lp[0]), rtol=1e-5, atol=1e-7)
@@ -100,7 +101,7 @@ def test_hidden_state_path_equals_logprobs_path(level):
 def test_hidden_state_path_under_jit_vmap_and_grad():
     rng = np.random.default_rng(52)
     m_, b, t, h, v = 2, 3, 4, 8, 13
-    cfg = GRPOConfig(num_generations=2, temperature=0.8, beta=0.1, top_entropy_quantile=0.5)
+    cfg, tau = GRPOConfig(num_generations=2, beta=0.1, top_entropy_quantile=0.5), 0.8
     w = jnp.asarray(rng.normal(size=(h, v)) / np.sqrt(h), jnp.float32)
     data = LossInputs(
         advantages=jnp.asarray(rng.normal(size=(m_, b)), jnp.float32),
@@ -112,13 +113,13 @@ def test_hidden_state_path_under_jit_vmap_and_grad():
     )
 
     def total(w, hidden):
-        losses, _ = jax.vmap(lambda x: grpo_loss(x._replace(lm_head=w), cfg))(data._replace(hidden=hidden))
+        losses, _ = jax.vmap(lambda x: grpo_loss(x._replace(lm_head=w), cfg, temperature=tau))(data._replace(hidden=hidden))
         return losses.sum()
 
     loss, (gw, gh) = jax.jit(jax.value_and_grad(total, argnums=(0, 1)))(w, data.hidden)
     assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(gw))) and np.all(np.isfinite(np.asarray(gh)))
     assert float(jnp.abs(gw).sum()) > 0 and float(jnp.abs(gh).sum()) > 0
-    sep = sum(float(grpo_loss(jax.tree_util.tree_map(lambda x, i=i: x[i], data)._replace(lm_head=w), cfg)[0]) for i in range(m_))
+    sep = sum(float(grpo_loss(jax.tree_util.tree_map(lambda x, i=i: x[i], data)._replace(lm_head=w), cfg, temperature=tau)[0]) for i in range(m_))
     np.testing.assert_allclose(float(loss), sep, rtol=1e-5)
 
 

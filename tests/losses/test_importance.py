@@ -1,4 +1,4 @@
-"""Sampler IS weights (grpo.md §7, open points 1 and 14), OPSM (§8) and the entropy mask (§9)."""
+"""Sampler IS weights (docs/algorithms/grpo.md §7, open points 1 and 14), OPSM (§8) and the entropy mask (§9)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Metrics (grpo.md §13) against float64 NumPy references, their names and reductions."""
+"""Metrics (docs/algorithms/grpo.md §13) against float64 NumPy references, their names and reductions."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""The strided EBFT layout and mask (ebft.md §9.2 required tests 1, 2, 3 and 5), and the model's explicit
+"""The strided EBFT layout and mask (docs/algorithms/ebft.md §9.2 required tests 1, 2, 3 and 5), and the model's explicit
 ``mask=`` argument: the dense mask equals the written definition for every (query, key) pair, no
 information leaks between blocks or from blocks into the document, one packed pass equals J per-block
 passes, and block counts / anchors match hand-computed values."""

@@ -6,7 +6,7 @@ import sys
 
 import jax
 import numpy as np
-from rollout_testlib import tiny_model
+from rollout_testlib import PAD, tiny_model
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
@@ -19,7 +19,7 @@ def main(prompts_json):
     out = {}
     for name, cfg in {"data": MeshConfig(data=2, fsdp=1), "tensor": MeshConfig(fsdp=1, tensor=2)}.items():
         mesh = make_mesh(cfg)
-        engine = JaxRolloutEngine(tiny_model("llama", seed=6, mesh=mesh), prompt_bucket=16)
+        engine = JaxRolloutEngine(tiny_model("llama", seed=6, mesh=mesh), pad_id=PAD, prompt_bucket=16)
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
         sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
                                   num_generations=1, seed=1)

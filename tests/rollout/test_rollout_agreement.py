@@ -4,7 +4,7 @@ both by a plain ``model(...)`` + log_softmax and by the train step's own scoring
 
 import numpy as np
 import pytest
-from rollout_testlib import full_forward_logprobs, random_prompts, tiny_model
+from rollout_testlib import PAD, full_forward_logprobs, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
@@ -16,7 +16,7 @@ def _rollout(kind):
     model = tiny_model(kind, seed=3)
     prompts = random_prompts(np.random.default_rng(2), [4, 11, 2])
     params = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, stop_token_ids=(5, 9, 17, 30))
-    batch = JaxRolloutEngine(model, prompt_bucket=16).generate(prompts, params, num_generations=2, seed=7)
+    batch = JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=16).generate(prompts, params, num_generations=2, seed=7)
     mask = batch.completion_mask.astype(bool)
     assert mask.any() and (~mask).any(), "the rollout should hold both stopped and running rows"
     return model, batch, mask
@@ -34,8 +34,7 @@ def test_sampler_logprobs_match_full_forward(kind):
 
 
 def test_sampler_logprobs_match_train_step_scoring():
-    from jrl.train.grpo import build_step_batch
-    from jrl.train.step import completion_logprobs
+    from jrl.train.algorithms.grpo import build_step_batch, completion_logprobs
 
     model, batch, mask = _rollout("llama")
     step_batch = build_step_batch(batch, np.zeros(len(mask), np.float32), pad_id=0,

@@ -54,7 +54,7 @@ def test_engine_greedy_matches_full_forward_greedy(kind):
     max_new = 7
     stop = greedy_by_full_forward(model, prompts[:1], 3)[0][2]  # the first row must stop at its 3rd token
     expected = greedy_by_full_forward(model, prompts, max_new, stop_ids=(stop,))
-    engine = JaxRolloutEngine(model, prompt_bucket=16)
+    engine = JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=16)
     batch = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0.5, top_k=1,
                                                     stop_token_ids=(stop,)), num_generations=1, seed=0)
     lengths = batch.completion_mask.sum(1)

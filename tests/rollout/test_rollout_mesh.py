@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from rollout_testlib import random_prompts, tiny_model
+from rollout_testlib import PAD, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
@@ -34,7 +34,7 @@ def test_two_device_mesh_matches_one_device():
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = helpers.parse_json_tail(proc.stdout)
 
-    engine = JaxRolloutEngine(tiny_model("llama", seed=6), prompt_bucket=16)
+    engine = JaxRolloutEngine(tiny_model("llama", seed=6), pad_id=PAD, prompt_bucket=16)
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
                               num_generations=1, seed=1)

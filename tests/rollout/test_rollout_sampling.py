@@ -58,7 +58,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def engine(llama):
-    return JaxRolloutEngine(llama, prompt_bucket=16)
+    return JaxRolloutEngine(llama, pad_id=PAD, prompt_bucket=16)
 
 
 PROMPTS = random_prompts(np.random.default_rng(5), [3, 8, 5])
@@ -122,7 +122,7 @@ def test_num_generations_layout(engine):
 
 
 def test_sync_weights_points_at_the_model_without_copying(llama):
-    engine = JaxRolloutEngine(llama, prompt_bucket=16)
+    engine = JaxRolloutEngine(llama, pad_id=PAD, prompt_bucket=16)
     leaves = jax.tree.leaves(nnx.state(llama))
     assert all(a is b for a, b in zip(jax.tree.leaves(engine._state), leaves, strict=True))
     other = tiny_model("llama", seed=5)
@@ -145,4 +145,4 @@ def test_bad_inputs_give_clear_errors(engine, llama):
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         engine.generate([], params, num_generations=1, seed=0)
     with pytest.raises(ValueError, match="prompt_bucket=0"):
-        JaxRolloutEngine(llama, prompt_bucket=0)
+        JaxRolloutEngine(llama, pad_id=PAD, prompt_bucket=0)

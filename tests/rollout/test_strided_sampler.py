@@ -1,4 +1,4 @@
-"""Block-parallel strided sampling (ebft.md §9.2 required test 4 and the sampler's own contract): greedy
+"""Block-parallel strided sampling (docs/algorithms/ebft.md §9.2 required test 4 and the sampler's own contract): greedy
 block-parallel generation gives, for every block, exactly the tokens of generating that block alone from
 its context by full forward passes; the reported log-probs of sampled blocks equal both the per-block
 forward's and the packed training forward's log-probs of the same tokens (float32)."""

@@ -204,11 +204,13 @@ def test_config_validation_names_field_and_fix(field, value, match):
 
 
 def test_rollout_config_sync_field():
-    from jrl.train.config import RolloutConfig
+    from jrl.rollout.config import RolloutConfig
 
-    assert RolloutConfig(backend="vllm", sync="full").vllm.base_url.startswith("http")
-    with pytest.raises(ValueError, match="RolloutConfig.sync='merged'.*'auto', 'lora' or 'full'"):
-        RolloutConfig(sync="merged")
+    for sync in ("auto", "lora", "filesystem", "shared_memory", "async_filesystem"):
+        assert RolloutConfig(backend="vllm", sync=sync).vllm.base_url.startswith("http")
+    with pytest.raises(ValueError, match="RolloutConfig.sync='full'.*'async_filesystem', 'filesystem', 'lora', "
+                                         "'shared_memory'.*'full' is now 'filesystem'"):
+        RolloutConfig(sync="full")
 
 
 def test_serve_script_dry_run_prints_the_command(capsys):
@@ -230,16 +232,17 @@ def test_serve_script_dry_run_prints_the_command(capsys):
     assert line.startswith("VLLM_SERVER_DEV_MODE=1 .vllm-venv/bin/python -m vllm") and "--enable-lora" not in line
 
 
-def test_sync_mode_follows_the_model():
+def test_sync_transport_follows_the_model():
     from jrl.models.lora import LoraConfig, apply_lora
-    from jrl.rollout.vllm_engine import resolve_sync_mode
+    from jrl.rollout.weight_sync import resolve_transport
     from rollout_testlib import tiny_model
 
     plain = tiny_model()
-    assert resolve_sync_mode("auto", plain) == "full"
+    assert resolve_transport("auto", plain) == "filesystem"
+    assert resolve_transport("shared_memory", plain) == "shared_memory"
     with pytest.raises(ValueError, match="sync='lora' needs a LoRA run"):
-        resolve_sync_mode("lora", plain)
-    assert resolve_sync_mode("auto", apply_lora(tiny_model(), LoraConfig(rank=2))) == "lora"
+        resolve_transport("lora", plain)
+    assert resolve_transport("auto", apply_lora(tiny_model(), LoraConfig(rank=2))) == "lora"
 
 
 def test_missing_vllm_python_is_a_clear_error(tmp_path):

@@ -48,9 +48,9 @@ def e2e_server(tmp_path_factory):
 
 def _run(cfg: TrainConfig):
     """Train ``cfg`` to the end; (the trainer's engine, the model names the server serves, metrics.jsonl rows)."""
-    from jrl.train.grpo import trainer_class
+    from jrl.train.trainer import Trainer
 
-    trainer = trainer_class(cfg)(cfg, progress=False)
+    trainer = Trainer(cfg, progress=False)
     try:
         trainer.train()
         engine = trainer.engine
@@ -103,7 +103,7 @@ def test_ebft_structured_with_vllm_lora_sync(e2e_server, tmp_path):
     feature space, and the adapter is synced to the server after every step."""
     # The shipped EBFT config's feature settings; the arithmetic solutions are 18-19 tokens, so with
     # multiplier 1 the adaptive limit stays below the static completion length of 24.
-    ebft = EBFTConfig(mode="structured", feature_layers=(0.5, 1.0), embed_method="last_token", use_whitening=True,
+    ebft = EBFTConfig(feature_layers=(0.5, 1.0), embed_method="last_token", use_whitening=True,
                       whitening_scope="group", diversity_coef=0.0, gt_length_multiplier=1.0, adaptive_min_tokens=4,
                       gt_column="solution")
     cfg = TrainConfig(
@@ -111,7 +111,7 @@ def test_ebft_structured_with_vllm_lora_sync(e2e_server, tmp_path):
         data=DataConfig(source="builtin:arithmetic", prompts_per_batch=2, max_prompt_length=64, seed=0),
         rollout=RolloutConfig(backend="vllm", sync="lora", vllm=e2e_server, max_new_tokens=24, temperature=1.0,
                               sync_interval=1),
-        ebft=ebft, rewards=(), algo=GRPOConfig(num_generations=4, loss_type="grpo"),
+        algorithm="ebft_structured", ebft=ebft, algo=GRPOConfig(num_generations=4, loss_type="grpo"),
         optim=OptimConfig(learning_rate=5e-3), max_steps=EBFT_STEPS, save_every=0,
         output_dir=str(tmp_path / "run"), seed=0)
     engine, served, rows = _run(cfg)

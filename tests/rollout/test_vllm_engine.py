@@ -107,11 +107,13 @@ def test_lora_sync_serves_new_versions_and_unloads_old(vllm_server, tmp_path):
     assert e.value.status == 404
 
 
-def test_full_sync_changes_outputs(vllm_server, tmp_path):
+@pytest.mark.parametrize("transport", ["filesystem", "shared_memory", "async_filesystem"])
+def test_full_sync_changes_outputs(vllm_server, tmp_path, transport):
+    """Every full-weight transport serves the new weights from the next request on, tagged with their version."""
     tol = logprob_tolerance(vllm_server.config.dtype)
     model = from_pretrained(TINY_MODEL, dtype="float32")
     original = {k: v.get_value() for k, v in named_params(model).items()}
-    engine = _engine(model, vllm_server, tmp_path, sync="full")
+    engine = _engine(model, vllm_server, tmp_path, sync=transport)
     try:
         before = engine.generate(_prompts(2), PARAMS, num_generations=2, seed=3)
         assert mean_abs_logprob_diff(model, before, TEMPERATURE) <= tol
@@ -125,10 +127,14 @@ def test_full_sync_changes_outputs(vllm_server, tmp_path):
         assert mean_abs_logprob_diff(model, after, TEMPERATURE) <= tol  # serves the new weights...
         assert not np.array_equal(before.completion_ids, after.completion_ids) or \
             np.abs(before.sampling_logprobs - after.sampling_logprobs)[before.completion_mask > 0].mean() > 10 * tol
-        assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["full-v1"]
+        root = engine.transport.files.root if transport == "async_filesystem" else engine.transport.root
+        assert sorted(p.name for p in root.iterdir()) == ["full-v1"]
     finally:  # put the base weights back for the other tests on this server
         for name, param in named_params(model).items():
             param.set_value(original[name])
         engine.sync_weights(model, 2)
     restored = engine.generate(_prompts(2), PARAMS, num_generations=2, seed=3)
     np.testing.assert_array_equal(restored.completion_ids, before.completion_ids)
+    engine.close()
+    if transport == "shared_memory":
+        assert not root.exists()  # nothing left in RAM

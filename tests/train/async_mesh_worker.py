@@ -13,7 +13,7 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
-from jrl.train.grpo import GRPOTrainer
+from jrl.train.trainer import Trainer
 from jrl.train.rewards import RewardSpec
 
 
@@ -24,9 +24,9 @@ def main(model_dir, out_dir, reward_file):
         rollout=RolloutConfig(max_new_tokens=6, prefetch_depth=1, max_staleness=1),
         rewards=(RewardSpec(path=f"{reward_file}:low_ids"),), algo=GRPOConfig(num_generations=2),
         optim=OptimConfig(learning_rate=1e-2, micro_batch_size=2), output_dir=out_dir, max_steps=3, save_every=0)
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = Trainer(cfg, progress=False)
     first = trainer.train_step()  # (not written to metrics.jsonl: train() logs the steps it runs)
-    turns = type(trainer._device_lock).__name__
+    turns = type(trainer.source.device_lock).__name__
     history = [first] + trainer.train()
     trainer.close()
     print(json.dumps(dict(devices=jax.device_count(), history=history, device_lock=turns)))

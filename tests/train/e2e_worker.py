@@ -12,7 +12,7 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
-from jrl.train.grpo import GRPOTrainer
+from jrl.train.trainer import Trainer
 from jrl.train.rewards import RewardSpec
 
 
@@ -23,7 +23,7 @@ def main(model_dir, out_dir, reward_file, fsdp):
         rollout=RolloutConfig(max_new_tokens=6), rewards=(RewardSpec(path=f"{reward_file}:low_ids"),),
         algo=GRPOConfig(num_generations=2), optim=OptimConfig(learning_rate=1e-3, micro_batch_size=2),
         output_dir=out_dir, max_steps=2, save_every=1)
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = Trainer(cfg, progress=False)
     history = trainer.train()
     trainer.close()
     param = next(iter(jax.tree.leaves(trainer.learner.params)))

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_testlib import max_rel_err, random_step_batch, tiny_config  # noqa: E402
@@ -18,7 +17,8 @@ from jrl.losses import GRPOConfig  # noqa: E402
 from jrl.models import create_model  # noqa: E402
 from jrl.sharding import MeshConfig, make_mesh  # noqa: E402
 from jrl.train.config import OptimConfig  # noqa: E402
-from jrl.train.step import GRPOLearner  # noqa: E402
+from jrl.train.algorithms.grpo import PolicyUpdate  # noqa: E402
+from jrl.train.learner import Learner  # noqa: E402
 
 
 def main():
@@ -26,13 +26,14 @@ def main():
     mesh, rules = make_mesh(cfg), cfg.logical_rules()
     algo = GRPOConfig(num_generations=2, loss_type="grpo")
     batch = random_step_batch(seed=3)
-    sharded = GRPOLearner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules), algo,
-                          OptimConfig(micro_batch_size=4), total_updates=2, mesh=mesh, rules=rules)
-    single = GRPOLearner(create_model(tiny_config(), seed=1), algo, OptimConfig(), total_updates=2)
-    g2, c2, _ = sharded.accumulate_gradients(batch, np.ones(8, bool))
-    g1, c1, _ = single.accumulate_gradients(batch, np.ones(8, bool))
-    m2 = sharded.update(batch, np.ones(8, bool))
-    m1 = single.update(batch, np.ones(8, bool))
+    sharded = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules), OptimConfig(micro_batch_size=4),
+                      total_updates=2, mesh=mesh, rules=rules)
+    single = Learner(create_model(tiny_config(), seed=1), OptimConfig(), total_updates=2)
+    u2, u1 = (PolicyUpdate(algo, x, temperature=1.0, num_iterations=1, impl="auto") for x in (sharded, single))
+    g2, c2, _ = sharded.accumulate([u2.policy_term(sharded, batch)])
+    g1, c1, _ = single.accumulate([u1.policy_term(single, batch)])
+    m2 = u2(sharded, batch)
+    m1 = u1(single, batch)
     devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params))
     print(json.dumps(dict(devices=jax.device_count(), grad_err=max_rel_err(g2, g1),
                           param_err=max_rel_err(sharded.params, single.params),

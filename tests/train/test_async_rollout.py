@@ -147,21 +147,28 @@ def test_producer_respects_depth_and_versions():
 def _reference_synchronous_run(cfg: TrainConfig) -> list[dict]:
     """The synchronous loop written out from the public pieces: generate batch k with version k, train, sync."""
     from jrl.losses import advantages_from_config, group_has_signal, sequence_has_signal
-    from jrl.train.grpo import GRPOTrainer, build_step_batch, step_seed
+    from jrl.train.algorithms.grpo import build_step_batch, completion_token_lists
+    from jrl.train.rewards import compute_rewards
+    from jrl.train.rollout_source import step_seed
+    from jrl.train.trainer import Trainer
 
-    tr = GRPOTrainer(cfg, progress=False)
+    tr = Trainer(cfg, progress=False)
+    algo = tr.algorithm
     g, out = cfg.algo.num_generations, []
     try:
         for k in range(cfg.max_steps):
             pb = next(tr.loader)
-            rollout = tr.engine.generate(pb.prompt_ids, tr.sampling, num_generations=g, seed=step_seed(cfg.seed, k))
-            lengths = rollout.completion_mask.sum(-1)
-            rewards, _ = tr.rewards(pb, [list(map(int, r[:n])) for r, n in zip(rollout.completion_ids, lengths)], k)
-            signal = sequence_has_signal(group_has_signal(rewards, group_size=g, reward_weights=tr.algo.reward_weights),
+            rollout = tr.engine.generate(pb.prompt_ids, algo.sampling, num_generations=g, seed=step_seed(cfg.seed, k))
+            ids = completion_token_lists(rollout)
+            rep = pb.repeat(g)
+            texts = [tr.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+            rewards, _ = compute_rewards(algo.reward_fns, None, rep.prompts, texts, ids, rep.columns, batch=f"step {k}",
+                                         group_size=g)
+            signal = sequence_has_signal(group_has_signal(rewards, group_size=g, reward_weights=algo.algo.reward_weights),
                                          g)
-            batch = build_step_batch(rollout, np.asarray(advantages_from_config(rewards, tr.algo)), pad_id=tr.pad_id,
-                                     completion_length=cfg.rollout.max_new_tokens)
-            out.append(tr.learner.update(batch, np.asarray(signal)) | {"reward/mean": float(np.mean(rewards))})
+            batch = build_step_batch(rollout, np.asarray(advantages_from_config(rewards, algo.algo)), pad_id=tr.pad_id,
+                                     completion_length=cfg.rollout.max_new_tokens, has_signal=np.asarray(signal))
+            out.append(algo.update(tr.learner, batch) | {"reward/mean": float(np.mean(rewards))})
             tr.engine.sync_weights(tr.learner.model, k + 1)
     finally:
         tr.close()
@@ -169,7 +176,7 @@ def _reference_synchronous_run(cfg: TrainConfig) -> list[dict]:
 
 
 def test_synchronous_and_zero_staleness_prefetch_equal_the_reference_loop(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     reward = write_reward_file(tmp_path, "reward_sync")
     ref = _reference_synchronous_run(_cfg(tiny_model_dir, tmp_path / "ref", reward))
@@ -188,7 +195,7 @@ def test_synchronous_and_zero_staleness_prefetch_equal_the_reference_loop(tiny_m
 
 
 def test_stale_prefetch_is_bounded_and_corrected(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     reward = write_reward_file(tmp_path, "reward_stale")
     hist = train(_cfg(tiny_model_dir, tmp_path / "run", reward, prefetch_depth=1, max_staleness=1, max_steps=4),
@@ -208,7 +215,7 @@ def test_stale_prefetch_is_bounded_and_corrected(tiny_model_dir, tmp_path):
 
 
 def test_sync_interval_logs_the_served_version(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     reward = write_reward_file(tmp_path, "reward_interval")
     hist = train(_cfg(tiny_model_dir, tmp_path / "run", reward, sync_interval=2, max_staleness=1), progress=False)
@@ -223,7 +230,7 @@ def test_producer_error_stops_training_with_the_cause(tiny_model_dir, tmp_path):
 
     from jrl.models import from_pretrained
     from jrl.rollout.jax_engine import JaxRolloutEngine
-    from jrl.train.grpo import GRPOTrainer
+    from jrl.train.trainer import Trainer
 
     class FailsOnThirdBatch(JaxRolloutEngine):
         calls = 0
@@ -234,11 +241,11 @@ def test_producer_error_stops_training_with_the_cause(tiny_model_dir, tmp_path):
                 raise OSError("sampler device lost")
             return super().generate(*args, **kwargs)
 
-    engine = FailsOnThirdBatch(from_pretrained(tiny_model_dir, dtype="float32"),
-                               tokenizer=AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    engine = FailsOnThirdBatch(from_pretrained(tiny_model_dir, dtype="float32"), pad_id=tokenizer.pad_token_id)
     reward = write_reward_file(tmp_path, "reward_err")
-    trainer = GRPOTrainer(_cfg(tiny_model_dir, tmp_path / "run", reward, prefetch_depth=1, max_steps=5),
-                          engine=engine, progress=False)
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path / "run", reward, prefetch_depth=1, max_steps=5),
+                      engine=engine, progress=False)
     t0 = time.perf_counter()
     with pytest.raises(RolloutProducerError, match="generating batch 2: OSError: sampler device lost") as err:
         trainer.train()
@@ -255,15 +262,15 @@ def test_engine_keeps_its_weights_through_updates_and_close_mid_run_stops_the_pr
     from train_testlib import random_step_batch
 
     from jrl.rollout.base import SamplingParams
-    from jrl.train.grpo import GRPOTrainer
+    from jrl.train.trainer import Trainer
 
     reward = write_reward_file(tmp_path, "reward_close")
-    trainer = GRPOTrainer(_cfg(tiny_model_dir, tmp_path / "run", reward, prefetch_depth=2, max_staleness=2,
-                               max_steps=50), progress=False)
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path / "run", reward, prefetch_depth=2, max_staleness=2,
+                           max_steps=50), progress=False)
     trainer.train_step()
     assert _producer_threads()
     # The engine holds version 1 while the trainer goes on updating (and donating) its own buffers.
-    trainer.learner.update(random_step_batch(seed=3, n=8), np.ones(8, bool))
+    trainer.algorithm.update(trainer.learner, random_step_batch(seed=3, n=8))
     out = trainer.engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), num_generations=2, seed=0)
     assert out.policy_version == 1 and out.completion_ids.shape == (2, 2)
     t0 = time.perf_counter()
@@ -272,7 +279,7 @@ def test_engine_keeps_its_weights_through_updates_and_close_mid_run_stops_the_pr
 
 
 def test_resume_with_prefetch_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     kw = dict(prefetch_depth=1, max_staleness=1, max_steps=4, save_every=2)
     ok = write_reward_file(tmp_path, "reward_ok")

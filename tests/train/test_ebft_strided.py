@@ -19,20 +19,41 @@ from jrl.losses.ebft import ebft_advantages, feature_rewards
 from jrl.models import strided as st
 from jrl.rollout import SamplingParams
 from jrl.rollout.strided_sampler import generate_blocks
-from jrl.train.config import ModelSpec, OptimConfig, TrainConfig
-from jrl.train.ebft_config import EBFTConfig
-from jrl.train.ebft_strided import (
+from jrl.train.algorithms.ebft_strided import (
+    EBFTStrided,
     StridedBatch,
-    StridedLearner,
     block_logprobs,
     block_rewards,
     build_documents,
     ce_token_mask,
     document_layout,
 )
+from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.train.ebft_config import EBFTConfig
+from jrl.train.learner import Learner
+from jrl.train.policy import Policy
 
-EBFT = EBFTConfig(mode="strided", context_length=3, stride=2, generate_max_len=3, n_samples_per_prompt=3,
-                  temperature=0.8, feature_layers=(0.0, 1.0))
+EBFT = EBFTConfig(context_length=3, stride=2, generate_max_len=3, n_samples_per_prompt=3, feature_layers=(0.0, 1.0))
+TEMPERATURE = 0.8
+
+
+def _algorithm(model, ebft=EBFT, optim=None):
+    """(learner, the strided algorithm) of ``model``."""
+    optim = optim or OptimConfig()
+    cfg = TrainConfig(algorithm="ebft_strided", ebft=ebft, rollout=RolloutConfig(temperature=TEMPERATURE),
+                      data=DataConfig(prompts_per_batch=2), optim=optim)
+    learner = Learner(model, optim, total_updates=1)
+    return learner, EBFTStrided(cfg, Policy(tokenizer=None, pad_id=PAD_ID, mesh=None, rules={}, model=model), learner)
+
+
+def _features(learner, algo, ids, anchors):
+    return learner.evaluate(algo.features, (ids, anchors), params=algo.feature_params, disable_lora=learner.lora)
+
+
+def _accumulate(learner, algo, batch):
+    """(gradient, summed metrics) of the step loss over the micro-batches."""
+    grads, collected, _ = learner.accumulate([algo.loss_term(learner, batch)])
+    return grads, {k: float(sum(v)) for k, v in collected.items()}
 
 
 def test_documents_layout_and_ce_mask():
@@ -68,7 +89,7 @@ def _rollout(seed=0, batch=2, seq_len=12):
     layout = document_layout(docs, EBFT)
     samples = generate_blocks(model, docs.ids, layout.anchors, context_length=EBFT.context_length,
                               generate_len=EBFT.generate_max_len, num_samples=EBFT.n_samples_per_prompt,
-                              params=SamplingParams(temperature=EBFT.temperature), seed=seed)
+                              params=SamplingParams(temperature=TEMPERATURE), seed=seed)
     return model, docs, layout, samples
 
 
@@ -80,9 +101,10 @@ def _packed(docs, layout, samples):
 
 def test_trainer_block_logprobs_equal_sampler():
     model, docs, layout, samples = _rollout()
-    learner = StridedLearner(model, EBFT, OptimConfig(), total_updates=1)
+    learner, algo = _algorithm(model)
     ids, anchors = _packed(docs, layout, samples)
-    lp, _ = jax.jit(lambda i, a: block_logprobs(learner.model, i, a, learner.spec))(ids, anchors)
+    lp, _ = jax.jit(lambda i, a: block_logprobs(learner.model, i, a, algo.loss.geometry, temperature=TEMPERATURE,
+                                                impl="auto"))(ids, anchors)
     sampled = samples.logprobs.reshape(ids.shape[0], -1)
     assert np.isfinite(sampled).all()
     assert np.abs(np.asarray(lp) - sampled).max() <= 1e-5 * np.abs(sampled).max()
@@ -92,14 +114,14 @@ def test_ground_truth_blocks_share_the_generated_conditioning():
     """A generated block equal to the ground truth gets exactly the ground truth's embedding (so cos = 1
     and alignment = 2); reading the ground truth off the causal document pass would not."""
     model, docs, layout, samples = _rollout()
-    learner = StridedLearner(model, EBFT, OptimConfig(), total_updates=1)
+    learner, algo = _algorithm(model)
     b, n, num, g = samples.tokens.shape
     gt_blocks = np.asarray(st.ground_truth_blocks(docs.ids, layout.anchors, g))
     tokens = samples.tokens.copy()
     tokens[:, 0] = gt_blocks
     ids, anchors = _packed(docs, layout, dataclasses.replace(samples, tokens=tokens))
     gt_ids = np.asarray(st.pack(docs.ids, gt_blocks))
-    emb = learner.features(np.concatenate([ids, gt_ids]), np.concatenate([anchors, layout.anchors]))
+    emb = _features(learner, algo, np.concatenate([ids, gt_ids]), np.concatenate([anchors, layout.anchors]))
     gen, gt = emb[:b * n].reshape(b, n, num, -1), emb[b * n:]
     v = layout.valid
     assert max_rel_err(gen[:, 0][v], gt[v]) <= 1e-5
@@ -141,15 +163,16 @@ def test_lora_feature_network_is_the_base_model():
 
     _, docs, layout, samples = _rollout()
     ids, anchors = _packed(docs, layout, samples)
-    full = StridedLearner(tiny_model(seed=0), EBFT, OptimConfig(), total_updates=1)
+    full, full_algo = _algorithm(tiny_model(seed=0))
     lora_model = apply_lora(tiny_model(seed=0), LoraConfig(rank=2, alpha=4.0))
     for i, layer in enumerate(lora_layers(lora_model).values()):
         layer.lora_b.set_value(jax.random.normal(jax.random.key(i), layer.lora_b[...].shape) * 0.3)
-    lora = StridedLearner(lora_model, EBFT, OptimConfig(), total_updates=1)
-    assert lora.feature_params is None and full.feature_params is not None
-    assert max_rel_err(lora.features(ids, anchors), full.features(ids, anchors)) <= 1e-5
-    with_adapters, base = (np.asarray(jax.jit(lambda i, a, m=m: block_logprobs(m, i, a, full.spec)[0])(ids, anchors))
-                           for m in (lora.model, full.model))
+    lora, lora_algo = _algorithm(lora_model)
+    assert lora_algo.feature_params is None and full_algo.feature_params is not None
+    assert max_rel_err(_features(lora, lora_algo, ids, anchors), _features(full, full_algo, ids, anchors)) <= 1e-5
+    geometry = full_algo.loss.geometry
+    with_adapters, base = (np.asarray(jax.jit(lambda i, a, m=m: block_logprobs(
+        m, i, a, geometry, temperature=TEMPERATURE, impl="auto")[0])(ids, anchors)) for m in (lora.model, full.model))
     assert np.abs(with_adapters - base).max() > 1e-3
 
 
@@ -172,8 +195,8 @@ def test_loss_equals_plain_forward_reference_and_micro_batching():
     model, batch = _step_batch()
     rows = batch.input_ids.shape[0]
     # A fresh copy of the weights: the update donates (consumes) the learner's arrays.
-    learner = StridedLearner(tiny_model(seed=0), CFG, OptimConfig(learning_rate=1e-2), total_updates=1)
-    split = StridedLearner(model, CFG, OptimConfig(learning_rate=1e-2, micro_batch_size=rows // 2), total_updates=1)
+    learner, algo = _algorithm(tiny_model(seed=0), CFG, OptimConfig(learning_rate=1e-2))
+    split, split_algo = _algorithm(model, CFG, OptimConfig(learning_rate=1e-2, micro_batch_size=rows // 2))
     # Reference: model(...) logits with the strided mask, log_softmax at the sampling temperature.
     seq_len, g = batch.ce_mask.shape[1], CFG.generate_max_len
     anchors = jnp.asarray(batch.anchors)
@@ -187,21 +210,21 @@ def test_loss_equals_plain_forward_reference_and_micro_batching():
         z = z - np.log(np.exp(z).sum(-1, keepdims=True))
         return np.take_along_axis(z, targets[..., None], -1)[..., 0]
 
-    lp = logp(np.take_along_axis(logits, pred[..., None], 1) / CFG.temperature, batch.input_ids[:, seq_len:])
+    lp = logp(np.take_along_axis(logits, pred[..., None], 1) / TEMPERATURE, batch.input_ids[:, seq_len:])
     m = batch.block_mask
     rl = np.sum(-lp * batch.advantages * m) / m.sum()
     cm = batch.ce_mask[:, 1:]
     ce = np.sum(-logp(logits[:, :seq_len - 1], batch.input_ids[:, 1:seq_len]) * cm) / cm.sum()
-    grads, metrics = learner.accumulate_gradients(batch)
+    grads, metrics = _accumulate(learner, algo, batch)
     assert abs(metrics["loss"] - (0.7 * rl + 0.3 * ce)) <= 1e-5 * abs(0.7 * rl + 0.3 * ce)
     assert abs(metrics["ebft/rl_loss"] - rl) <= 1e-5 * abs(rl) and abs(metrics["ebft/ce_loss"] - ce) <= 1e-5 * ce
     assert metrics["sampling/logp_diff"] <= 1e-5
     # Two micro-batches with step-global normalisers: the same loss and gradient.
-    split_grads, split_metrics = split.accumulate_gradients(batch)
+    split_grads, split_metrics = _accumulate(split, split_algo, batch)
     assert abs(split_metrics["loss"] - metrics["loss"]) <= 1e-5 * abs(metrics["loss"])
     assert max_rel_err(split_grads, grads) <= 1e-5
     before = jax.tree.map(np.asarray, learner.params)
-    out = learner.update(batch)
+    out = algo.update(learner, batch)
     assert out["grad_norm"] > 0 and max_rel_err(learner.params, before) > 1e-4
 
 
@@ -209,12 +232,13 @@ def _run_config(model_dir, out, **kw):
     ebft = dataclasses.replace(EBFT, context_length=8, stride=4, generate_max_len=4, n_samples_per_prompt=2,
                                feature_layers=(0.5, 1.0), ce_coef=0.1)
     data = DataConfig(prompts_per_batch=2, max_prompt_length=64, arithmetic=ArithmeticConfig(num_examples=40))
-    return TrainConfig(model=ModelSpec(path=str(model_dir)), data=data, ebft=ebft,
-                       optim=OptimConfig(learning_rate=1e-3), output_dir=str(out), **kw)
+    return TrainConfig(algorithm="ebft_strided", model=ModelSpec(path=str(model_dir)), data=data, ebft=ebft,
+                       rollout=RolloutConfig(temperature=TEMPERATURE), optim=OptimConfig(learning_rate=1e-3),
+                       output_dir=str(out), **kw)
 
 
 def test_strided_run_writes_metrics_and_resumes_exactly(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     straight = train(_run_config(tiny_model_dir, tmp_path / "a", max_steps=2, save_every=0), progress=False)
     keys = ("ebft/alignment", "ebft/diversity", "ebft/reward", "ebft/cfm_loss", "ebft/rl_loss", "ebft/ce_loss",
@@ -236,17 +260,17 @@ def test_strided_run_writes_metrics_and_resumes_exactly(tiny_model_dir, tmp_path
 
 def test_plain_text_documents_from_a_file(tiny_model_dir, tmp_path):
     """Records without the ground-truth column are plain documents: the text column tokenized as is."""
-    from jrl.train.ebft_strided import EBFTStridedTrainer
+    from jrl.train.trainer import Trainer
 
     texts = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     data = DataConfig(source=str(tmp_path / "docs.jsonl"), prompt_column="text", use_chat_template=False,
                       prompts_per_batch=2, shuffle=False)
-    cfg = TrainConfig(model=ModelSpec(path=str(tiny_model_dir)), data=data, ebft=EBFT,
+    cfg = TrainConfig(algorithm="ebft_strided", model=ModelSpec(path=str(tiny_model_dir)), data=data, ebft=EBFT,
                       output_dir=str(tmp_path / "run"))
-    trainer = EBFTStridedTrainer(cfg, progress=False)
+    trainer = Trainer(cfg, progress=False)
     try:
-        docs = trainer.documents(next(trainer.loader))
+        docs = trainer.algorithm.documents(next(trainer.loader))
     finally:
         trainer.close()
     assert docs.prompt_lengths is None

@@ -20,11 +20,13 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig, cross_entropy_loss
 from jrl.models.features import feature_layer_indices
 from jrl.models.lora import LoraConfig, LoRAParam, lora_layers
-from jrl.train.config import ARITHMETIC_REWARDS, ModelSpec, OptimConfig, RolloutConfig, TrainConfig, load_config_file
-from jrl.train.ebft import EBFTStructuredTrainer, adaptive_max_new_tokens, pack_rows
+from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig, load_config_file
+from jrl.train.algorithms import ALGORITHMS
+from jrl.train.algorithms.ebft_structured import EBFTExperience, EBFTStructured, adaptive_max_new_tokens, pack_rows
+from jrl.train.algorithms.grpo import GRPO, completion_logprobs
 from jrl.train.ebft_config import EBFTConfig
-from jrl.train.grpo import GRPOTrainer, trainer_class
-from jrl.train.step import completion_logprobs
+from jrl.train.rewards import RewardSpec
+from jrl.train.trainer import Trainer
 
 EBFT_METRICS = ("ebft/alignment", "ebft/diversity", "ebft/reward", "ebft/cfm_loss", "ebft/alignment_sumsq",
                 "ebft/gt_truncated_frac", "ebft/max_new_tokens")
@@ -34,7 +36,7 @@ def _cfg(model_dir, out, **kw) -> TrainConfig:
     ebft = kw.pop("ebft", EBFTConfig(feature_layers=(0.5, 1.0), adaptive_min_tokens=4))
     cfg = TrainConfig(
         model=ModelSpec(path=str(model_dir)), data=DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=1),
-        rollout=RolloutConfig(max_new_tokens=8, temperature=1.0), ebft=ebft, rewards=(),
+        algorithm="ebft_structured", rollout=RolloutConfig(max_new_tokens=8, temperature=1.0), ebft=ebft,
         algo=GRPOConfig(num_generations=4, loss_type="grpo"),
         optim=OptimConfig(learning_rate=3e-3, micro_batch_size=4), output_dir=str(out), max_steps=4, save_every=2,
         seed=5)
@@ -46,12 +48,10 @@ def _cfg(model_dir, out, **kw) -> TrainConfig:
 
 
 def test_config_validation_and_defaults():
-    assert EBFTConfig().estimator == "group_norm"
-    assert EBFTConfig(mode="strided").estimator == "rloo"
-    assert EBFTConfig(advantage_estimator="rloo").estimator == "rloo"
+    assert EBFTConfig().estimator("grpo") == "grpo"
+    assert EBFTConfig(advantage_estimator="rloo").estimator("grpo") == "rloo"
     assert EBFTConfig(feature_layers=[0.5]).feature_layers == (0.5,)
     bad = [
-        (dict(mode="both"), "mode"),
         (dict(feature_layers=()), "feature_layers"),
         (dict(feature_layers=(0.5, 1.2)), "feature_layers"),
         (dict(embed_method="max"), "embed_method"),
@@ -60,7 +60,7 @@ def test_config_validation_and_defaults():
         (dict(whitening_ridge=0.0), "whitening_ridge"),
         (dict(diversity_coef=-1.0), "diversity_coef"),
         (dict(alignment_coef=0.0, diversity_coef=0.0), "alignment_coef"),
-        (dict(advantage_estimator="grpo"), "advantage_estimator"),
+        (dict(advantage_estimator="group_norm"), "advantage_estimator"),
         (dict(gt_length_multiplier=0.0), "gt_length_multiplier"),
         (dict(gt_column=""), "gt_column"),
         (dict(stride=0), "stride"),
@@ -68,8 +68,6 @@ def test_config_validation_and_defaults():
         (dict(n_samples_per_prompt=1), "n_samples_per_prompt"),
         (dict(n_samples_per_prompt=1, advantage_estimator="reinforce"), "n_samples_per_prompt"),
         (dict(n_samples_per_prompt=1, diversity_coef=0.0), "n_samples_per_prompt"),
-        (dict(temperature=0.0), "temperature"),
-        (dict(top_p=1.5), "top_p"),
         (dict(use_whitening="yes"), "use_whitening"),
     ]
     for kw, field in bad:
@@ -85,20 +83,24 @@ def test_config_validation_and_defaults():
 
 
 def test_train_config_dispatch_and_rewards(tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir, tmp_path / "x")  # no reward specs needed with ebft
+    cfg = _cfg(tiny_model_dir, tmp_path / "x")  # reward specs are not read by ebft
     assert cfg.reward_weights == (1.0,)
-    assert trainer_class(cfg) is EBFTStructuredTrainer
-    assert trainer_class(dataclasses.replace(cfg, ebft=None, rewards=ARITHMETIC_REWARDS)) is GRPOTrainer
+    assert ALGORITHMS.get(cfg.algorithm) is EBFTStructured
+    assert ALGORITHMS.get(dataclasses.replace(cfg, algorithm="grpo", ebft=EBFTConfig()).algorithm) is GRPO
+    with pytest.raises(ValueError, match="TrainConfig.rewards=.*algorithm='ebft_structured' does not use it"):
+        dataclasses.replace(cfg, rewards=(RewardSpec(path="jrl.data.tasks.arithmetic:exact_match"),))
     with pytest.raises(ValueError, match="TrainConfig.rewards"):
-        dataclasses.replace(cfg, ebft=None)
-    with pytest.raises(ValueError, match="mode='structured'"):
-        EBFTStructuredTrainer(dataclasses.replace(cfg, ebft=EBFTConfig(mode="strided")), progress=False)
+        dataclasses.replace(cfg, algorithm="grpo", ebft=EBFTConfig(), rewards=())
+    with pytest.raises(ValueError, match="TrainConfig.ebft=.*algorithm='grpo' does not use it"):
+        dataclasses.replace(cfg, algorithm="grpo")
+    with pytest.raises(ValueError, match="TrainConfig.ebft.stride=3 .*algorithm='ebft_structured'"):
+        dataclasses.replace(cfg, ebft=dataclasses.replace(cfg.ebft, stride=3))
 
 
 def test_shipped_config_loads():
     root = Path(__file__).resolve().parents[2]
     cfg = load_config_file(root / "configs" / "ebft.py")
-    assert trainer_class(cfg) is EBFTStructuredTrainer and cfg.ebft.mode == "structured"
+    assert cfg.algorithm == "ebft_structured"
     layers = json.loads((root / cfg.model.path / "config.json").read_text())["num_hidden_layers"]
     assert feature_layer_indices(cfg.ebft.feature_layers, layers) == (1, 2)  # middle and final hidden state
 
@@ -127,26 +129,27 @@ def _completions(trainer, prompt_batch, seed=0, keep=7):
     rng = np.random.default_rng(seed)
     eos = trainer.tokenizer.eos_token_id
     out = []
-    for gt in trainer.ground_truth_ids(prompt_batch):
+    for gt in trainer.algorithm.ground_truth_ids(prompt_batch):
         out.append(gt[:keep] + [eos])
         out += [list(map(int, rng.integers(32, 127, rng.integers(1, 8)))) + [eos] for _ in range(3)]
     return out
 
 
 def _completion_rewards(trainer, batch):
-    return trainer.score_rollout(batch, _completions(trainer, batch), step=0)[0]
+    return trainer.algorithm.rewards(_completions(trainer, batch), batch, trainer.learner)[0]
 
 
 def test_ground_truth_completion_gets_the_top_reward(tiny_model_dir, tmp_path):
     ebft = EBFTConfig(feature_layers=(0.5, 1.0), diversity_coef=0.0, adaptive_min_tokens=4, gt_length_multiplier=1.0)
     cfg = _cfg(tiny_model_dir, tmp_path / "r", ebft=ebft, rollout=RolloutConfig(max_new_tokens=24))
-    trainer = EBFTStructuredTrainer(cfg, progress=False)
+    trainer = Trainer(cfg, progress=False)
+    algo = trainer.algorithm
     try:
         batch = next(trainer.loader)
-        gts = trainer.ground_truth_ids(batch)
-        assert trainer.sampling_params(batch).max_new_tokens == max(len(x) for x in gts) < 24  # adaptive
-        rewards, names, metrics = trainer.score_rollout(batch, _completions(trainer, batch, keep=24), step=0)
-        assert names == ["ebft"] and rewards.shape == (8, 1)
+        gts = algo.ground_truth_ids(batch)
+        assert algo.sampling_params(batch).max_new_tokens == max(len(x) for x in gts) < 24  # adaptive
+        rewards, metrics = algo.rewards(_completions(trainer, batch, keep=24), batch, trainer.learner)
+        assert rewards.shape == (8, 1)
         r = rewards.reshape(2, 4)
         # the generated side drops the EOS stop token: sample 0 is the ground truth itself, cos = 1
         np.testing.assert_allclose(r[:, 0], 2.0, atol=1e-5)
@@ -155,9 +158,9 @@ def test_ground_truth_completion_gets_the_top_reward(tiny_model_dir, tmp_path):
         assert metrics["ebft/max_new_tokens"] == max(len(x) for x in gts)
         for k in EBFT_METRICS:
             assert np.isfinite(metrics[k]), k
-        adv = trainer.advantages(rewards)
+        adv = algo.advantages(rewards)
         assert adv.shape == (8,) and np.all(np.argmax(adv.reshape(2, 4), axis=1) == 0)
-        np.testing.assert_allclose(adv.reshape(2, 4).mean(1), 0.0, atol=1e-5)  # group_norm: centred
+        np.testing.assert_allclose(adv.reshape(2, 4).mean(1), 0.0, atol=1e-5)  # grpo: centred
     finally:
         trainer.close()
 
@@ -166,18 +169,17 @@ def test_feature_network_is_frozen_full_and_lora(tiny_model_dir, tmp_path):
     """Full fine-tune: a frozen copy of the initial weights scores, so training the policy does not
     change the rewards of fixed completions. LoRA: the base weights with adapters off, so the rewards
     equal the full-fine-tune trainer's at initialisation whatever the adapters hold."""
-    full = EBFTStructuredTrainer(_cfg(tiny_model_dir, tmp_path / "f", max_steps=2, save_every=0), progress=False)
+    full = Trainer(_cfg(tiny_model_dir, tmp_path / "f", max_steps=2, save_every=0), progress=False)
     batch = next(full.loader)
     before = _completion_rewards(full, batch)
     full.train()
     full.close()
-    assert max_rel_err(full.learner.params, full.feature_params) > 1e-4  # the policy moved ...
+    assert max_rel_err(full.learner.params, full.algorithm.feature_params) > 1e-4  # the policy moved ...
     np.testing.assert_array_equal(_completion_rewards(full, batch), before)  # ... the rewards did not
 
-    lora = EBFTStructuredTrainer(_cfg(tiny_model_dir, tmp_path / "l", lora=LoraConfig(rank=2, alpha=4.0)),
-                                 progress=False)
+    lora = Trainer(_cfg(tiny_model_dir, tmp_path / "l", lora=LoraConfig(rank=2, alpha=4.0)), progress=False)
     try:
-        assert lora.feature_params is None
+        assert lora.algorithm.feature_params is None
         model = lora.learner.model
         rng = np.random.default_rng(0)
         for layer in lora_layers(model).values():
@@ -194,14 +196,13 @@ def test_ground_truth_cross_entropy_gradient(tiny_model_dir, tmp_path):
     """With no policy-gradient signal the update's gradient is ce_coef x the gradient of the mean NLL of
     the ground-truth tokens (+ EOS) given the prompt, independent of the micro-batch split."""
     ebft = EBFTConfig(feature_layers=(1.0,), ce_coef=0.5, adaptive_min_tokens=4)
-    trainer = EBFTStructuredTrainer(_cfg(tiny_model_dir, tmp_path / "ce", ebft=ebft,
-                                         optim=OptimConfig(micro_batch_size=1)), progress=False)
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path / "ce", ebft=ebft, optim=OptimConfig(micro_batch_size=1)),
+                      progress=False)
+    algo = trainer.algorithm
     try:
         batch = next(trainer.loader)
-        comps = _completions(trainer, batch)
-        trainer.score_rollout(batch, comps, step=0)
-        gt = trainer.learner.ce_batch
-        assert gt is not None and gt.completion_ids.shape == (2, 8)
+        gt = algo.ground_truth_batch(batch)
+        assert gt.completion_ids.shape == (2, 8)
         learner = trainer.learner
 
         def ce(p):
@@ -210,10 +211,11 @@ def test_ground_truth_cross_entropy_gradient(tiny_model_dir, tmp_path):
             return cross_entropy_loss(lp, gt.completion_mask)
 
         value, want = jax.value_and_grad(ce)(learner.params)
-        dummy = random_step_batch(seed=1, n=8)
-        acc, collected, skipped = learner.accumulate_gradients(dummy, np.zeros(8, bool))
+        dummy = random_step_batch(seed=1, n=8)._replace(has_signal=np.zeros(8, bool))
+        terms = [algo.update_policy.policy_term(learner, dummy), *algo.loss_terms(learner, EBFTExperience(dummy, gt))]
+        acc, collected, skipped = learner.accumulate(terms)
         assert skipped == 8  # every policy micro-batch skipped: only the CE term remains
-        assert collected["ebft/ce_loss"][0] == pytest.approx(float(value), rel=1e-5)
+        assert sum(collected["ebft/ce_loss"]) == pytest.approx(float(value), rel=1e-5)
         assert max_rel_err(acc, jax.tree.map(lambda g: 0.5 * g, want)) <= 1e-5
     finally:
         trainer.close()
@@ -224,7 +226,7 @@ def test_ground_truth_cross_entropy_gradient(tiny_model_dir, tmp_path):
 
 
 def test_run_logs_metrics_and_resumes_exactly(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     ebft = EBFTConfig(feature_layers=(0.5, 1.0), ce_coef=0.1, adaptive_min_tokens=4, use_whitening=True,
                       diversity_coef=0.0)

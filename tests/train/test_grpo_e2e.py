@@ -25,7 +25,7 @@ def _cfg(model_dir, out, reward, **kw) -> TrainConfig:
 
 
 def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import train
+    from jrl.train.trainer import train
 
     ok = write_reward_file(tmp_path, "reward_ok")
     straight = train(_cfg(tiny_model_dir, tmp_path / "a", ok), progress=False)
@@ -56,21 +56,21 @@ def test_sampler_and_trainer_logprobs_agree(tiny_model_dir):
 
     from jrl.models import from_pretrained
     from jrl.rollout.jax_engine import JaxRolloutEngine
+    from jrl.train.algorithms.grpo import build_step_batch
     from jrl.train.config import RolloutConfig
-    from jrl.train.grpo import build_step_batch
-    from jrl.train.step import GRPOLearner
+    from train_testlib import grpo_learner
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     model = from_pretrained(tiny_model_dir, dtype="float32")
     rollout_cfg = RolloutConfig(max_new_tokens=8, temperature=0.7)
-    learner = GRPOLearner(model, GRPOConfig(num_generations=3, temperature=0.7), OptimConfig(), total_updates=1)
-    engine = JaxRolloutEngine(learner.model, tokenizer=tok)
+    learner, update = grpo_learner(model, GRPOConfig(num_generations=3), total_updates=1, temperature=0.7)
+    engine = JaxRolloutEngine(learner.model, pad_id=tok.pad_token_id)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in ("What is 1+2?", "What is 9-4?")]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     rollout = engine.generate(prompts, rollout_cfg.sampling_params((tok.eos_token_id,)), num_generations=3, seed=11)
     batch = build_step_batch(rollout, np.zeros(6, np.float32), pad_id=tok.pad_token_id, completion_length=8)
-    trainer_lp = learner.score(batch)
+    trainer_lp = learner.evaluate(update.logprobs, batch)
     m = batch.completion_mask > 0
     assert m.sum() > 0
     assert np.max(np.abs(trainer_lp[m] - batch.sampler_logprobs[m])) <= 1e-4
@@ -100,13 +100,13 @@ def test_lora_run_exports_merged_model(tiny_model_dir, tmp_path):
     from jrl.models import from_pretrained
     from jrl.models.lora import LoraConfig, lora_layers
     from jrl.train.export import export_checkpoint
-    from jrl.train.grpo import GRPOTrainer
+    from jrl.train.trainer import Trainer
 
     reward = write_reward_file(tmp_path, "reward_lora")
     cfg = _cfg(tiny_model_dir, tmp_path / "run", reward, max_steps=2, save_every=0,
                lora=LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj", "up_proj")),
                optim=OptimConfig(learning_rate=5e-2, micro_batch_size=4))
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = Trainer(cfg, progress=False)
     trainer.train()
     trainer.close()
     trained = trainer.learner.model

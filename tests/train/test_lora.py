@@ -9,13 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from train_testlib import random_step_batch, tiny_model
+from train_testlib import grpo_learner, random_step_batch, tiny_model
 
 from jrl.losses import GRPOConfig
 from jrl.models import named_params
 from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, lora_disabled, lora_layers, merge_lora
 from jrl.train.config import OptimConfig
-from jrl.train.step import GRPOLearner
 
 
 def _ids(seed=0, n=2, s=7):
@@ -69,14 +68,14 @@ def test_only_adapters_train_and_reference_is_base():
     apply_lora(model, LoraConfig(rank=2, alpha=4.0), seed=0)
     base_before = {k: np.asarray(v[...]) for k, v in named_params(model).items() if not k.endswith(("lora_a", "lora_b"))}
     algo = GRPOConfig(num_generations=2, beta=0.1, metrics="basic")
-    learner = GRPOLearner(model, algo, OptimConfig(learning_rate=1e-2), total_updates=2)
+    learner, update = grpo_learner(model, algo, OptimConfig(learning_rate=1e-2), total_updates=2)
     leaves = jax.tree_util.tree_leaves(learner.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     assert leaves and all(isinstance(v, LoRAParam) for v in leaves)
     batch = random_step_batch(seed=5)
-    ref = learner.score(batch, disable_lora=True)
-    plain = GRPOLearner(base_lp_model, dataclasses.replace(algo, beta=0.0), OptimConfig(), total_updates=1)
-    np.testing.assert_allclose(ref, plain.score(batch), rtol=1e-5, atol=1e-5)
-    metrics = learner.update(batch, np.ones(8, bool))
+    ref = learner.evaluate(update.logprobs, batch, disable_lora=True)
+    plain, plain_update = grpo_learner(base_lp_model, dataclasses.replace(algo, beta=0.0), total_updates=1)
+    np.testing.assert_allclose(ref, plain.evaluate(plain_update.logprobs, batch), rtol=1e-5, atol=1e-5)
+    metrics = update(learner, batch)
     assert "kl" in metrics and np.isfinite(metrics["loss"])
     after = learner.model
     for k, v in named_params(after).items():
@@ -85,8 +84,8 @@ def test_only_adapters_train_and_reference_is_base():
     b_norm = sum(float(jnp.sum(jnp.abs(layer.lora_b[...]))) for layer in lora_layers(after).values())
     assert b_norm > 0  # B moved off zero: the gradient reached the adapters
     # After the update, the adapters change the policy while the reference (disabled) does not move.
-    np.testing.assert_allclose(learner.score(batch, disable_lora=True), ref, rtol=1e-6, atol=1e-6)
-    assert np.max(np.abs(learner.score(batch) - ref)) > 1e-6
+    np.testing.assert_allclose(learner.evaluate(update.logprobs, batch, disable_lora=True), ref, rtol=1e-6, atol=1e-6)
+    assert np.max(np.abs(learner.evaluate(update.logprobs, batch) - ref)) > 1e-6
 
 
 def test_lora_config_errors():

@@ -7,14 +7,13 @@ import json
 import jax
 import numpy as np
 import pytest
-from train_testlib import random_step_batch, tiny_model
+from train_testlib import grpo_learner, random_step_batch, tiny_model
 
 from jrl.data.pipeline import DataConfig, make_prompt_loader
 from jrl.data.tokenizer import load_byte_tokenizer
 from jrl.losses import GRPOConfig
 from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import OptimConfig
-from jrl.train.step import GRPOLearner
 
 ALGO = GRPOConfig(num_generations=2, metrics="basic")
 
@@ -24,8 +23,8 @@ def _leaves(tree):
 
 
 def test_save_restore_round_trip_and_interrupted_save(tmp_path):
-    learner = GRPOLearner(tiny_model(seed=0), ALGO, OptimConfig(learning_rate=1e-2), total_updates=4)
-    learner.update(random_step_batch(seed=1), np.ones(8, bool))
+    learner, update = grpo_learner(tiny_model(seed=0), ALGO, OptimConfig(learning_rate=1e-2), total_updates=4)
+    update(learner, random_step_batch(seed=1))
     ckpt = TrainCheckpointer(tmp_path / "ckpt")
     meta = {"step": 1, "num_updates": learner.num_updates, "data_state": {"x": [1, 2]}}
     ckpt.save(1, learner.params, learner.opt_state, meta)
@@ -35,7 +34,7 @@ def test_save_restore_round_trip_and_interrupted_save(tmp_path):
     (partial / "params").mkdir(parents=True)
     (partial / "params" / "garbage").write_bytes(b"\x00" * 10)
 
-    fresh = GRPOLearner(tiny_model(seed=9), ALGO, OptimConfig(learning_rate=1e-2), total_updates=4)
+    fresh, _ = grpo_learner(tiny_model(seed=9), ALGO, OptimConfig(learning_rate=1e-2), total_updates=4)
     assert any(np.any(a != b) for a, b in zip(_leaves(fresh.params), _leaves(learner.params)))
     ckpt = TrainCheckpointer(tmp_path / "ckpt")
     assert ckpt.latest_step() == 1
@@ -49,12 +48,13 @@ def test_save_restore_round_trip_and_interrupted_save(tmp_path):
     assert jax.tree.structure(params) == jax.tree.structure(learner.params)
 
 
-def _run(learner, loader, steps, log):
+def _run(parts, loader, steps, log):
     """Steps of the learner on rollouts drawn deterministically from each prompt batch."""
+    learner, update = parts
     for _ in range(steps):
         batch = next(loader)
         seed = sum(batch.indices) * 1000 + learner.num_updates
-        m = learner.update(random_step_batch(seed=seed, n=8), np.ones(8, bool))
+        m = update(learner, random_step_batch(seed=seed, n=8))
         log.append({k: m[k] for k in ("loss", "grad_norm", "num_tokens", "learning_rate")} | {"idx": batch.indices})
 
 
@@ -63,32 +63,34 @@ def test_resume_continues_exactly(tmp_path):
     data = DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=3)
     optim = OptimConfig(learning_rate=1e-2, warmup_steps=2, schedule="cosine")
     straight_log, resumed_log = [], []
-    straight = GRPOLearner(tiny_model(seed=0), ALGO, optim, total_updates=6)
+    straight = grpo_learner(tiny_model(seed=0), ALGO, optim, total_updates=6)
     _run(straight, make_prompt_loader(data, tok), 6, straight_log)
 
-    first = GRPOLearner(tiny_model(seed=0), ALGO, optim, total_updates=6)
+    first = grpo_learner(tiny_model(seed=0), ALGO, optim, total_updates=6)
     loader = make_prompt_loader(data, tok)
     _run(first, loader, 3, resumed_log)
+    first = first[0]
     ckpt = TrainCheckpointer(tmp_path / "ckpt")
     ckpt.save(3, first.params, first.opt_state, {"num_updates": first.num_updates, "data": loader.get_state()})
     ckpt.close()
     del first, loader
 
-    second = GRPOLearner(tiny_model(seed=0), ALGO, optim, total_updates=6)
+    second_parts = grpo_learner(tiny_model(seed=0), ALGO, optim, total_updates=6)
+    second = second_parts[0]
     ckpt = TrainCheckpointer(tmp_path / "ckpt")
     params, opt_state, meta = ckpt.restore(second.params, second.opt_state)
     ckpt.close()
     second.params, second.opt_state, second.num_updates = params, opt_state, meta["num_updates"]
     loader = make_prompt_loader(data, tok)
     loader.set_state(json.loads(json.dumps(meta["data"])))
-    _run(second, loader, 3, resumed_log)
+    _run(second_parts, loader, 3, resumed_log)
     assert resumed_log == straight_log
-    for a, b in zip(_leaves(second.params), _leaves(straight.params), strict=True):
+    for a, b in zip(_leaves(second.params), _leaves(straight[0].params), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
-    learner = GRPOLearner(tiny_model(seed=0), ALGO, OptimConfig(), total_updates=1)
+    learner, _ = grpo_learner(tiny_model(seed=0), ALGO, OptimConfig(), total_updates=1)
     ckpt = TrainCheckpointer(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.restore(learner.params, learner.opt_state)

@@ -35,10 +35,6 @@ def test_shipped_config_loads_and_overrides_apply():
                                         "--algo.num-generations", "4", "--optim.learning-rate", "0.001"])
     assert (cfg.max_steps, cfg.output_dir, cfg.rollout.temperature) == (3, "runs/x", 0.8)
     assert cfg.algo.num_generations == 4 and cfg.optim.learning_rate == 0.001
-    assert cfg.algo.temperature == 0.8  # the loss follows the sampling temperature
-    again = _train_script().parse_config(["--config", str(ROOT / "configs" / "grpo.py"), "--rollout.temperature", "0.7",
-                                          "--max-steps", "2"])
-    assert again.algo.temperature == 0.7
     # Untouched fields keep the file's values, not the dataclass defaults.
     assert cfg.data == base.data and cfg.save_every == base.save_every
 
@@ -52,10 +48,12 @@ def test_help_lists_every_documented_field():
     for flag in ["--max-steps", "--output-dir", "--seed", "--save-every", "--log-every", "--resume",
                  "--num-iterations", "--model.path", "--mesh.fsdp", "--data.source", "--rollout.temperature",
                  "--rollout.max-new-tokens", "--algo.num-generations", "--algo.beta", "--optim.learning-rate",
-                 "--optim.micro-batch-size", "--logprobs-impl", "lora:lora-config"]:
+                 "--optim.micro-batch-size", "--logprobs-impl", "lora:lora-config", "--algorithm", "--ebft.stride",
+                 "--algo.objective", "--rollout.sync"]:
         assert flag in text, flag
     assert "completions per prompt" in text  # field docstrings are shown
-    assert "GRPO or EBFT training" in text and "ebft:ebft-config" in text
+    assert "GRPO or EBFT training" in text and "ebft:ebft-config" not in text
+    assert "--algo.temperature" not in text and "--ebft.temperature" not in text and "--ebft.mode" not in text
 
 
 def test_run_summary_prints_the_metrics_of_the_run_kind():
@@ -88,7 +86,6 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"optim\.micro_batch_size=5"):
         TrainConfig(data=DataConfig(prompts_per_batch=2), algo=GRPOConfig(num_generations=4),
                     optim=OptimConfig(micro_batch_size=5))
-    assert TrainConfig(algo=GRPOConfig(temperature=0.5)).algo.temperature == 1.0  # follows the sampler
     with pytest.raises(ValueError, match="learning_rate"):
         OptimConfig(learning_rate=0.0)
     with pytest.raises(SystemExit):  # tyro reports the error and exits non-zero
@@ -102,22 +99,23 @@ def _cfg(model_dir, tmp_path, **kw):
 
 
 def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
-    from jrl.train.grpo import GRPOTrainer
+    from jrl.train.trainer import Trainer
 
     with pytest.raises(ValueError, match="MeshConfig"):
-        GRPOTrainer(_cfg(tiny_model_dir, tmp_path, mesh=MeshConfig(fsdp=3)))
+        Trainer(_cfg(tiny_model_dir, tmp_path, mesh=MeshConfig(fsdp=3)))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        GRPOTrainer(_cfg(tiny_model_dir, tmp_path, data=DataConfig(source=str(tmp_path / "missing.jsonl"))))
+        Trainer(_cfg(tiny_model_dir, tmp_path, data=DataConfig(source=str(tmp_path / "missing.jsonl"))))
     with pytest.raises(RewardLoadError, match="no_such_module"):
-        GRPOTrainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path="no_such_module:fn"),)))
+        Trainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path="no_such_module:fn"),)))
     with pytest.raises(FileNotFoundError, match="ModelSpec.path"):
-        GRPOTrainer(_cfg(tmp_path, tmp_path))
+        Trainer(_cfg(tmp_path, tmp_path))
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def one_value(prompts, completions, completion_ids=None, **kw):\n    return [1.0]\n")
-    trainer = GRPOTrainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path=f"{bad}:one_value"),)))
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path=f"{bad}:one_value"),)))
     batch = next(trainer.loader)
+    rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
     with pytest.raises(RewardError, match="one_value") as e:
-        trainer.rewards(batch, [[65, 66]] * 4, step=7)
+        trainer.algorithm.make_experience(rollout, batch, trainer.learner, 7)
     assert "step 7" in str(e.value)
     trainer.close()
 

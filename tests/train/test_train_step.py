@@ -10,13 +10,23 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_testlib import max_rel_err, random_step_batch, tiny_model
+from train_testlib import grpo_learner, max_rel_err, random_step_batch, tiny_model
 
 from jrl.losses import GRPOConfig, LossInputs, grpo_loss
 from jrl.train.config import OptimConfig
-from jrl.train.step import GRPOLearner, make_optimizer
+from jrl.train.learner import make_optimizer
 
-ALGO = GRPOConfig(num_generations=2, loss_type="dapo", temperature=0.7, metrics="full")
+ALGO = GRPOConfig(num_generations=2, loss_type="dapo", metrics="full")
+TEMPERATURE = 0.7
+
+
+def make(model, algo, optim=None, **kw):
+    return grpo_learner(model, algo, optim, temperature=TEMPERATURE, **kw)
+
+
+def accumulate(learner, update, batch, signal):
+    """(gradient, per-micro-batch metrics, skipped) of one pass of the GRPO term over ``batch``."""
+    return learner.accumulate([update.policy_term(learner, batch._replace(has_signal=signal))])
 
 
 def reference_loss(model, batch, algo):
@@ -24,7 +34,7 @@ def reference_loss(model, batch, algo):
     t = batch.completion_ids.shape[1]
     lp_len = batch.input_ids.shape[1] - t
     logits = model(jnp.asarray(batch.input_ids), attention_mask=jnp.asarray(batch.attention_mask))
-    logp = jax.nn.log_softmax(logits[:, lp_len - 1: lp_len - 1 + t] / algo.temperature, axis=-1)
+    logp = jax.nn.log_softmax(logits[:, lp_len - 1: lp_len - 1 + t] / TEMPERATURE, axis=-1)
     lp = jnp.take_along_axis(logp, jnp.asarray(batch.completion_ids)[..., None], axis=-1)[..., 0]
     inputs = LossInputs(advantages=jnp.asarray(batch.advantages), completion_mask=jnp.asarray(batch.completion_mask),
                         logprobs=lp, sampler_logprobs=None if batch.sampler_logprobs is None
@@ -45,10 +55,10 @@ def reference_grads(learner, batch, algo):
 def test_step_gradient_and_update_match_reference(loss_type):
     algo = dataclasses.replace(ALGO, loss_type=loss_type)
     optim = OptimConfig(learning_rate=1e-2, max_grad_norm=None)
-    learner = GRPOLearner(tiny_model(seed=1), algo, optim, total_updates=4)
+    learner, update = make(tiny_model(seed=1), algo, optim, total_updates=4)
     batch = random_step_batch(seed=2)
     ref_loss, ref_g = reference_grads(learner, batch, algo)
-    acc, collected, skipped = learner.accumulate_gradients(batch, np.ones(8, bool))
+    acc, collected, skipped = accumulate(learner, update, batch, np.ones(8, bool))
     assert skipped == 0
     assert np.isfinite(float(ref_loss)) and float(jnp.abs(ref_loss)) > 0
     assert abs(float(collected["loss"][0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
@@ -63,7 +73,7 @@ def test_step_gradient_and_update_match_reference(loss_type):
     updates, _ = tx.update(acc, tx.init(learner.params), learner.params)
     expected = optax.apply_updates(learner.params, updates)
     expected = jax.tree.map(np.asarray, expected)
-    metrics = learner.update(batch, np.ones(8, bool))
+    metrics = update(learner, batch)
     assert max_rel_err(learner.params, expected) <= 1e-6
     assert max_rel_err(learner.params, p0) > 1e-4  # it moved
     assert metrics["grad_norm"] == pytest.approx(float(optax.tree.norm(ref_g)), rel=1e-5)
@@ -74,15 +84,15 @@ def test_step_gradient_and_update_match_reference(loss_type):
 def test_accumulation_invariance(loss_type):
     algo = dataclasses.replace(ALGO, loss_type=loss_type)
     batch = random_step_batch(seed=3)
-    one = GRPOLearner(tiny_model(seed=4), algo, OptimConfig(), total_updates=2)
-    two = GRPOLearner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=4), total_updates=2)
-    g1, c1, _ = one.accumulate_gradients(batch, np.ones(8, bool))
-    g2, c2, _ = two.accumulate_gradients(batch, np.ones(8, bool))
+    one, u1 = make(tiny_model(seed=4), algo, OptimConfig(), total_updates=2)
+    two, u2 = make(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=4), total_updates=2)
+    g1, c1, _ = accumulate(one, u1, batch, np.ones(8, bool))
+    g2, c2, _ = accumulate(two, u2, batch, np.ones(8, bool))
     assert len(c2["loss"]) == 2
     assert float(sum(c2["loss"])) == pytest.approx(float(c1["loss"][0]), rel=1e-5)
     assert max_rel_err(g2, g1) <= 1e-5
-    m1 = one.update(batch, np.ones(8, bool))
-    m2 = two.update(batch, np.ones(8, bool))
+    m1 = u1(one, batch)
+    m2 = u2(two, batch)
     assert max_rel_err(two.params, one.params) <= 1e-5
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
     assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
@@ -91,34 +101,35 @@ def test_accumulation_invariance(loss_type):
 def test_zero_signal_micro_batches_are_skipped_and_counted():
     batch = random_step_batch(seed=5)
     signal = np.array([True] * 4 + [False] * 4)
-    learner = GRPOLearner(tiny_model(seed=6), ALGO, OptimConfig(micro_batch_size=4), total_updates=2)
-    acc, collected, skipped = learner.accumulate_gradients(batch, signal)
+    learner, update = make(tiny_model(seed=6), ALGO, OptimConfig(micro_batch_size=4), total_updates=2)
+    acc, collected, skipped = accumulate(learner, update, batch, signal)
     assert skipped == 1 and len(collected["loss"]) == 1
     # What remains is exactly the first micro-batch's contribution under the step-global normalisers.
-    full, _, _ = GRPOLearner(tiny_model(seed=6), ALGO, OptimConfig(micro_batch_size=4), total_updates=2) \
-        .accumulate_gradients(batch._replace(advantages=np.where(signal, batch.advantages, 0.0)), np.ones(8, bool))
+    fresh, fresh_update = make(tiny_model(seed=6), ALGO, OptimConfig(micro_batch_size=4), total_updates=2)
+    full, _, _ = accumulate(fresh, fresh_update, batch._replace(advantages=np.where(signal, batch.advantages, 0.0)),
+                            np.ones(8, bool))
     assert max_rel_err(acc, full) <= 1e-5
-    metrics = learner.update(batch, signal)
+    metrics = update(learner, batch._replace(has_signal=signal))
     assert metrics["skipped_zero_adv_batches"] == 1.0
 
 
 def test_num_iterations_uses_old_logprobs_of_the_rollout():
     batch = random_step_batch(seed=7)
     algo = dataclasses.replace(ALGO, importance_sampling_correction=False)
-    learner = GRPOLearner(tiny_model(seed=8), algo, OptimConfig(learning_rate=5e-2), total_updates=4,
-                          num_iterations=2)
-    old = learner.score(batch)
-    metrics = learner.update(batch, np.ones(8, bool))
+    learner, update = make(tiny_model(seed=8), algo, OptimConfig(learning_rate=5e-2), total_updates=4,
+                           num_iterations=2)
+    old = learner.evaluate(update.logprobs, batch)
+    metrics = update(learner, batch)
     assert learner.num_updates == 2
     # The second update saw a ratio != 1 (its policy moved away from the rollout's old log-probs).
     assert metrics["kl_new_old"] > 0
     # And its gradient equals the reference loss with those old log-probs at the moved weights.
     ref_loss, ref_g = reference_grads(learner, batch._replace(old_logprobs=old), algo)
-    acc, collected, _ = learner.accumulate_gradients(batch._replace(old_logprobs=old), np.ones(8, bool))
+    acc, collected, _ = accumulate(learner, update, batch._replace(old_logprobs=old), np.ones(8, bool))
     assert max_rel_err(acc, ref_g) <= 1e-5
 
 
 def test_bad_micro_batch_size():
-    learner = GRPOLearner(tiny_model(seed=0), ALGO, OptimConfig(micro_batch_size=3), total_updates=1)
+    learner, update = make(tiny_model(seed=0), ALGO, OptimConfig(micro_batch_size=3), total_updates=1)
     with pytest.raises(ValueError, match="micro_batch_size=3"):
-        learner.update(random_step_batch(seed=0), np.ones(8, bool))
+        update(learner, random_step_batch(seed=0))

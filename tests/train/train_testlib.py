@@ -14,7 +14,9 @@ import numpy as np
 
 from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from jrl.models import ModelConfig, create_model, save_pretrained
-from jrl.train.step import StepBatch
+from jrl.train.algorithms.grpo import PolicyUpdate, StepBatch
+from jrl.train.config import OptimConfig
+from jrl.train.learner import Learner
 
 TINY = dict(model_type="llama", vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS_ID,
@@ -52,6 +54,13 @@ def random_step_batch(seed: int, n: int = 8, prompt_len: int = 5, completion_len
         input_ids=np.concatenate([p_ids, c_ids], 1), attention_mask=np.concatenate([p_mask, c_mask], 1),
         completion_ids=c_ids, completion_mask=c_mask, advantages=rng.standard_normal(n).astype(np.float32),
         truncated=c_len == completion_len, sampler_logprobs=samp if with_sampler else None)
+
+
+def grpo_learner(model, algo, optim=None, *, total_updates: int, num_iterations: int = 1,
+                 temperature: float = 1.0) -> tuple[Learner, PolicyUpdate]:
+    """A learner of ``model`` and the GRPO-family update of ``algo`` on it."""
+    learner = Learner(model, optim or OptimConfig(), total_updates=total_updates)
+    return learner, PolicyUpdate(algo, learner, temperature=temperature, num_iterations=num_iterations, impl="auto")
 
 
 def max_rel_err(a, b) -> float:

@@ -1,0 +1,76 @@
+"""The ``rollout`` section of a training config: which engine generates, how weights reach it, how
+completions are sampled and how far generation may run ahead of training."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jrl.rollout.base import ROLLOUT_ENGINES, SamplingParams
+from jrl.rollout.vllm_config import VLLMConfig
+from jrl.rollout.weight_sync import AUTO, WEIGHT_TRANSPORTS
+from jrl.validation import check_int, invalid
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How completions are generated."""
+
+    backend: str = "jax"
+    """Rollout engine (a ``ROLLOUT_ENGINES`` name): ``jax`` (the embedded sampler with a KV cache) or
+    ``vllm`` (an external vLLM server, configured by ``vllm``)."""
+    sync: str = "auto"
+    """How trained weights reach a ``vllm`` server (a ``WEIGHT_TRANSPORTS`` name): ``lora`` (export the PEFT
+    adapter and hot-load it), ``filesystem`` (write the whole checkpoint and reload it in place),
+    ``shared_memory`` (the same through ``/dev/shm``), ``async_filesystem`` (the write and reload run in the
+    background while training goes on), ``auto`` (``lora`` for a LoRA run, else ``filesystem``). The
+    ``jax`` backend shares the weights in memory and takes only ``auto``."""
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
+    """Server address, timeouts, retries and launch flags of the ``vllm`` backend."""
+    max_new_tokens: int = 16
+    """Most tokens per completion; also the padded completion length of the train step."""
+    temperature: float = 1.0
+    """Sampling temperature; the loss scores tokens at the same temperature (the only place it is set)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens; the tokenizer's EOS always stops."""
+    sync_interval: int = 1
+    """Training steps between weight syncs to the rollout engine (1 = after every step); checkpoint
+    steps always sync, so a resumed run samples like the uninterrupted one."""
+    prefetch_depth: int = 0
+    """Rollout batches generated in a background thread ahead of the trainer (0 = synchronous:
+    generate, then train). 1 overlaps generating step k + 1 with training step k."""
+    max_staleness: int = 1
+    """Largest lag, in policy versions (training steps), between the weights that generated a batch
+    and the weights it trains; generation waits when it would be exceeded. Must be >=
+    ``sync_interval - 1``; the background thread runs ``min(prefetch_depth, max_staleness -
+    sync_interval + 1)`` steps ahead (0 makes a prefetching run exactly the synchronous one)."""
+
+    @property
+    def run_ahead(self) -> int:
+        """Training steps by which generation runs ahead of the trainer (0 when synchronous)."""
+        return min(self.prefetch_depth, self.max_staleness - self.sync_interval + 1)
+
+    def sampling_params(self, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """The sampling parameters of this section, stopping at ``eos_ids`` and ``stop_token_ids``."""
+        stops = tuple(dict.fromkeys(tuple(eos_ids) + tuple(self.stop_token_ids)))
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop_token_ids=stops)
+
+    def __post_init__(self):
+        self.sampling_params()  # validates the sampling fields
+        if self.backend not in ROLLOUT_ENGINES:
+            raise invalid("RolloutConfig", "backend", self.backend, f"use one of {ROLLOUT_ENGINES.names()}")
+        if self.sync != AUTO and self.sync not in WEIGHT_TRANSPORTS:
+            raise invalid("RolloutConfig", "sync", self.sync,
+                          f"use one of {(AUTO,) + WEIGHT_TRANSPORTS.names()} ('full' is now 'filesystem')")
+        check_int(self, "sync_interval", lo=1, fix="use an int >= 1 (1 = sync after every step)")
+        check_int(self, "prefetch_depth", lo=0)
+        check_int(self, "max_staleness", lo=0)
+        if self.max_staleness < self.sync_interval - 1:
+            raise invalid("RolloutConfig", "max_staleness", self.max_staleness,
+                          f"with sync_interval={self.sync_interval} the sampler's weights are up to "
+                          f"{self.sync_interval - 1} steps old between syncs; use max_staleness >= "
+                          f"{self.sync_interval - 1} or a smaller sync_interval")

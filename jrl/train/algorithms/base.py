@@ -1,0 +1,63 @@
+"""The algorithm protocol and its registry.
+
+An algorithm is everything a training method adds to the generic loop (:class:`~jrl.train.trainer.Trainer`):
+how a prompt batch is sampled (its sampling parameters, one temperature in one place: the ``rollout``
+section), how a rollout becomes an *experience* (a typed pytree of host arrays: tokens, masks, rewards,
+advantages, log-probs, whatever the method adds) and which loss terms the learner descends on it. The
+loop owns the data, the rollout source, the weight syncs, checkpoints and logs; the learner owns the
+parameters and the optimizer. An algorithm is built as ``cls(cfg, policy, learner)`` and registered by
+name in :data:`ALGORITHMS` (``TrainConfig.algorithm``).
+
+``ignores`` lists the config fields (dotted paths from :class:`~jrl.train.TrainConfig`, a whole section or
+one field) that the algorithm does not read; :class:`~jrl.train.TrainConfig` rejects a non-default value
+there, so no flag is silently without effect.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+from jrl.registry import Registry
+
+
+class Algorithm(Protocol):
+    """What the loop asks of a training method (see the module docstring)."""
+
+    ignores: ClassVar[tuple[str, ...]]
+    """Config fields this algorithm does not read (rejected when set)."""
+    progress_desc: ClassVar[str]
+    """Label of the progress bar."""
+    plot_keys: ClassVar[tuple[str, ...]]
+    """Metrics of the final plot (``curves.png``)."""
+    samples_field: ClassVar[str]
+    """The config field (dotted path) holding the samples per prompt: a step has ``prompts_per_batch`` x that
+    rows."""
+
+    def generate(self, engine, prompt_batch, *, seed: int) -> Any:
+        """Sample the rollout of ``prompt_batch`` from ``engine`` (may run in the rollout producer thread).
+        The result has a ``policy_version`` attribute: the engine's version that generated it."""
+        ...
+
+    def make_experience(self, rollout, prompt_batch, learner, step: int) -> tuple[Any, dict[str, float]]:
+        """(experience, metrics): score the rollout (rewards, advantages, reference values)."""
+        ...
+
+    def update(self, learner, experience) -> dict[str, float]:
+        """Optimizer update(s) on the experience through ``learner.step``; the step's loss metrics."""
+        ...
+
+    def generated_tokens(self, rollout) -> int:
+        """Tokens the rollout generated (for ``tokens_per_second``)."""
+        ...
+
+    def progress_postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        """The values the progress bar shows after a step."""
+        ...
+
+    def log_summary(self, metrics: dict[str, float]) -> str:
+        """What the periodic log line says of a step besides its number and loss."""
+        ...
+
+
+#: ``TrainConfig.algorithm`` name → algorithm class ``(cfg, policy, learner) -> Algorithm``.
+ALGORITHMS = Registry("algorithm", "TrainConfig.algorithm", how_to_register="@ALGORITHMS.register(name)")

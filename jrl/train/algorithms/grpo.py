@@ -1,0 +1,271 @@
+"""GRPO and its family (BNPO, Dr. GRPO, DAPO, GSPO, CISPO... as ``algo`` picks): rewards from reward
+functions, group advantages, the clipped-ratio loss of :func:`jrl.losses.grpo_loss`.
+
+Per step: ``num_generations`` completions per prompt at the ``rollout`` section's sampling parameters →
+decoded and scored by the reward functions ([N, K], NaN for None) → advantages on the whole batch
+(:func:`jrl.losses.advantages_from_config`) and per-group signal flags from the raw rewards → a
+:class:`StepBatch` (the experience) → :class:`PolicyUpdate`: ``num_iterations`` optimizer updates, each
+over micro-batches with step-global normalisers (:func:`jrl.losses.step_normalizers`), micro-batches
+without learning signal skipped and counted in ``skipped_zero_adv_batches``
+(docs/algorithms/grpo.md §14.8).
+
+Old log-probs (the PPO ratio's denominator) are always those of the *current* weights, never the
+sampler's: with ``num_iterations = 1`` the loss uses sg(new), and with more the batch is scored once
+before the first update. The sampler's log-probs (of the possibly older version that generated the
+batch) feed only the IS correction and OPSM of :mod:`jrl.losses` (docs/algorithms/grpo.md §2.4). With ``beta > 0`` the reference log-probs come from the base weights with LoRA disabled, or
+from a frozen copy of the initial weights for a full fine-tune.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from jrl.data.pipeline import left_pad
+from jrl.kernels.logprobs import token_logprobs
+from jrl.losses import (
+    GRPOConfig,
+    LossInputs,
+    advantages_from_config,
+    completion_metrics,
+    group_has_signal,
+    grpo_loss,
+    loss_mask,
+    metric_reduction,
+    reward_metrics,
+    sequence_has_signal,
+    step_normalizers,
+)
+from jrl.rollout.base import RolloutBatch, SamplingParams
+from jrl.train.algorithms.base import ALGORITHMS
+from jrl.train.learner import LossTerm, reduce_metrics
+from jrl.train.rewards import compute_rewards, load_reward_functions
+
+#: Prompt padding granularity: prompts are left-padded to a multiple of this, bounding recompiles.
+PROMPT_PAD_MULTIPLE = 16
+
+
+class StepBatch(NamedTuple):
+    """The experience of one GRPO step (or one micro-batch of it): N rows of host or device arrays."""
+
+    input_ids: np.ndarray
+    """[N, Lp + T] int32: left-padded prompt then right-padded completion."""
+    attention_mask: np.ndarray
+    """[N, Lp + T] int32: prompt mask then completion mask."""
+    completion_ids: np.ndarray
+    """[N, T] int32."""
+    completion_mask: np.ndarray
+    """[N, T] int32, 1 up to and including the stop token."""
+    advantages: np.ndarray
+    """[N] float32."""
+    truncated: np.ndarray
+    """[N] bool, no stop token."""
+    sampler_logprobs: np.ndarray | None = None
+    """[N, T] float32 sampler log-probs (NaN where missing)."""
+    old_logprobs: np.ndarray | None = None
+    """[N, T] float32 log-probs of the weights before the step's first update (filled when mu > 1)."""
+    ref_logprobs: np.ndarray | None = None
+    """[N, T] float32 reference log-probs (filled when beta > 0)."""
+    has_signal: np.ndarray | None = None
+    """[N] bool: the row's group has a learning signal (raw rewards not all equal)."""
+
+
+def build_step_batch(rollout: RolloutBatch, advantages: np.ndarray, *, pad_id: int, completion_length: int,
+                     has_signal: np.ndarray | None = None, prompt_multiple: int = PROMPT_PAD_MULTIPLE) -> StepBatch:
+    """Train-step arrays from a rollout: prompts left-padded to a multiple of ``prompt_multiple``,
+    completions right-padded to ``completion_length`` (static shapes across steps)."""
+    n, t = rollout.completion_ids.shape
+    if t > completion_length:
+        raise ValueError(f"the rollout has completions of {t} tokens, more than max_new_tokens={completion_length}")
+    prompts = [list(np.asarray(ids)[np.asarray(m) > 0]) for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
+    p_ids, p_mask = left_pad(prompts, pad_id, multiple_of=prompt_multiple)
+    pad = completion_length - t
+    c_ids = np.pad(np.asarray(rollout.completion_ids, np.int32), ((0, 0), (0, pad)), constant_values=pad_id)
+    c_mask = np.pad(np.asarray(rollout.completion_mask, np.int32), ((0, 0), (0, pad)))
+    samp = np.pad(np.asarray(rollout.sampling_logprobs, np.float32), ((0, 0), (0, pad)), constant_values=np.nan)
+    return StepBatch(
+        input_ids=np.concatenate([np.asarray(p_ids, np.int32), c_ids], axis=1),
+        attention_mask=np.concatenate([np.asarray(p_mask, np.int32), c_mask], axis=1),
+        completion_ids=c_ids, completion_mask=c_mask, advantages=np.asarray(advantages, np.float32),
+        truncated=np.asarray(rollout.truncated, bool), sampler_logprobs=samp,
+        has_signal=None if has_signal is None else np.asarray(has_signal, bool))
+
+
+def completion_logprobs(model, batch: StepBatch, *, temperature: float, impl: str = "auto",
+                        with_entropy: bool = False):
+    """(logπ [N, T], entropy [N, T] or None) of ``batch.completion_ids`` under ``model`` at ``temperature``."""
+    n, t = batch.completion_ids.shape
+    lp_len = batch.input_ids.shape[1] - t
+    hidden = model.hidden_states(batch.input_ids, attention_mask=batch.attention_mask)
+    h = hidden[:, lp_len - 1: lp_len - 1 + t]
+    lp, ent = token_logprobs(h.reshape(n * t, -1), model.lm_head_weight(), batch.completion_ids.reshape(n * t),
+                             temperature=temperature, with_entropy=with_entropy, impl=impl)
+    return lp.reshape(n, t), None if ent is None else ent.reshape(n, t)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionLogprobs:
+    """``model, batch -> logπ [N, T]`` of the completions (old / reference scoring, no gradient)."""
+
+    temperature: float
+    impl: str
+
+    def __call__(self, model, batch: StepBatch, aux=None):
+        return completion_logprobs(model, batch, temperature=self.temperature, impl=self.impl)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLoss:
+    """``grpo_loss`` of a micro-batch under ``model`` at the sampling temperature (``aux``: the step's
+    normalisers)."""
+
+    algo: GRPOConfig
+    temperature: float
+    impl: str
+
+    def __call__(self, model, batch: StepBatch, normalizers):
+        lp, ent = completion_logprobs(model, batch, temperature=self.temperature, impl=self.impl,
+                                      with_entropy=self.algo.needs_entropy)
+        inputs = LossInputs(advantages=batch.advantages, completion_mask=batch.completion_mask, logprobs=lp,
+                            entropy=ent, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+                            sampler_logprobs=batch.sampler_logprobs, truncated=batch.truncated)
+        return grpo_loss(inputs, self.algo, normalizers)
+
+
+def _grpo_reduction(name: str) -> str:
+    return "sum" if name == "loss" else metric_reduction(name)
+
+
+class PolicyUpdate:
+    """The GRPO-family update of a :class:`StepBatch`: reference and old log-probs when needed, then
+    ``num_iterations`` learner steps on the GRPO loss plus any ``extra_terms`` (e.g. EBFT's cross-entropy)."""
+
+    def __init__(self, algo: GRPOConfig, learner, *, temperature: float, num_iterations: int, impl: str):
+        self.algo, self.mu = algo, int(num_iterations)
+        self.loss = GRPOLoss(algo, float(temperature), impl)
+        self.logprobs = CompletionLogprobs(float(temperature), impl)
+        # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
+        self.ref_params = learner.snapshot() if algo.beta != 0.0 and not learner.lora else None
+
+    def prepare(self, learner, batch: StepBatch) -> StepBatch:
+        """``batch`` with the reference log-probs (``beta > 0``) and the old log-probs (``num_iterations > 1``)
+        of the current weights filled in."""
+        scoring = batch._replace(has_signal=None)
+        if self.algo.beta != 0.0 and batch.ref_logprobs is None:
+            batch = batch._replace(ref_logprobs=learner.evaluate(self.logprobs, scoring, disable_lora=learner.lora,
+                                                                 params=self.ref_params))
+        if self.mu > 1 and batch.old_logprobs is None:
+            batch = batch._replace(old_logprobs=learner.evaluate(self.logprobs, scoring))
+        return batch
+
+    def policy_term(self, learner, batch: StepBatch) -> LossTerm:
+        """The GRPO loss term of ``batch``: step-global normalisers, and the rows without learning signal
+        (``has_signal``) not kept when ``skip_zero_advantage_batches``."""
+        cfg = self.algo
+        mask = np.asarray(loss_mask(np.asarray(batch.completion_mask), None, np.asarray(batch.truncated),
+                                    mask_truncated_completions=cfg.mask_truncated_completions))
+        norms = step_normalizers(mask, num_micro_batches=len(learner.micro_slices(batch.completion_ids.shape[0])))
+        keep = None
+        if cfg.skip_zero_advantage_batches:
+            signal = np.ones(len(mask), bool) if batch.has_signal is None else batch.has_signal
+            keep = signal & (mask.sum(-1) > 0)
+        return LossTerm(self.loss, batch._replace(has_signal=None), norms, keep)
+
+    def __call__(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
+                 reduction: Callable[[str], str] = _grpo_reduction) -> dict[str, float]:
+        term = self.policy_term(learner, self.prepare(learner, batch))
+        updates, skipped = [], 0
+        for _ in range(self.mu):
+            collected, skipped = learner.step([term, *extra_terms])
+            updates.append(collected)
+        out = reduce_metrics(updates, reduction)
+        out["skipped_zero_adv_batches"] = float(skipped)
+        return out
+
+
+def reward_log_name(name: str) -> str:
+    """Reward metric names of the run log: ``reward/mean``, ``reward/std``, ``reward/<fn>/mean``..."""
+    if name == "reward":
+        return "reward/mean"
+    if name == "reward_std":
+        return "reward/std"
+    if name.startswith("rewards/"):
+        return "reward/" + name[len("rewards/"):]
+    return name
+
+
+def rollout_metrics(rollout: RolloutBatch, rewards: np.ndarray, *, group_size: int, reward_weights,
+                    reward_names: tuple[str, ...]) -> dict[str, float]:
+    """Reward and completion-length metrics of a GRPO-style rollout."""
+    rm = reward_metrics(rewards, group_size=group_size, reward_weights=reward_weights, reward_names=reward_names)
+    out = {reward_log_name(k): float(v) for k, v in rm.items()}
+    out.update({k: float(v) for k, v in completion_metrics(rollout.completion_mask, rollout.truncated).items()})
+    return out
+
+
+def completion_token_lists(rollout: RolloutBatch) -> list[list[int]]:
+    """The completions of a rollout as token-id lists (up to and including the stop token)."""
+    lengths = np.asarray(rollout.completion_mask).sum(-1).astype(int)
+    return [list(map(int, row[:n])) for row, n in zip(np.asarray(rollout.completion_ids), lengths)]
+
+
+def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, PolicyUpdate]:
+    """What every GRPO-pipeline algorithm builds from the config: ``algo`` with the run's reward weights, the
+    sampling parameters (the ``rollout`` section, stopping at EOS) and the policy update at that temperature."""
+    algo = dataclasses.replace(cfg.algo, reward_weights=cfg.reward_weights)
+    eos = policy.tokenizer.eos_token_id
+    sampling = cfg.rollout.sampling_params(() if eos is None else (int(eos),))
+    update = PolicyUpdate(algo, learner, temperature=sampling.temperature, num_iterations=cfg.num_iterations,
+                          impl=cfg.logprobs_impl)
+    return algo, sampling, update
+
+
+@ALGORITHMS.register("grpo")
+class GRPO:
+    """GRPO-family training with reward functions (see the module docstring)."""
+
+    ignores = ("ebft",)
+    progress_desc = "grpo"
+    plot_keys = ("reward/mean", "loss")
+    samples_field = "algo.num_generations"
+
+    def __init__(self, cfg, policy, learner):
+        self.tokenizer, self.pad_id = policy.tokenizer, policy.pad_id
+        self.algo, self.sampling, self.update_policy = grpo_pipeline(cfg, policy, learner)
+        self.reward_fns = load_reward_functions(cfg.rewards)
+
+    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch:
+        return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=self.algo.num_generations,
+                               seed=seed)
+
+    def make_experience(self, rollout: RolloutBatch, prompt_batch, learner, step: int):
+        g = self.algo.num_generations
+        ids = completion_token_lists(rollout)
+        rep = prompt_batch.repeat(g)
+        texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+        rewards, names = compute_rewards(self.reward_fns, None, rep.prompts, texts, ids, rep.columns,
+                                         batch=f"step {step}", group_size=g)
+        adv = np.asarray(advantages_from_config(rewards, self.algo))
+        signal = np.asarray(sequence_has_signal(group_has_signal(
+            rewards, group_size=g, reward_weights=self.algo.reward_weights,
+            aggregation=self.algo.multi_objective_aggregation), g))
+        batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
+                                 has_signal=signal)
+        return batch, rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
+                                      reward_names=tuple(names))
+
+    def update(self, learner, batch: StepBatch) -> dict[str, float]:
+        return self.update_policy(learner, batch)
+
+    def generated_tokens(self, rollout: RolloutBatch) -> int:
+        return int(np.asarray(rollout.completion_mask).sum())
+
+    def progress_postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{metrics['reward/mean']:.3f}", "loss": f"{metrics['loss']:.4f}",
+                "tok_s": f"{metrics['tokens_per_second']:.0f}"}
+
+    def log_summary(self, metrics: dict[str, float]) -> str:
+        return f"reward {metrics['reward/mean']:.4f}"

@@ -1,0 +1,222 @@
+"""The learner: a model split into trainable and frozen state, its optimizer, and gradient accumulation
+over the loss terms an algorithm hands it. Nothing here knows which algorithm runs.
+
+An update is a list of :class:`LossTerm` s. Each term names a loss function (a frozen, hashable
+dataclass, so it is a static argument of the jitted step), the rows it is evaluated on (a pytree of
+host arrays with a leading row axis, split into micro-batches of ``OptimConfig.micro_batch_size`` rows,
+the last one shorter when they do not divide)
+and ``aux``, a pytree given whole to every micro-batch (the step-global normalisers that make the sum of
+the micro-batch losses the step loss, so the update does not depend on the split). The gradients of
+every micro-batch of every term are summed into one donated accumulator, then one optimizer update
+(global-norm clip + AdamW, donated params and optimizer state) applies them. A micro-batch none of whose
+rows is in the term's ``keep`` mask is skipped on the host and counted.
+
+The model is split into ``(graphdef, params, frozen)``: with LoRA the trainable params are the
+:class:`~jrl.models.lora.LoRAParam` variables, else every ``nnx.Param``. After an update ``model`` holds
+the new weights (for the rollout engine's sync and for export).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jrl.models.lora import LoRAParam, has_lora, lora_disabled
+from jrl.sharding import batch_sharding, opt_state_shardings
+from jrl.train.config import OptimConfig
+
+
+class LossTerm(NamedTuple):
+    """One part of an update's loss."""
+
+    loss: Callable
+    """``loss(model, rows, aux) -> (scalar loss, {metric: scalar})``; hashable (a frozen dataclass)."""
+    rows: Any
+    """Pytree of host arrays with a leading row axis (``None`` leaves allowed)."""
+    aux: Any = None
+    """Pytree passed whole to every micro-batch (e.g. step-global normalisers)."""
+    keep: np.ndarray | None = None
+    """[rows] bool: a micro-batch without a kept row is skipped (None: never skip)."""
+
+
+@functools.lru_cache(maxsize=32)
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then constant / cosine / linear decay, after global-norm clipping.
+
+    Cached, so learners with equal settings share one transformation object and its compiled update."""
+    lr, warm = cfg.learning_rate, cfg.warmup_steps
+    decay_steps = max(1, total_steps - warm)
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(lr)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, decay_steps)
+    else:
+        after = optax.linear_schedule(lr, 0.0, decay_steps)
+    schedule = optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm]) if warm else after
+    parts = [] if cfg.max_grad_norm is None else [optax.clip_by_global_norm(cfg.max_grad_norm)]
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts), schedule
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss"), donate_argnums=0)
+def _micro(acc, params, frozen, rows, aux, *, graphdef, loss):
+    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
+    def f(p):
+        return loss(nnx.merge(graphdef, p, frozen), rows, aux)
+
+    (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+    return jax.tree.map(jnp.add, acc, grads), value, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "fn", "disable_lora"))
+def _evaluate(params, frozen, rows, aux, *, graphdef, fn, disable_lora):
+    model = nnx.merge(graphdef, params, frozen)
+    with lora_disabled(model) if disable_lora else contextlib.nullcontext():
+        return fn(model, rows, aux)
+
+
+@functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
+def _apply(params, opt_state, grads, *, tx):
+    """One optimizer update (params and optimizer state donated); returns the gradient's global norm too."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+
+_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+def _replicated(tree):
+    """Step-global values (``aux``) as device arrays, not split over the batch axes."""
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def _rows(tree, sl: slice):
+    return jax.tree.map(lambda x: x[sl], tree)
+
+
+def _num_rows(tree) -> int:
+    return int(jax.tree.leaves(tree)[0].shape[0])
+
+
+class Learner:
+    """Trainable state, optimizer and the accumulate-then-apply update of a model (see the module docstring)."""
+
+    def __init__(self, model: nnx.Module, optim: OptimConfig, *, total_updates: int, mesh=None, rules=None):
+        self.optim, self.mesh, self.rules = optim, mesh, rules
+        self.lora = has_lora(model)
+        self.graphdef, self.params, self.frozen = nnx.split(model, LoRAParam if self.lora else nnx.Param, ...)
+        self.tx, self.schedule = make_optimizer(optim, total_updates)
+        if mesh is None:
+            self.opt_state = jax.jit(self.tx.init)(self.params)
+        else:
+            shardings = opt_state_shardings(jax.eval_shape(self.tx.init, self.params), self.params, mesh, rules)
+            self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
+        self.num_updates = 0
+
+    @property
+    def model(self) -> nnx.Module:
+        """The model with the current weights (shares the learner's arrays)."""
+        return nnx.merge(self.graphdef, self.params, self.frozen)
+
+    def snapshot(self):
+        """A copy of the trainable params now (a frozen reference or feature network: the initial weights)."""
+        return _copy(self.params)
+
+    def put(self, tree):
+        """Host arrays of ``tree`` on the devices, rows sharded over the mesh's batch axes."""
+        def one(x):
+            x = np.asarray(x)
+            if self.mesh is None:
+                return jnp.asarray(x)
+            return jax.device_put(x, batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
+
+        return jax.tree.map(one, tree)
+
+    def micro_slices(self, n: int) -> list[slice]:
+        """Row slices of the ``optim.micro_batch_size`` micro-batches of a step of ``n`` rows."""
+        mb = self.optim.micro_batch_size or n
+        if n % mb:
+            raise ValueError(f"the step has {n} rows, not a multiple of OptimConfig.micro_batch_size={mb}")
+        return [slice(i, i + mb) for i in range(0, n, mb)]
+
+    # ---------------------------------------------------------------- no gradient
+    def evaluate(self, fn: Callable, rows, aux=None, *, params=None, disable_lora: bool = False) -> np.ndarray:
+        """``fn(model, rows, aux)`` (hashable, returns an array with a leading row axis) without gradient,
+        micro-batch by micro-batch (the last may be shorter), concatenated on the host. ``params``: other
+        trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
+        params = self.params if params is None else params
+        n = _num_rows(rows)
+        mb = self.optim.micro_batch_size or n
+        aux = _replicated(aux)
+        parts = [np.asarray(_evaluate(params, self.frozen, self.put(_rows(rows, slice(i, i + mb))), aux,
+                                      graphdef=self.graphdef, fn=fn, disable_lora=disable_lora))
+                 for i in range(0, n, mb)]
+        return np.concatenate(parts, axis=0)
+
+    # ---------------------------------------------------------------- update
+    def accumulate(self, terms: list[LossTerm]) -> tuple[Any, dict[str, list], int]:
+        """(summed gradient of every term's micro-batches at the current weights, per-micro-batch metrics
+        with ``loss``, number of skipped micro-batches)."""
+        acc = _zeros_like(self.params)
+        collected: dict[str, list] = {"loss": []}
+        skipped = 0
+        for term in terms:
+            aux = _replicated(term.aux)
+            n = _num_rows(term.rows)
+            mb = self.optim.micro_batch_size or n
+            for sl in (slice(i, i + mb) for i in range(0, n, mb)):
+                if term.keep is not None and not np.any(term.keep[sl]):
+                    skipped += 1
+                    continue
+                acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(_rows(term.rows, sl)), aux,
+                                             graphdef=self.graphdef, loss=term.loss)
+                collected["loss"].append(value)
+                for k, v in metrics.items():
+                    collected.setdefault(k, []).append(v)
+        return acc, collected, skipped
+
+    def apply(self, grads) -> jax.Array:
+        """One optimizer update with the summed gradient ``grads`` (params and optimizer state are donated
+        and replaced); returns the gradient's global norm."""
+        self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state, grads, tx=self.tx)
+        self.num_updates += 1
+        return gnorm
+
+    def step(self, terms: list[LossTerm]) -> tuple[dict[str, list], int]:
+        """One optimizer update on ``terms``: (per-micro-batch metrics plus ``learning_rate`` and
+        ``grad_norm``, number of skipped micro-batches)."""
+        grads, collected, skipped = self.accumulate(terms)
+        collected["learning_rate"] = [self.schedule(self.num_updates)]
+        collected["grad_norm"] = [self.apply(grads)]
+        return collected, skipped
+
+
+def reduce_metrics(updates: list[dict[str, list]], how: Callable[[str], str]) -> dict[str, float]:
+    """One value per metric from the per-micro-batch metrics of one or more updates: each update's values
+    combined with ``how(name)`` (``sum``, ``mean``, ``min`` or ``max``), then the updates averaged
+    (``min`` / ``max`` metrics keep their extreme)."""
+    out: dict[str, float] = {}
+    for k in updates[0]:
+        rule = how(k)
+        values = [_reduce([float(x) for x in u[k]], rule) if u.get(k) else 0.0 for u in updates]
+        out[k] = _reduce(values, rule if rule in ("min", "max") else "mean")
+    return out
+
+
+def _reduce(values: list[float], how: str) -> float:
+    if how == "sum":
+        return float(np.sum(values))
+    if how == "min":
+        return float(np.min(values))
+    if how == "max":
+        return float(np.max(values))
+    return float(np.mean(values))

@@ -1,0 +1,178 @@
+"""The training loop: one class composed of parts chosen by name (docs/architecture.md).
+
+- a :class:`~jrl.train.rollout_source.RolloutSource` (``rollout.backend``, ``rollout.sync``): rollouts and
+  weight syncs, synchronous or prefetched in a background thread;
+- an algorithm (``algorithm``, :data:`jrl.train.algorithms.ALGORITHMS`): sampling, rollout → experience,
+  loss terms;
+- a :class:`~jrl.train.learner.Learner`: trainable state, optimizer, accumulation.
+
+Per step: batch ``k`` from the source (sampled with a seed derived from ``(seed, k)``, so a resumed run
+samples exactly what the uninterrupted run would have) → ``algorithm.make_experience`` →
+``algorithm.update`` → weight sync at sync steps → one line of ``metrics.jsonl``, TensorBoard scalars,
+the progress bar; checkpoints every ``save_every`` steps and at the end; a plot at the end.
+
+Per step the log has, besides the algorithm's metrics: ``async/staleness`` (version lag of the consumed
+batch), ``async/queue_depth`` (batches ready when the step asked for one), ``time/rollout`` (the generate
+call), ``time/wait_rollout`` (time this thread waited for generation), ``time/reward`` (experience),
+``time/train`` (update), ``time/sync`` (seconds of the step's weight sync, 0 without one),
+``sync/version`` (the policy version the engine holds after it) and ``tokens_per_second``.
+
+Checkpoint ``meta`` (see :mod:`jrl.train.checkpoint`): ``step``, ``num_updates``, ``seed``,
+``data_state`` (the loader state after the last consumed batch), ``model`` (``path``, ``dtype``,
+``param_dtype``) and ``lora`` (the :class:`~jrl.models.lora.LoraConfig` fields or None); the last two let
+:mod:`jrl.train.export` rebuild the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+
+from jrl.data.pipeline import make_prompt_loader
+from jrl.rollout.base import RolloutEngine
+from jrl.train.algorithms import ALGORITHMS
+from jrl.train.checkpoint import TrainCheckpointer
+from jrl.train.config import TrainConfig
+from jrl.train.learner import Learner
+from jrl.train.observability import MetricsWriter, claim_output_dir, plot_curves
+from jrl.train.policy import load_policy
+from jrl.train.rollout_source import RolloutSource, make_rollout_engine
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Builds the parts a :class:`TrainConfig` names and runs them to ``max_steps`` (:meth:`train`).
+    ``engine``: a rollout engine to use instead of building ``rollout.backend`` (the caller closes it)."""
+
+    def __init__(self, cfg: TrainConfig, *, engine: RolloutEngine | None = None, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+        policy = load_policy(cfg)
+        self.tokenizer, self.pad_id, self.mesh = policy.tokenizer, policy.pad_id, policy.mesh
+        self.loader = make_prompt_loader(cfg.data, self.tokenizer)
+        self.learner = Learner(policy.model, cfg.optim, total_updates=cfg.max_steps * cfg.num_iterations,
+                               mesh=policy.mesh, rules=policy.rules)
+        self.algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, policy, self.learner)
+        self.out_dir = Path(cfg.output_dir)
+        if not cfg.resume:
+            claim_output_dir(self.out_dir, overwrite=cfg.overwrite)
+        self.source = RolloutSource(
+            cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
+            make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
+                                                    mesh=policy.mesh, rules=policy.rules, output_dir=self.out_dir),
+            seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every, multi_device=policy.mesh is not None)
+        self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
+        self.step = 0
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine (built on first use)."""
+        return self.source.engine
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, float]:
+        """One rollout, its experience and update(s), the weight sync; returns the step's metrics."""
+        step, source = self.step, self.source
+        t0 = time.perf_counter()
+        item, waited, ready = source.next(step)
+        expected = source.schedule.generating_version(step)
+        if item.rollout.policy_version != expected:
+            raise RuntimeError(
+                f"rollout batch {step} is tagged policy_version={item.rollout.policy_version}, but the engine "
+                f"({type(self.engine).__name__}) was synced to version {expected} when it generated it; "
+                "RolloutEngine.generate must tag each batch with the version of its last sync_weights")
+        t1 = time.perf_counter()
+        experience, metrics = self.algorithm.make_experience(item.rollout, item.prompt_batch, self.learner, step)
+        t2 = time.perf_counter()
+        with source.device_lock:
+            metrics.update(self.algorithm.update(self.learner, experience))
+        t3 = time.perf_counter()
+        self.step += 1
+        source.consumed(item)
+        sync_wait, sync_seconds = source.sync_after_step(self.step)
+        metrics["async/staleness"] = float(step - item.rollout.policy_version)
+        metrics["async/queue_depth"] = float(ready)
+        metrics["time/rollout"] = item.seconds
+        metrics["time/wait_rollout"] = waited + sync_wait
+        metrics["time/reward"] = t2 - t1
+        metrics["time/train"] = t3 - t2
+        metrics["time/sync"] = sync_seconds
+        metrics["sync/version"] = float(source.served_version())
+        metrics["tokens_per_second"] = self.algorithm.generated_tokens(item.rollout) / max(time.perf_counter() - t0, 1e-9)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        cfg = self.cfg
+        meta = {"step": self.step, "num_updates": self.learner.num_updates, "seed": cfg.seed,
+                "data_state": self.source.checkpoint_data_state(),
+                "model": {"path": str(Path(cfg.model.path).resolve()), "dtype": cfg.model.dtype,
+                          "param_dtype": cfg.model.param_dtype},
+                "lora": None if cfg.lora is None else dataclasses.asdict(cfg.lora)}
+        self.checkpointer.save(self.step, self.learner.params, self.learner.opt_state, meta)
+
+    def restore(self) -> dict[str, Any]:
+        """Restore the latest checkpoint (learner, loader, step) written with this run's seed and sync the
+        engine to it; returns its meta."""
+        self.source.stop()
+        params, opt_state, meta = self.checkpointer.restore(self.learner.params, self.learner.opt_state)
+        if meta.get("seed") != self.cfg.seed:
+            raise ValueError(f"the checkpoint in {self.checkpointer.directory} was written with seed={meta.get('seed')}, "
+                             f"this run has seed={self.cfg.seed}; resume with the same seed")
+        self.learner.params, self.learner.opt_state = params, opt_state
+        self.learner.num_updates = int(meta["num_updates"])
+        self.loader.set_state(meta["data_state"])
+        self.step = int(meta["step"])
+        self.source.restored(meta["data_state"], self.step)
+        return meta
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``max_steps``; returns the metric history (also in ``metrics.jsonl``)."""
+        cfg, algorithm = self.cfg, self.algorithm
+        writer = MetricsWriter(self.out_dir)
+        if cfg.resume:
+            if self.checkpointer.latest_step() is None:
+                raise FileNotFoundError(f"resume=True but {self.checkpointer.directory} holds no checkpoint")
+            self.restore()
+            writer.truncate_after(self.step)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc, disable=not self.progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < cfg.max_steps:
+                metrics = self.train_step()
+                writer.write(self.step, metrics)
+                bar.update(1)
+                bar.set_postfix(algorithm.progress_postfix(metrics))
+                if self.step % cfg.log_every == 0:
+                    logger.info("step %d: %s loss %.5f", self.step, algorithm.log_summary(metrics), metrics["loss"])
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    self.save()
+            if self.checkpointer.latest_step() != self.step:
+                self.save()
+        finally:
+            self.source.stop()
+            bar.close()
+            writer.close()
+        history = writer.history()
+        plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys)
+        return history
+
+    def close(self) -> None:
+        self.source.close()
+        self.checkpointer.close()
+
+
+def train(cfg: TrainConfig, **kwargs) -> list[dict[str, Any]]:
+    """Build the :class:`Trainer` of ``cfg`` and run it."""
+    trainer = Trainer(cfg, **kwargs)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

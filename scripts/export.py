@@ -23,10 +23,13 @@ def main(argv: list[str] | None = None) -> int:
                       help="write a LoRA run's adapters as a PEFT adapter directory")
     parser.add_argument("--dtype", default=None,
                         help="dtype of the written weights (default: parameter dtype; bfloat16 with --adapter-only)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty out_dir that is not an earlier export (its contents are lost)")
     args = parser.parse_args(argv)
     from jrl.train.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only, dtype=args.dtype)
+    out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only, dtype=args.dtype,
+                            overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 

@@ -43,7 +43,7 @@ def summary(cfg, history: list[dict]) -> str:
     (those it logged), and where the log and the plot are."""
     keys = SUMMARY_METRICS[cfg.algorithm]
     last = history[-1]
-    values = ", ".join(f"{k} {last[k]:.4f}" for k in keys if k in last)
+    values = ", ".join(f"{k} {last[k]:.4f}" for k in keys if last.get(k) is not None)
     return (f"done: {len(history)} steps logged in {cfg.output_dir}/metrics.jsonl; "
             + (f"last {values}; " if values else "") + f"plot {cfg.output_dir}/curves.png")
 

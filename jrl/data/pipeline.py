@@ -124,8 +124,13 @@ class DataConfig:
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {lineno} is not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                                 "re-encode the file as UTF-8 or remove that line") from None
             if not line.strip():
                 continue
             try:
@@ -141,7 +146,11 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _read_json(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8; re-encode the file as UTF-8") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -24,15 +24,37 @@ def _checkpoint_dir(path: Path) -> tuple[Path, int | None]:
     return path, None
 
 
+#: Written into every export directory; a directory holding it may be exported into again.
+EXPORT_MARKER = ".jrl-export"
+
+
+def check_export_target(out_dir: Path, *, overwrite: bool) -> None:
+    """Refuse a non-empty ``out_dir`` that is not an earlier export (it would be replaced, with whatever a user
+    keeps there) unless ``overwrite``."""
+    if overwrite or not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"export target {str(out_dir)!r} is a file; choose a directory path")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if entries and EXPORT_MARKER not in entries:
+        shown = ", ".join(entries[:5]) + (" ..." if len(entries) > 5 else "")
+        raise FileExistsError(f"export target {str(out_dir)!r} is not empty and not an earlier export (it holds "
+                              f"{shown}); exporting would replace it. Choose an empty or new directory, or pass "
+                              "--overwrite to replace it")
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_only: bool = False,
-                      dtype: str | None = None) -> Path:
+                      dtype: str | None = None, overwrite: bool = False) -> Path:
     """Write the checkpoint's model to ``out_dir`` (HF safetensors + config + tokenizer of the base).
 
     ``checkpoint`` is a run's ``output_dir``, its ``checkpoints`` directory or one step inside it.
     A LoRA run is merged (``W + s·A@B``), or with ``adapter_only`` written as a PEFT adapter directory
     (``adapter_config.json`` + ``adapter_model.safetensors``, ``dtype`` default bfloat16) for the base
-    model the run started from.
+    model the run started from. A non-empty ``out_dir`` that is not an earlier export is refused unless
+    ``overwrite`` (:func:`check_export_target`).
     """
+    out_dir = Path(out_dir)
+    check_export_target(out_dir, overwrite=overwrite)
     directory, step = _checkpoint_dir(Path(checkpoint))
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} does not exist")
@@ -54,9 +76,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_on
     finally:
         ckpt.close()
     if adapter_only:
-        return save_peft_adapter(model, out_dir, dtype=dtype or "bfloat16", base_model_name_or_path=spec["path"],
-                                 config=lora)
-    if lora is not None:
-        model = merge_lora(model)
-    return save_pretrained(model, out_dir, dtype=None if dtype is None else jnp.dtype(dtype),
-                           source_dir=spec["path"])
+        out = save_peft_adapter(model, out_dir, dtype=dtype or "bfloat16", base_model_name_or_path=spec["path"],
+                                config=lora)
+    else:
+        if lora is not None:
+            model = merge_lora(model)
+        out = save_pretrained(model, out_dir, dtype=None if dtype is None else jnp.dtype(dtype), source_dir=spec["path"])
+    (Path(out) / EXPORT_MARKER).write_text(f"exported from {Path(checkpoint).resolve()}\n")
+    return Path(out)

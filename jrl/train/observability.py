@@ -30,6 +30,12 @@ def claim_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def _json_number(value) -> float | None:
+    """``value`` as a float, or None where strict JSON has no number (NaN, ±inf)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 class MetricsWriter:
     """Append one JSON object per step to ``<dir>/metrics.jsonl`` and the same scalars to TensorBoard."""
 
@@ -51,9 +57,11 @@ class MetricsWriter:
         self.path.write_text("".join(ln + "\n" for ln in lines))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        """One line of strict JSON (a NaN or infinite value is written as null) and the finite scalars to
+        TensorBoard."""
+        record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(float(v)):
@@ -79,7 +87,7 @@ def plot_curves(history: list[dict], out_file: str | Path, keys: tuple[str, ...]
 
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
     for ax, key in zip(axes if len(keys) > 1 else [axes], keys):
-        pts = [(h["step"], h[key]) for h in history if key in h]
+        pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker=".")
         ax.set_title(key)

@@ -320,6 +320,14 @@ def test_bad_files(tmp_path, tok):
     bad.write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
         load_records(DataConfig(source=str(bad)))
+    latin = tmp_path / "latin.jsonl"  # one Latin-1 line among UTF-8 ones
+    latin.write_bytes('{"prompt": "a"}\n{"prompt": "b"}\n'.encode() + '{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.jsonl: line 3 is not UTF-8 .*re-encode the file as UTF-8"):
+        load_records(DataConfig(source=str(latin)))
+    latin_json = tmp_path / "latin.json"
+    latin_json.write_bytes('[{"prompt": "a"},\n {"prompt": "caf\u00e9"}]'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.json: line 2 is not UTF-8"):
+        load_records(DataConfig(source=str(latin_json)))
     arr = tmp_path / "arr.jsonl"
     arr.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="line 1 is a JSON list, expected an object"):

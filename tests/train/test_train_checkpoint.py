@@ -95,3 +95,41 @@ def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.restore(learner.params, learner.opt_state)
     ckpt.close()
+
+
+def test_export_refuses_a_foreign_directory_and_keeps_its_files(tmp_path):
+    """A non-empty target that is not an earlier export is refused before anything is written; an earlier export
+    may be written again; --overwrite replaces a foreign one."""
+    from jrl.train.export import EXPORT_MARKER, check_export_target
+
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"not empty and not an earlier export .*notes.txt.*--overwrite"):
+        check_export_target(target, overwrite=False)
+    assert (target / "notes.txt").read_text() == "keep me"
+    check_export_target(target, overwrite=True)  # the user said so
+    check_export_target(tmp_path / "new", overwrite=False)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / EXPORT_MARKER).write_text("x")
+    (earlier / "model.safetensors").write_bytes(b"")
+    check_export_target(earlier, overwrite=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        check_export_target(tmp_path / "file", overwrite=False)
+
+
+def test_metrics_jsonl_is_strict_json(tmp_path):
+    from jrl.train.observability import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write(1, {"loss": 0.5, "reward/mean": float("nan"), "ratio": float("inf")})
+    writer.close()
+
+    def refuse(token):
+        raise ValueError(f"non-strict JSON token {token}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 0.5, "reward/mean": None, "ratio": None}]
+    assert writer.history() == rows

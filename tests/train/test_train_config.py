@@ -120,6 +120,25 @@ def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
     trainer.close()
 
 
+def test_a_reward_that_is_nan_for_a_whole_step_is_reported(tiny_model_dir, tmp_path, caplog):
+    from jrl.train.trainer import Trainer
+
+    nan = tmp_path / "nan_reward.py"
+    nan.write_text("def never(prompts, completions, completion_ids=None, **kw):\n    return [None] * len(completions)\n")
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path="jrl.data.tasks.arithmetic:format_reward"),
+                                                               RewardSpec(path=f"{nan}:never"))))
+    try:
+        batch = next(trainer.loader)
+        rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
+        with caplog.at_level("WARNING", logger="jrl.train.algorithms.grpo"):
+            _, metrics = trainer.algorithm.make_experience(rollout, batch, trainer.learner, 3)
+    finally:
+        trainer.close()
+    warned = [r.getMessage() for r in caplog.records if "None/NaN for every completion" in r.getMessage()]
+    assert len(warned) == 1 and "step 3" in warned[0] and "'never'" in warned[0]
+    assert np.isnan(metrics["reward/never/mean"]) and np.isfinite(metrics["reward/format_reward/mean"])
+
+
 def test_fresh_run_refuses_an_output_dir_holding_a_run(tmp_path):
     from jrl.train.observability import claim_output_dir
 

@@ -19,6 +19,7 @@ from a frozen copy of the initial weights for a full fine-tune.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -43,6 +44,8 @@ from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.learner import LossTerm, reduce_metrics
 from jrl.train.rewards import compute_rewards, load_reward_functions
+
+logger = logging.getLogger(__name__)
 
 #: Prompt padding granularity: prompts are left-padded to a multiple of this, bounding recompiles.
 PROMPT_PAD_MULTIPLE = 16
@@ -248,6 +251,11 @@ class GRPO:
         texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         rewards, names = compute_rewards(self.reward_fns, None, rep.prompts, texts, ids, rep.columns,
                                          batch=f"step {step}", group_size=g)
+        for name, column in zip(names, np.asarray(rewards).T):
+            if np.all(np.isnan(column)):
+                logger.warning("step %d: reward function %r returned None/NaN for every completion, so it adds nothing "
+                               "to the advantages; check the function (reward/%s/mean is null in metrics.jsonl)",
+                               step, name, name)
         adv = np.asarray(advantages_from_config(rewards, self.algo))
         signal = np.asarray(sequence_has_signal(group_has_signal(
             rewards, group_size=g, reward_weights=self.algo.reward_weights,

@@ -32,7 +32,7 @@ from jrl.data.pipeline import left_pad
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError
-from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, LoRAAdapterTransport, reset_prefix_cache, resolve_transport
+from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, reset_prefix_cache, resolve_transport
 
 def prompt_seed(seed: int, index: int) -> int:
     """Sampling seed of prompt ``index`` of a call with ``seed`` (independent streams per prompt)."""
@@ -167,8 +167,7 @@ class VLLMRolloutEngine:
         reset_prefix_cache(self.client)
         with self._state_lock:
             self.current_name, self.version = name, version
-        if isinstance(self.transport, LoRAAdapterTransport):
-            self.transport.retire_old()
+        self.transport.retire_old()
         self.last_sync_seconds = time.perf_counter() - t0
 
     @property

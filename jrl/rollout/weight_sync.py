@@ -56,6 +56,10 @@ class WeightTransport(Protocol):
         that version use. ``model``'s arrays may change once this returns (anything still needed is copied)."""
         ...
 
+    def retire_old(self) -> None:
+        """Release versions new requests no longer use (called once a newly sent version is served)."""
+        ...
+
     def restore(self) -> None:
         """Deliver the last completed version again (the server restarted and lost it)."""
         ...
@@ -198,6 +202,9 @@ class FilesystemTransport:
     def send(self, model, version: int) -> Future:
         return _done(self.deliver(model, version))
 
+    def retire_old(self) -> None:
+        pass  # deliver already deleted the previous checkpoint: the server holds one version
+
     def restore(self) -> None:
         with self._lock:
             current = self._current
@@ -239,6 +246,9 @@ class AsyncFilesystemTransport:
         graphdef, state = nnx.split(model)
         host_model = nnx.merge(graphdef, jax.device_get(state))  # the trainer may donate its arrays next
         return self._writer.submit(self.files.deliver, host_model, version)
+
+    def retire_old(self) -> None:
+        self.files.retire_old()
 
     def restore(self) -> None:
         self.files.restore()

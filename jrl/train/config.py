@@ -204,10 +204,10 @@ def _value_at(cfg: TrainConfig, path: str):
 def reject_unused(cfg: TrainConfig, paths: tuple[str, ...], user: str) -> None:
     """An error for the first of ``paths`` (fields ``user`` does not read) that is set to a non-default value."""
     for path in paths:
-        value = _value_at(cfg, path)
-        if value != _default_at(path):
+        value, default = _value_at(cfg, path), _default_at(path)
+        if value != default:
             raise invalid("TrainConfig", path, value, f"{user} does not use it; leave it at its default "
-                          f"({_default_at(path)!r}) or choose an algorithm / backend that reads it")
+                          f"({default!r}) or choose an algorithm / backend that reads it")
 
 
 def load_config_file(path: str | Path) -> TrainConfig:

@@ -141,12 +141,17 @@ class Learner:
 
         return jax.tree.map(one, tree)
 
+    def chunks(self, n: int) -> list[slice]:
+        """Row slices of ``optim.micro_batch_size`` rows covering ``n`` rows (the last may be shorter)."""
+        mb = self.optim.micro_batch_size or n
+        return [slice(i, i + mb) for i in range(0, n, mb)]
+
     def micro_slices(self, n: int) -> list[slice]:
-        """Row slices of the ``optim.micro_batch_size`` micro-batches of a step of ``n`` rows."""
+        """:meth:`chunks` of a step of ``n`` rows, which must split evenly into micro-batches."""
         mb = self.optim.micro_batch_size or n
         if n % mb:
             raise ValueError(f"the step has {n} rows, not a multiple of OptimConfig.micro_batch_size={mb}")
-        return [slice(i, i + mb) for i in range(0, n, mb)]
+        return self.chunks(n)
 
     # ---------------------------------------------------------------- no gradient
     def evaluate(self, fn: Callable, rows, aux=None, *, params=None, disable_lora: bool = False) -> np.ndarray:
@@ -154,12 +159,10 @@ class Learner:
         micro-batch by micro-batch (the last may be shorter), concatenated on the host. ``params``: other
         trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
         params = self.params if params is None else params
-        n = _num_rows(rows)
-        mb = self.optim.micro_batch_size or n
         aux = _replicated(aux)
-        parts = [np.asarray(_evaluate(params, self.frozen, self.put(_rows(rows, slice(i, i + mb))), aux,
-                                      graphdef=self.graphdef, fn=fn, disable_lora=disable_lora))
-                 for i in range(0, n, mb)]
+        parts = [np.asarray(_evaluate(params, self.frozen, self.put(_rows(rows, sl)), aux, graphdef=self.graphdef,
+                                      fn=fn, disable_lora=disable_lora))
+                 for sl in self.chunks(_num_rows(rows))]
         return np.concatenate(parts, axis=0)
 
     # ---------------------------------------------------------------- update
@@ -171,9 +174,7 @@ class Learner:
         skipped = 0
         for term in terms:
             aux = _replicated(term.aux)
-            n = _num_rows(term.rows)
-            mb = self.optim.micro_batch_size or n
-            for sl in (slice(i, i + mb) for i in range(0, n, mb)):
+            for sl in self.chunks(_num_rows(term.rows)):
                 if term.keep is not None and not np.any(term.keep[sl]):
                     skipped += 1
                     continue

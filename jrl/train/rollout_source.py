@@ -26,8 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -151,7 +149,7 @@ class RolloutSource:
         learner = self.learner
         with self.device_lock:
             if self._engine_outlives_update:
-                model = nnx.merge(learner.graphdef, jax.tree.map(jnp.copy, learner.params), learner.frozen)
+                model = nnx.merge(learner.graphdef, learner.snapshot(), learner.frozen)
             else:
                 model = learner.model
             self.engine.sync_weights(model, version)

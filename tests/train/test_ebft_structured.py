@@ -136,7 +136,8 @@ def _completions(trainer, prompt_batch, seed=0, keep=7):
 
 
 def _completion_rewards(trainer, batch):
-    return trainer.algorithm.rewards(_completions(trainer, batch), batch, trainer.learner)[0]
+    algo = trainer.algorithm
+    return algo.rewards(_completions(trainer, batch), batch, algo.ground_truth_ids(batch), trainer.learner)[0]
 
 
 def test_ground_truth_completion_gets_the_top_reward(tiny_model_dir, tmp_path):
@@ -148,7 +149,7 @@ def test_ground_truth_completion_gets_the_top_reward(tiny_model_dir, tmp_path):
         batch = next(trainer.loader)
         gts = algo.ground_truth_ids(batch)
         assert algo.sampling_params(batch).max_new_tokens == max(len(x) for x in gts) < 24  # adaptive
-        rewards, metrics = algo.rewards(_completions(trainer, batch, keep=24), batch, trainer.learner)
+        rewards, metrics = algo.rewards(_completions(trainer, batch, keep=24), batch, gts, trainer.learner)
         assert rewards.shape == (8, 1)
         r = rewards.reshape(2, 4)
         # the generated side drops the EOS stop token: sample 0 is the ground truth itself, cos = 1
@@ -201,7 +202,7 @@ def test_ground_truth_cross_entropy_gradient(tiny_model_dir, tmp_path):
     algo = trainer.algorithm
     try:
         batch = next(trainer.loader)
-        gt = algo.ground_truth_batch(batch)
+        gt = algo.ground_truth_batch(batch, algo.ground_truth_ids(batch))
         assert gt.completion_ids.shape == (2, 8)
         learner = trainer.learner
 

@@ -31,13 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.data.pipeline import left_pad
-from jrl.losses import ebft_advantages, embed_layers, feature_rewards, group_has_signal, metric_reduction, \
-    sequence_has_signal
+from jrl.losses import ebft_advantages, embed_layers, feature_rewards, metric_reduction
 from jrl.models.features import feature_layer_indices, feature_layers
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.algorithms.grpo import PROMPT_PAD_MULTIPLE, StepBatch, build_step_batch, completion_logprobs, \
-    completion_token_lists, grpo_pipeline, rollout_metrics
+    completion_token_lists, grpo_pipeline, rollout_metrics, row_has_signal
 from jrl.train.learner import LossTerm
 
 
@@ -177,11 +176,12 @@ class EBFTStructured:
     def _prompt_length(self, prompts: list[list[int]]) -> int:
         return -(-max(len(p) for p in prompts) // PROMPT_PAD_MULTIPLE) * PROMPT_PAD_MULTIPLE
 
-    def rewards(self, completion_ids: list[list[int]], prompt_batch, learner) -> tuple[np.ndarray, dict[str, float]]:
-        """(feature-matching rewards [N, 1], ``ebft/*`` metrics) of the completions of ``prompt_batch``."""
+    def rewards(self, completion_ids: list[list[int]], prompt_batch, gt_full: list[list[int]],
+                learner) -> tuple[np.ndarray, dict[str, float]]:
+        """(feature-matching rewards [N, 1], ``ebft/*`` metrics) of the completions of ``prompt_batch`` against its
+        ground truth ``gt_full`` (:meth:`ground_truth_ids`)."""
         e, g, t = self.ebft, self.algo.num_generations, self.sampling.max_new_tokens
         stops = set(self.sampling.stop_token_ids)
-        gt_full = self.ground_truth_ids(prompt_batch)
         gt = [ids[:t] for ids in gt_full]
         prompts = [list(p) for p in prompt_batch.prompt_ids]
         lp = self._prompt_length(prompts)
@@ -202,11 +202,10 @@ class EBFTStructured:
         metrics["ebft/max_new_tokens"] = float(self.generation_limit(gt_full))
         return np.asarray(rewards, np.float32).reshape(-1, 1), metrics
 
-    def ground_truth_batch(self, prompt_batch) -> StepBatch:
-        """The cross-entropy rows: each prompt followed by its ground truth (cut to ``rollout.max_new_tokens``)
-        and EOS when it fits."""
+    def ground_truth_batch(self, prompt_batch, gt_full: list[list[int]]) -> StepBatch:
+        """The cross-entropy rows: each prompt followed by its ground truth ``gt_full`` (cut to
+        ``rollout.max_new_tokens``) and EOS when it fits."""
         t, eos = self.sampling.max_new_tokens, self.tokenizer.eos_token_id
-        gt_full = self.ground_truth_ids(prompt_batch)
         prompts = [list(p) for p in prompt_batch.prompt_ids]
         targets = [ids[:t] + [eos] if eos is not None and len(ids) < t else ids[:t] for ids in gt_full]
         ids, mask, c_ids, c_mask = pack_rows(prompts, targets, pad_id=self.pad_id,
@@ -221,16 +220,15 @@ class EBFTStructured:
 
     def make_experience(self, rollout: RolloutBatch, prompt_batch, learner, step: int):
         g = self.algo.num_generations
-        rewards, ebft_metrics = self.rewards(completion_token_lists(rollout), prompt_batch, learner)
+        gt_full = self.ground_truth_ids(prompt_batch)  # tokenised once per step
+        rewards, ebft_metrics = self.rewards(completion_token_lists(rollout), prompt_batch, gt_full, learner)
         metrics = rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
                                   reward_names=("ebft",))
         metrics.update(ebft_metrics)
-        signal = np.asarray(sequence_has_signal(group_has_signal(
-            rewards, group_size=g, reward_weights=self.algo.reward_weights,
-            aggregation=self.algo.multi_objective_aggregation), g))
         policy = build_step_batch(rollout, self.advantages(rewards), pad_id=self.pad_id,
-                                  completion_length=self.sampling.max_new_tokens, has_signal=signal)
-        ground_truth = self.ground_truth_batch(prompt_batch) if self.ebft.ce_coef > 0 else None
+                                  completion_length=self.sampling.max_new_tokens,
+                                  has_signal=row_has_signal(rewards, self.algo))
+        ground_truth = self.ground_truth_batch(prompt_batch, gt_full) if self.ebft.ce_coef > 0 else None
         return EBFTExperience(policy, ground_truth), metrics
 
     def loss_terms(self, learner, experience: EBFTExperience) -> tuple[LossTerm, ...]:

@@ -209,6 +209,13 @@ def rollout_metrics(rollout: RolloutBatch, rewards: np.ndarray, *, group_size: i
     return out
 
 
+def row_has_signal(rewards: np.ndarray, algo: GRPOConfig) -> np.ndarray:
+    """[N] bool: the row's group has a learning signal (its raw rewards [N, K] are not all equal)."""
+    g = algo.num_generations
+    return np.asarray(sequence_has_signal(group_has_signal(
+        rewards, group_size=g, reward_weights=algo.reward_weights, aggregation=algo.multi_objective_aggregation), g))
+
+
 def completion_token_lists(rollout: RolloutBatch) -> list[list[int]]:
     """The completions of a rollout as token-id lists (up to and including the stop token)."""
     lengths = np.asarray(rollout.completion_mask).sum(-1).astype(int)
@@ -257,11 +264,8 @@ class GRPO:
                                "to the advantages; check the function (reward/%s/mean is null in metrics.jsonl)",
                                step, name, name)
         adv = np.asarray(advantages_from_config(rewards, self.algo))
-        signal = np.asarray(sequence_has_signal(group_has_signal(
-            rewards, group_size=g, reward_weights=self.algo.reward_weights,
-            aggregation=self.algo.multi_objective_aggregation), g))
         batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
-                                 has_signal=signal)
+                                 has_signal=row_has_signal(rewards, self.algo))
         return batch, rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
                                       reward_names=tuple(names))
 

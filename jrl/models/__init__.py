@@ -10,7 +10,7 @@ from jrl.models.checkpoint import (
 )
 from jrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from jrl.models.features import feature_layer_indices, feature_layers
-from jrl.models.layers import attend, make_attention_mask, positions_from_mask, positions_from_segments
+from jrl.models.layers import positions_from_mask, positions_from_segments
 from jrl.models.lora import (
     LORA_TARGETS,
     LoraConfig,
@@ -40,7 +40,6 @@ __all__ = [
     "UnexpectedTensorError",
     "UnsupportedModelError",
     "apply_lora",
-    "attend",
     "create_model",
     "feature_layer_indices",
     "feature_layers",
@@ -48,7 +47,6 @@ __all__ = [
     "has_lora",
     "lora_disabled",
     "lora_layers",
-    "make_attention_mask",
     "merge_lora",
     "named_params",
     "param_shardings",

@@ -280,12 +280,14 @@ class _ShardReader:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None,
-                    rules: Mapping | None = None, progress: bool | None = None) -> Transformer:
+                    rules: Mapping | None = None, progress: bool | None = None, attention: str = "auto",
+                    remat: str = "none") -> Transformer:
     """Load a Hugging Face checkpoint directory as a :class:`Transformer`.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (defaults to ``dtype``). With ``mesh``,
     every parameter is placed with ``logical_sharding(param.logical_axes, mesh, rules, shape)`` and each
     device only receives its shard. ``progress``: tqdm bar (``None``: only for checkpoints >= 256 MiB).
+    ``attention`` / ``remat``: the runtime :class:`ModelConfig` fields of the same names.
     Raises ``FileNotFoundError`` (directory / config.json / weights), ``UnsupportedModelError``
     (model_type), :class:`MissingTensorError`, :class:`UnexpectedTensorError`, :class:`ShapeMismatchError`.
 
@@ -296,7 +298,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     path = Path(path)
     hf_config = _read_config(path)
     config = ModelConfig.from_hf(hf_config, dtype=jnp.dtype(dtype).name,
-                                 param_dtype=jnp.dtype(param_dtype or dtype).name)
+                                 param_dtype=jnp.dtype(param_dtype or dtype).name, attention=attention, remat=remat)
     files = _weight_files(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
     model.source_dir = str(path.resolve())

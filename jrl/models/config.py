@@ -15,6 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from jrl.kernels.attention import available_impls
+from jrl.models.remat import REMAT_NAMES
+
 #: model_type -> HF architecture class name written to ``config.json``.
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -131,6 +134,12 @@ class ModelConfig:
     """Compute (activation) dtype: ``float32``, ``bfloat16`` or ``float16``. Logits are always float32."""
     param_dtype: str = "float32"
     """Parameter storage dtype."""
+    attention: str = "auto"
+    """Attention implementation (:func:`jrl.kernels.attention.available_impls`); ``auto`` picks by backend.
+    Runtime only: not part of the HF config."""
+    remat: str = "none"
+    """Rematerialisation of each decoder layer in the backward (:data:`jrl.models.remat.REMAT_NAMES`).
+    Runtime only: not part of the HF config."""
 
     def __post_init__(self):
         def fix(name, value):
@@ -159,6 +168,12 @@ class ModelConfig:
                 fix(name, value)
             if value not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name}={value!r} is not a float dtype; use one of {', '.join(_DTYPES)}")
+        if self.attention not in available_impls():
+            raise ValueError(f"ModelConfig.attention={self.attention!r} is not an attention implementation; use one "
+                             f"of {', '.join(available_impls())}")
+        if self.remat not in REMAT_NAMES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r} is not a remat policy; use one of "
+                             f"{', '.join(REMAT_NAMES)}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")

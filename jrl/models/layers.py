@@ -33,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jrl.kernels.attention import AttentionMask, attention
+from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.moe import gmm, permute, unpermute
 from jrl.models.config import ModelConfig, rope_inv_freq
 from jrl.sharding.rules import with_logical_constraint
 
 Axes = tuple[str | None, ...]
-_NEG_INF = float(np.finfo(np.float32).min)
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
@@ -124,23 +125,6 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     return idx - first
 
 
-def make_attention_mask(seq_len: int, *, batch: int, attention_mask: jax.Array | None = None,
-                        segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                        sliding_window: int | None = None) -> jax.Array:
-    """Boolean mask [B, S, S] (query, key): causal by index, AND key is a real token (``attention_mask``),
-    AND same document (``segment_ids``), AND within ``sliding_window`` positions (needs ``positions``)."""
-    idx = jnp.arange(seq_len)
-    mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (batch, seq_len, seq_len))
-    if attention_mask is not None:
-        mask = mask & attention_mask.astype(bool)[:, None, :]
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    if sliding_window is not None:
-        assert positions is not None, "sliding_window needs positions"
-        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < sliding_window)
-    return mask
-
-
 def cache_attention_mask(key_mask: jax.Array, query_slots: jax.Array, query_positions: jax.Array, *,
                          sliding_window: int | None = None) -> jax.Array:
     """Boolean mask [B, T, S] for queries at cache slots ``query_slots`` [T] over a KV cache of S slots:
@@ -177,24 +161,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None) -> jax.Array:
-    """Grouped-query softmax attention.
-
-    ``q`` [B, T, N, D], ``k``/``v`` [B, S, K, D] with N % K == 0, ``mask`` bool [B, T, S] (True = attend).
-    Scores and softmax in float32; rows with no allowed key give a uniform (finite) average.
-    Returns [B, T, N, D] in v's dtype.
-    """
-    b, t, n, d = q.shape
-    kh = k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    qg = q.reshape(b, t, kh, n // kh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, n, d)
-
-
 # --------------------------------------------------------------------------- blocks
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +180,10 @@ class KVCache:
 class Attention(nnx.Module):
     """Multi-head attention with GQA, optional q/k/v (and o) bias, optional q/k RMSNorm, RoPE.
 
-    Split into :meth:`qkv` (projections, norms, rope at explicit positions) and :func:`attend` so a KV cache
-    can be inserted between them.
+    Split into :meth:`qkv` (projections, norms, rope at explicit positions) and the attention itself so a KV
+    cache can be inserted between them. A full forward runs :func:`jrl.kernels.attention.attention` (the
+    implementation ``config.attention`` names) under a structured mask; decoding attends densely over the
+    cache (one query row per step).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules=None):
@@ -248,9 +216,9 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "activation_length", "kv_heads", "head_dim"), self.mesh, self.rules)
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: AttentionMask) -> jax.Array:
         q, k, v = self.qkv(x, positions)
-        return self.o_proj(attend(q, k, v, mask))
+        return self.o_proj(attention(q, k, v, mask, impl=self.config.attention))
 
     def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache,
                index: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -258,7 +226,7 @@ class Attention(nnx.Module):
         there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (output, updated cache)."""
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)
-        return self.o_proj(attend(q, cache.k, cache.v, mask)), cache
+        return self.o_proj(attend_dense(q, cache.k, cache.v, mask, scale=q.shape[-1] ** -0.5)), cache
 
 
 class MLP(nnx.Module):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jrl.kernels.attention import AttentionMask
 from jrl.models.config import ModelConfig
 from jrl.models.layers import (
     MLP,
@@ -20,10 +21,10 @@ from jrl.models.layers import (
     RMSNorm,
     cache_attention_mask,
     constrain,
-    make_attention_mask,
     positions_from_mask,
     positions_from_segments,
 )
+from jrl.models.remat import remat_layer
 from jrl.sharding.rules import logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
@@ -45,10 +46,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
         self.mlp = MoE(c, rngs=rngs) if c.layer_is_moe(layer) else MLP(c, c.intermediate_size, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache | None = None,
-                 cache_index: jax.Array | int = 0):
-        """The block's output; with ``cache`` the attention reads and extends it (:meth:`Attention.decode`)
-        and ``(output, updated cache)`` is returned."""
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: AttentionMask | jax.Array,
+                 cache: KVCache | None = None, cache_index: jax.Array | int = 0):
+        """The block's output; with ``cache`` the attention reads and extends it (:meth:`Attention.decode`,
+        ``mask`` then a dense [B, T, S_max] cache mask) and ``(output, updated cache)`` is returned."""
         if cache is None:
             attn = self.attn(self.input_norm(x), positions, mask)
         else:
@@ -58,13 +59,20 @@ class DecoderLayer(nnx.Module):
         return out if cache is None else (out, cache)
 
 
+def _run_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, mask: AttentionMask) -> jax.Array:
+    return layer(x, positions, mask)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: embed → layers → final RMSNorm → logits (tied or separate ``lm_head``).
 
     Inputs everywhere: ``input_ids`` [B, S] int, and optionally ``positions`` [B, S] int,
     ``attention_mask`` [B, S] (1 = token, 0 = pad; left padding is exact) and/or ``segment_ids`` [B, S]
     (packed rows: tokens attend only within their segment). Without ``positions`` they are derived:
-    cumsum of the mask minus one, restarting per segment with ``segment_ids``, else ``arange(S)``.
+    cumsum of the mask minus one, restarting per segment with ``segment_ids``, else ``arange(S)``. A row's
+    real tokens are one run (left and/or right padding; the GPU attention kernel relies on it) and each
+    packed document is one run; the sliding window counts indices, which within a run are the positions.
+    Layers run under ``config.remat`` (:mod:`jrl.models.remat`) in a differentiated forward.
 
     ``mesh`` (optional) turns on activation sharding constraints at block boundaries with ``rules``
     (defaults to :data:`jrl.sharding.rules.DEFAULT_RULES`). ``source_dir`` remembers the HF directory the
@@ -89,12 +97,13 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None,
-                       mask=None):
-        """(positions [B, S], boolean attention mask [B, S, S]) for a forward pass.
+                       mask=None) -> tuple[jax.Array, AttentionMask]:
+        """(positions [B, S], structured attention mask) for a forward pass.
 
-        An explicit ``mask`` [B, S, S] (query, key) is returned as is: it replaces the causal, padding,
-        segment and sliding-window masks, and ``positions`` must then be given too."""
+        An explicit ``mask`` [B, S, S] (query, key) replaces the causal, padding, segment and
+        sliding-window rules, and ``positions`` must then be given too."""
         b, s = input_ids.shape
+        window = self.config.sliding_window
         if mask is not None:
             if positions is None:
                 raise ValueError("an explicit attention mask needs explicit positions: pass positions=[B, S] too")
@@ -102,7 +111,13 @@ class Transformer(nnx.Module):
                 raise ValueError("pass either mask= or attention_mask=/segment_ids=, not both (mask replaces them)")
             if mask.shape != (b, s, s):
                 raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, seq, seq) = {(b, s, s)}")
-            return positions.astype(jnp.int32), mask.astype(bool)
+            return positions.astype(jnp.int32), AttentionMask.from_dense(mask)
+        if segment_ids is not None:
+            structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window)
+        elif attention_mask is not None:
+            structured = AttentionMask.padded(attention_mask, sliding_window=window)
+        else:
+            structured = AttentionMask.full_causal(b, s, sliding_window=window)
         if positions is None:
             if segment_ids is not None:
                 positions = positions_from_segments(segment_ids)
@@ -110,9 +125,7 @@ class Transformer(nnx.Module):
                 positions = positions_from_mask(attention_mask)
             else:
                 positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        mask = make_attention_mask(s, batch=b, attention_mask=attention_mask, segment_ids=segment_ids,
-                                   positions=positions, sliding_window=self.config.sliding_window)
-        return positions.astype(jnp.int32), mask
+        return positions.astype(jnp.int32), structured
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None,
@@ -139,8 +152,9 @@ class Transformer(nnx.Module):
         positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask)
         x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
         collected = [x]
+        run = remat_layer(_run_layer, self.config.remat)
         for layer in self.layers[:depth]:
-            x = layer(x, positions, mask)
+            x = run(layer, x, positions, mask)
             collected.append(x)
         if depth < num_layers:  # only intermediate layers were asked for
             return x, tuple(collected[i] for i in wanted)

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 from jrl.data.pipeline import DataConfig
+from jrl.kernels.attention import available_impls
 from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig
+from jrl.models.remat import REMAT_NAMES
 from jrl.rollout.config import RolloutConfig
 from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
@@ -41,11 +43,21 @@ class ModelSpec:
     """Compute dtype (``float32`` or ``bfloat16``)."""
     param_dtype: str | None = None
     """Storage dtype of the weights; None = ``dtype``."""
+    attention: str = "auto"
+    """Attention implementation (``auto``, ``reference``, ``xla``, ``cudnn``, ``splash``): ``auto`` takes
+    cuDNN flash attention on an NVIDIA GPU, splash attention on TPU, and on CPU the dense path for short
+    rows and the blocked one (memory O(block²)) for long rows."""
+    remat: str = "none"
+    """Recompute in the backward instead of keeping, per decoder layer: ``none`` (fastest; a 1B model's
+    step at 4 x 4096 tokens fits an 80 GB GPU without remat, benchmarks/RESULTS.md), ``full``,
+    ``dots_saveable``, ``dots_with_no_batch_dims_saveable``, ``offload_dots_with_no_batch_dims``."""
 
     def __post_init__(self):
         check_choice(self, "dtype", DTYPES)
         if self.param_dtype is not None:
             check_choice(self, "param_dtype", DTYPES)
+        check_choice(self, "attention", tuple(available_impls()))
+        check_choice(self, "remat", REMAT_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +130,11 @@ class TrainConfig:
     logprobs_impl: Literal["auto", "reference", "xla", "triton", "pallas_tpu", "triton_saveprobs"] = "auto"
     """Log-prob kernel of the train step: ``auto``, ``reference``, ``xla``, ``triton``, ``pallas_tpu``, or
     ``triton_saveprobs`` (GPU: faster backward for a bf16 ``[tokens, vocab]`` buffer; never picked by auto)."""
+    loss_head: Literal["auto", "fused", "logprobs"] = "auto"
+    """How the GRPO-family loss reaches the LM head in the train step: ``fused`` computes the logits of a chunk
+    of rows once and the loss and its gradients in that pass (three head matmuls; needs a loss that sums over
+    rows, so ``algo.top_entropy_quantile`` = 1); ``logprobs`` goes through the ``logprobs_impl`` kernel (which
+    recomputes the logits in the backward); ``auto`` is ``fused`` on GPU/TPU where the loss allows it."""
     max_steps: int = 100
     """Training steps; each samples one rollout of ``prompts_per_batch x num_generations``
     completions and makes ``num_iterations`` optimizer updates on it."""
@@ -160,6 +177,10 @@ class TrainConfig:
             if m is not None and m < self.rollout.max_new_tokens:
                 raise invalid("TrainConfig", "algo.max_completion_length", m,
                               f"it must be >= rollout.max_new_tokens={self.rollout.max_new_tokens}, or None")
+            if self.loss_head == "fused" and self.algo.top_entropy_quantile < 1.0:
+                raise invalid("TrainConfig", "loss_head", self.loss_head,
+                              f"algo.top_entropy_quantile={self.algo.top_entropy_quantile} thresholds entropies "
+                              "over the whole batch, which a row-chunked head cannot; use loss_head='auto'")
         if self.algo.reward_weights is not None:
             raise invalid("TrainConfig", "algo.reward_weights", self.algo.reward_weights,
                           "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
@@ -173,6 +194,7 @@ class TrainConfig:
                           f"{algorithm.samples_field})")
         for name in ("max_steps", "num_iterations", "log_every", "keep_checkpoints"):
             check_int(self, name, lo=1)
+        check_choice(self, "loss_head", ("auto", "fused", "logprobs"))
         check_int(self, "save_every", lo=0, fix="use an int >= 0 (0 = only at the end)")
         check_int(self, "seed", lo=-2**63, fix="use an int")
 

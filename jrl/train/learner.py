@@ -66,14 +66,33 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     return optax.chain(*parts), schedule
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss"), donate_argnums=0)
-def _micro(acc, params, frozen, rows, aux, *, graphdef, loss):
-    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
+def _grads(params, frozen, rows, aux, graphdef, loss):
+    """(loss, metrics), ∇ loss of one micro-batch."""
     def f(p):
         return loss(nnx.merge(graphdef, p, frozen), rows, aux)
 
-    (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+
+def _update(params, opt_state, grads, tx):
+    """One optimizer update; also returns the gradient's global norm."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss"), donate_argnums=0)
+def _micro(acc, params, frozen, rows, aux, *, graphdef, loss):
+    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
+    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss)
     return jax.tree.map(jnp.add, acc, grads), value, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx"), donate_argnums=(0, 1))
+def _micro_and_apply(params, opt_state, frozen, rows, aux, *, graphdef, loss, tx):
+    """A whole update of one micro-batch in one program: no accumulator, params and state donated."""
+    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss)
+    params, opt_state, gnorm = _update(params, opt_state, grads, tx)
+    return params, opt_state, value, metrics, gnorm
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "fn", "disable_lora"))
@@ -86,8 +105,7 @@ def _evaluate(params, frozen, rows, aux, *, graphdef, fn, disable_lora):
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
 def _apply(params, opt_state, grads, *, tx):
     """One optimizer update (params and optimizer state donated); returns the gradient's global norm too."""
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    return _update(params, opt_state, grads, tx)
 
 
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
@@ -166,23 +184,27 @@ class Learner:
         return np.concatenate(parts, axis=0)
 
     # ---------------------------------------------------------------- update
-    def accumulate(self, terms: list[LossTerm]) -> tuple[Any, dict[str, list], int]:
-        """(summed gradient of every term's micro-batches at the current weights, per-micro-batch metrics
-        with ``loss``, number of skipped micro-batches)."""
-        acc = _zeros_like(self.params)
-        collected: dict[str, list] = {"loss": []}
-        skipped = 0
+    def _plan(self, terms: list[LossTerm]) -> tuple[list[tuple[LossTerm, slice]], int]:
+        """The (term, micro-batch rows) pairs an update runs, and how many micro-batches it skips."""
+        plan, skipped = [], 0
         for term in terms:
-            aux = _replicated(term.aux)
             for sl in self.chunks(_num_rows(term.rows)):
                 if term.keep is not None and not np.any(term.keep[sl]):
                     skipped += 1
-                    continue
-                acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(_rows(term.rows, sl)), aux,
-                                             graphdef=self.graphdef, loss=term.loss)
-                collected["loss"].append(value)
-                for k, v in metrics.items():
-                    collected.setdefault(k, []).append(v)
+                else:
+                    plan.append((term, sl))
+        return plan, skipped
+
+    def accumulate(self, terms: list[LossTerm]) -> tuple[Any, dict[str, list], int]:
+        """(summed gradient of every term's micro-batches at the current weights, per-micro-batch metrics
+        with ``loss``, number of skipped micro-batches)."""
+        plan, skipped = self._plan(terms)
+        acc = _zeros_like(self.params)
+        collected: dict[str, list] = {"loss": []}
+        for term, sl in plan:
+            acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(_rows(term.rows, sl)),
+                                         _replicated(term.aux), graphdef=self.graphdef, loss=term.loss)
+            _collect(collected, value, metrics)
         return acc, collected, skipped
 
     def apply(self, grads) -> jax.Array:
@@ -194,11 +216,30 @@ class Learner:
 
     def step(self, terms: list[LossTerm]) -> tuple[dict[str, list], int]:
         """One optimizer update on ``terms``: (per-micro-batch metrics plus ``learning_rate`` and
-        ``grad_norm``, number of skipped micro-batches)."""
-        grads, collected, skipped = self.accumulate(terms)
-        collected["learning_rate"] = [self.schedule(self.num_updates)]
-        collected["grad_norm"] = [self.apply(grads)]
+        ``grad_norm``, number of skipped micro-batches). An update of a single micro-batch runs as one
+        program (gradient and optimizer together, no accumulator)."""
+        plan, skipped = self._plan(terms)
+        learning_rate = self.schedule(self.num_updates)
+        if len(plan) == 1:
+            (term, sl), = plan
+            collected: dict[str, list] = {"loss": []}
+            self.params, self.opt_state, value, metrics, gnorm = _micro_and_apply(
+                self.params, self.opt_state, self.frozen, self.put(_rows(term.rows, sl)), _replicated(term.aux),
+                graphdef=self.graphdef, loss=term.loss, tx=self.tx)
+            self.num_updates += 1
+            _collect(collected, value, metrics)
+        else:
+            grads, collected, skipped = self.accumulate(terms)
+            gnorm = self.apply(grads)
+        collected["learning_rate"] = [learning_rate]
+        collected["grad_norm"] = [gnorm]
         return collected, skipped
+
+
+def _collect(collected: dict[str, list], value, metrics) -> None:
+    collected["loss"].append(value)
+    for k, v in metrics.items():
+        collected.setdefault(k, []).append(v)
 
 
 def reduce_metrics(updates: list[dict[str, list]], how: Callable[[str], str]) -> dict[str, float]:

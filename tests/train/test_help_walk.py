@@ -139,7 +139,7 @@ def _vllm_backend_reads(cfg: TrainConfig, tmp: Path) -> None:
 
 
 #: A valid non-default value of the string fields an algorithm may ignore.
-OTHER_STRINGS = {"backend": "vllm", "sync": "filesystem"}
+OTHER_STRINGS = {"backend": "vllm", "sync": "filesystem", "loss_head": "fused"}
 
 
 def _non_default(value, name: str = ""):

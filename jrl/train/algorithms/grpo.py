@@ -26,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jrl.data.pipeline import left_pad
-from jrl.kernels.logprobs import token_logprobs
+from jrl.kernels._dispatch import backend as kernel_backend
+from jrl.kernels.logprobs import fused_head_loss, token_logprobs
 from jrl.losses import (
     GRPOConfig,
     LossInputs,
@@ -120,22 +121,53 @@ class CompletionLogprobs:
         return completion_logprobs(model, batch, temperature=self.temperature, impl=self.impl)[0]
 
 
+def _loss_inputs(batch: StepBatch, lp, ent) -> LossInputs:
+    return LossInputs(advantages=batch.advantages, completion_mask=batch.completion_mask, logprobs=lp, entropy=ent,
+                      old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+                      sampler_logprobs=batch.sampler_logprobs, truncated=batch.truncated)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPORowLoss:
+    """``grpo_loss`` of some rows of a step under the step's normalisers (the ``row_loss`` of
+    :func:`jrl.kernels.logprobs.fused_head_loss`: the step loss is its sum over any split of the rows)."""
+
+    algo: GRPOConfig
+
+    def __call__(self, lp, ent, rows: StepBatch, normalizers):
+        return grpo_loss(_loss_inputs(rows, lp, ent), self.algo, normalizers)[0]
+
+
+def fused_head_supported(algo: GRPOConfig) -> bool:
+    """The loss sums over rows (no batch-wide entropy threshold), so the loss-fused head can compute it."""
+    return algo.top_entropy_quantile >= 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOLoss:
     """``grpo_loss`` of a micro-batch under ``model`` at the sampling temperature (``aux``: the step's
-    normalisers)."""
+    normalisers). With ``fused_head`` the loss and its head gradients come from the loss-fused LM head
+    (:func:`jrl.kernels.logprobs.fused_head_loss`), else from the ``impl`` log-prob kernel."""
 
     algo: GRPOConfig
     temperature: float
     impl: str
+    fused_head: bool = False
 
     def __call__(self, model, batch: StepBatch, normalizers):
-        lp, ent = completion_logprobs(model, batch, temperature=self.temperature, impl=self.impl,
-                                      with_entropy=self.algo.needs_entropy)
-        inputs = LossInputs(advantages=batch.advantages, completion_mask=batch.completion_mask, logprobs=lp,
-                            entropy=ent, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
-                            sampler_logprobs=batch.sampler_logprobs, truncated=batch.truncated)
-        return grpo_loss(inputs, self.algo, normalizers)
+        if not self.fused_head:
+            lp, ent = completion_logprobs(model, batch, temperature=self.temperature, impl=self.impl,
+                                          with_entropy=self.algo.needs_entropy)
+            return grpo_loss(_loss_inputs(batch, lp, ent), self.algo, normalizers)
+        t = batch.completion_ids.shape[1]
+        lp_len = batch.input_ids.shape[1] - t
+        hidden = model.hidden_states(batch.input_ids, attention_mask=batch.attention_mask)
+        rows = batch._replace(input_ids=None, attention_mask=None, has_signal=None)
+        loss, lp, ent = fused_head_loss(hidden[:, lp_len - 1: lp_len - 1 + t], model.lm_head_weight(),
+                                        batch.completion_ids, GRPORowLoss(self.algo), rows, normalizers,
+                                        temperature=self.temperature, with_entropy=self.algo.needs_entropy)
+        _, metrics = grpo_loss(_loss_inputs(batch, lp, ent), self.algo, normalizers)
+        return loss, metrics
 
 
 def _grpo_reduction(name: str) -> str:
@@ -146,9 +178,11 @@ class PolicyUpdate:
     """The GRPO-family update of a :class:`StepBatch`: reference and old log-probs when needed, then
     ``num_iterations`` learner steps on the GRPO loss plus any ``extra_terms`` (e.g. EBFT's cross-entropy)."""
 
-    def __init__(self, algo: GRPOConfig, learner, *, temperature: float, num_iterations: int, impl: str):
+    def __init__(self, algo: GRPOConfig, learner, *, temperature: float, num_iterations: int, impl: str,
+                 loss_head: str = "auto"):
         self.algo, self.mu = algo, int(num_iterations)
-        self.loss = GRPOLoss(algo, float(temperature), impl)
+        fused = loss_head == "fused" or (loss_head == "auto" and kernel_backend() != "cpu")
+        self.loss = GRPOLoss(algo, float(temperature), impl, fused and fused_head_supported(algo))
         self.logprobs = CompletionLogprobs(float(temperature), impl)
         # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
         self.ref_params = learner.snapshot() if algo.beta != 0.0 and not learner.lora else None
@@ -229,7 +263,7 @@ def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, Pol
     eos = policy.tokenizer.eos_token_id
     sampling = cfg.rollout.sampling_params(() if eos is None else (int(eos),))
     update = PolicyUpdate(algo, learner, temperature=sampling.temperature, num_iterations=cfg.num_iterations,
-                          impl=cfg.logprobs_impl)
+                          impl=cfg.logprobs_impl, loss_head=cfg.loss_head)
     return algo, sampling, update
 
 

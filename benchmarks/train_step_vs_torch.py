@@ -1,0 +1,224 @@
+"""One GRPO update, jrl against the PyTorch + transformers loop a user would write, on the same GPU.
+
+Both sides train the same random-weight model shape on the same batch: rows of ``--seq`` tokens, a
+left-padded prompt of ``seq / 4`` tokens then a right-padded completion (real lengths drawn per row),
+the DAPO token-level clipped loss with old log-probs = sg(current), global-norm clipping at 1.0 and AdamW.
+jrl runs :class:`jrl.train.algorithms.grpo.PolicyUpdate` on a :class:`jrl.train.learner.Learner` (what the
+trainer runs); PyTorch runs transformers' model (sdpa attention, fused AdamW), eagerly or with the loss
+under ``torch.compile``. Each side runs in its own process so their memory does not mix.
+
+Reported per side: median step time, tokens/s (every position of every row), MFU (6 · parameters ·
+tokens per second against ``--peak-tflops``), peak device memory, and the first step's time minus the
+median (compile time).
+
+    python benchmarks/train_step_vs_torch.py --shape llama1b --batch 8 --seq 1024 --mode full \\
+        --sides jrl,torch,torch_compile --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SHAPES = {
+    # Llama-3.2-1B
+    "llama1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    rope_theta=500000.0, tie_word_embeddings=True, qk_norm=False),
+    # Qwen3-1.7B
+    "qwen3_1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, tie_word_embeddings=True, qk_norm=True),
+    # a smoke-test size for CPU
+    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                 tie_word_embeddings=True, qk_norm=False),
+}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+
+
+def make_batch(batch: int, seq: int, vocab: int, seed: int = 0):
+    """(input_ids, attention_mask [B, S], completion_ids, completion_mask [B, T], advantages [B]) as numpy."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lp = seq // 4
+    t = seq - lp
+    p_len = rng.integers(lp * 3 // 4, lp + 1, batch)
+    c_len = rng.integers(t * 2 // 3, t + 1, batch)
+    p_mask = (np.arange(lp)[None] >= lp - p_len[:, None]).astype(np.int32)
+    c_mask = (np.arange(t)[None] < c_len[:, None]).astype(np.int32)
+    ids = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+    ids[:, :lp] *= p_mask
+    ids[:, lp:] *= c_mask
+    return ids, np.concatenate([p_mask, c_mask], 1), ids[:, lp:].copy(), c_mask, rng.standard_normal(batch).astype(
+        np.float32)
+
+
+def num_params(shape: dict) -> int:
+    sys.path.insert(0, str(REPO))
+    from jrl.models.config import ModelConfig
+
+    return ModelConfig(**shape).num_params()
+
+
+# ----------------------------------------------------------------------------------------------- jrl
+def run_jrl(args, shape: dict) -> dict:
+    sys.path.insert(0, str(REPO))
+    import jax
+    import numpy as np
+
+    from jrl.losses import GRPOConfig
+    from jrl.models.config import ModelConfig
+    from jrl.models.lora import LoraConfig, apply_lora
+    from jrl.models.transformer import create_model
+    from jrl.train.algorithms.grpo import PolicyUpdate, StepBatch
+    from jrl.train.config import OptimConfig
+    from jrl.train.learner import Learner
+
+    cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat)
+    model = create_model(cfg, seed=0)
+    if args.mode == "lora":
+        apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
+    learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_updates=1000)
+    algo = GRPOConfig(loss_type="dapo", epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, num_generations=args.batch)
+    update = PolicyUpdate(algo, learner, temperature=1.0, num_iterations=1, impl=args.logprobs,
+                          loss_head=args.loss_head)
+    ids, mask, c_ids, c_mask, adv = make_batch(args.batch, args.seq, shape["vocab_size"])
+    batch = StepBatch(input_ids=ids, attention_mask=mask, completion_ids=c_ids, completion_mask=c_mask,
+                      advantages=adv, truncated=np.zeros(args.batch, bool))
+    times, losses = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        metrics = update(learner, batch)
+        jax.block_until_ready(learner.params)
+        times.append(time.perf_counter() - t0)
+        losses.append(metrics["loss"])
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return dict(times=times, peak_bytes=stats.get("peak_bytes_in_use"), loss=losses[-1],
+                device=jax.local_devices()[0].device_kind, versions=f"jax {jax.__version__}")
+
+
+# ------------------------------------------------------------------------------------------- PyTorch
+def run_torch(args, shape: dict, compiled: bool) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    kw = dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+              intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+              num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+              head_dim=shape["head_dim"], rope_theta=shape["rope_theta"], tie_word_embeddings=True,
+              max_position_embeddings=max(4096, args.seq), attn_implementation="sdpa")
+    if shape["model_type"] == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
+    model = model.to("cuda", torch.bfloat16)
+    if args.mode == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS)))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    ids, mask, c_ids, c_mask, adv = (torch.from_numpy(np.asarray(x)).cuda() for x in make_batch(
+        args.batch, args.seq, shape["vocab_size"]))
+    ids, c_ids = ids.long(), c_ids.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
+    lp = args.seq - c_ids.shape[1]
+    base = model.get_base_model() if args.mode == "lora" else model
+
+    def loss_fn(ids, mask, positions, c_ids, c_mask, adv):
+        hidden = base.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        logits = base.lm_head(hidden[:, lp - 1:-1]).float()
+        logp = torch.log_softmax(logits, -1).gather(-1, c_ids[..., None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        a = adv[:, None]
+        per_token = -torch.minimum(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
+        m = c_mask.float()
+        return (per_token * m).sum() / m.sum()
+
+    fn = torch.compile(loss_fn) if compiled else loss_fn
+    times, losses = [], []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = fn(ids, mask, positions, c_ids, c_mask, adv)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return dict(times=times, peak_bytes=torch.cuda.max_memory_allocated(), loss=losses[-1],
+                device=torch.cuda.get_device_name(), versions=f"torch {torch.__version__}, "
+                                                              f"transformers {transformers.__version__}")
+
+
+# ------------------------------------------------------------------------------------------- driver
+def summarize(side: str, args, shape: dict, raw: dict) -> dict:
+    steady = raw["times"][2:] if len(raw["times"]) > 3 else raw["times"][1:]
+    med = statistics.median(steady)
+    tokens = args.batch * args.seq
+    n = num_params(shape)
+    return dict(side=side, shape=args.shape, layers=shape["num_hidden_layers"], mode=args.mode, batch=args.batch,
+                seq=args.seq, attention=args.attention, remat=args.remat, loss_head=args.loss_head, step_s=round(med, 4),
+                tokens_per_s=round(tokens / med), mfu=round(6 * n * tokens / med / (args.peak_tflops * 1e12), 4),
+                peak_gib=None if raw["peak_bytes"] is None else round(raw["peak_bytes"] / 2**30, 2),
+                compile_s=round(raw["times"][0] - med, 2), loss=raw["loss"], device=raw["device"],
+                versions=raw["versions"], date=time.strftime("%Y-%m-%d"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--mode", choices=("full", "lora"), default="full")
+    ap.add_argument("--sides", default="jrl,torch", help="comma list of jrl, torch, torch_compile")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--attention", default="auto", help="jrl attention implementation")
+    ap.add_argument("--remat", default="none", help="jrl remat policy")
+    ap.add_argument("--logprobs", default="auto", help="jrl logprob kernel implementation")
+    ap.add_argument("--loss-head", default="auto", help="jrl loss head: auto, fused, logprobs")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
+    ap.add_argument("--out", default=None, help="append one JSON line per side here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    if args.worker:
+        raw = run_jrl(args, shape) if args.worker == "jrl" else run_torch(args, shape, args.worker == "torch_compile")
+        print("RESULT " + json.dumps(summarize(args.worker, args, shape, raw)), flush=True)
+        return
+    for side in args.sides.split(","):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", side]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+            row = dict(side=side, shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq,
+                       error=tail[-1500:])
+        else:
+            row = json.loads(lines[-1][len("RESULT "):])
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

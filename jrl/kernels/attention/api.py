@@ -1,0 +1,79 @@
+"""Attention dispatcher: picks an implementation by backend with an ordered fallback.
+
+| name        | where                       | what                                                                 |
+|-------------|-----------------------------|----------------------------------------------------------------------|
+| `reference` | anywhere                    | the whole [B, N, T, S] float32 score tensor (the truth)              |
+| `xla`       | anywhere                    | blocked online softmax + recomputing custom VJP; memory O(block²)    |
+| `cudnn`     | NVIDIA GPU                  | cuDNN flash attention (bf16/fp16, causal over padded rows, window)   |
+| `splash`    | TPU (interpret mode elsewhere) | Pallas splash attention (causal, segments, window)                |
+
+``impl="auto"`` order: GPU: cudnn, reference (short rows), xla. TPU: splash, xla. CPU: reference (short
+rows), xla. "Short" means at most :data:`DENSE_MAX_SCORES` scores per (row, head): the dense path is the
+fastest XLA program there, the blocked one is what fits beyond. The pick is logged once per
+configuration on the ``jrl.kernels`` logger.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jrl.kernels import _dispatch
+from jrl.kernels._dispatch import Impl
+from jrl.kernels.attention.mask import AttentionMask
+
+IMPLS = {
+    "reference": Impl("reference", "jrl.kernels.attention.reference", ("cpu", "gpu", "tpu")),
+    "xla": Impl("xla", "jrl.kernels.attention.xla", ("cpu", "gpu", "tpu")),
+    "cudnn": Impl("cudnn", "jrl.kernels.attention.cudnn", ("gpu",)),
+    "splash": Impl("splash", "jrl.kernels.attention.splash_tpu", ("tpu",), interpret_ok=True),
+}
+ORDER = {
+    "gpu": ("cudnn", "reference", "xla"),
+    "tpu": ("splash", "xla"),
+    "cpu": ("reference", "xla"),
+    "default": ("reference", "xla"),
+}
+DENSE_MAX_SCORES = 2048 * 2048
+"""``auto`` uses the dense reference only while T * S is at most this."""
+
+
+def available_impls() -> list[str]:
+    """Names accepted by ``impl=`` ("auto" plus every implementation)."""
+    return ["auto", *IMPLS]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, impl: str = "auto",
+              scale: float | None = None, **kwargs) -> jax.Array:
+    """Grouped-query softmax attention under a structured mask.
+
+    Args:
+      q: [B, T, N, D] queries; k, v: [B, S, K, D] keys and values with N % K == 0 (never repeated).
+      mask: which keys each query attends to (:class:`AttentionMask`).
+      impl: "auto" or one of :func:`available_impls`.
+      scale: score scale (default D ** -0.5).
+      **kwargs: implementation options (``block_q=`` / ``block_k=`` for xla, ``interpret=`` for splash).
+
+    Returns:
+      [B, T, N, D] in v's dtype; scores and softmax in float32. Outputs at padding queries are
+      unspecified (finite).
+    """
+    b, t, n, d = q.shape
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
+        raise ValueError(f"attention needs q [B, T, N, D] and k = v [B, S, K, D] with N % K == 0; got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if mask.shape != (b, t, k.shape[1]):
+        raise ValueError(f"mask is for (batch, queries, keys) = {mask.shape}, inputs are {(b, t, k.shape[1])}")
+    scale = d ** -0.5 if scale is None else float(scale)
+
+    def call_check(name: str) -> str | None:
+        if name == "reference" and impl == "auto" and t * k.shape[1] > DENSE_MAX_SCORES:
+            return f"T * S = {t * k.shape[1]} > {DENSE_MAX_SCORES} (too long for dense scores)"
+        if name in ("cudnn", "splash"):
+            return IMPLS[name].load().call_unsupported(q, k, mask)
+        return None
+
+    config = (tuple(q.shape), tuple(k.shape), str(q.dtype), f"causal={mask.causal}",
+              f"window={mask.sliding_window}", f"contiguous={mask.contiguous}",
+              f"explicit={mask.explicit is not None}")
+    _, mod = _dispatch.select("attention", IMPLS, ORDER, impl, config=config, call_check=call_check)
+    return mod.attention(q, k, v, mask, scale=scale, **kwargs)

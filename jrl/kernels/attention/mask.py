@@ -1,0 +1,93 @@
+"""Which keys each query may attend to, in structured form, so fused kernels never need a dense mask.
+
+A training forward is self-attention over one row of ``S`` tokens (query ``i`` and key ``j`` index the
+same row). Key ``j`` is allowed for query ``i`` when every rule that is on holds:
+
+- causal: ``j <= i``;
+- segments: ``kv_segments[j] == q_segments[i]`` and ``kv_segments[j] != 0`` (0 marks padding; a packed
+  row gives each document its own id);
+- sliding window: ``i - j < sliding_window`` (on indices: within one contiguous segment, the
+  positions the model derives differ exactly as the indices do);
+- explicit: ``explicit[i, j]`` (an arbitrary boolean mask, e.g. the strided EBFT layout).
+
+Outputs at padding queries (segment 0) are unspecified but finite: implementations may differ there,
+nothing downstream reads them. ``contiguous`` promises that each row's non-zero segment is one run
+(left and/or right padding, no packing); kernels that work on per-row lengths rely on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    q_segments: jax.Array
+    """[B, T] int32 segment of each query (0 = padding)."""
+    kv_segments: jax.Array
+    """[B, S] int32 segment of each key (0 = padding, never attended)."""
+    explicit: jax.Array | None = None
+    """[B, T, S] bool, ANDed with the other rules (None = no explicit mask)."""
+    causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    contiguous: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @classmethod
+    def padded(cls, attention_mask: jax.Array, *, sliding_window: int | None = None) -> AttentionMask:
+        """Causal attention over the real tokens of ``attention_mask`` [B, S] (1 = token), whose real
+        tokens form one run per row (left and/or right padding)."""
+        seg = attention_mask.astype(jnp.int32)
+        return cls(seg, seg, causal=True, sliding_window=sliding_window, contiguous=True)
+
+    @classmethod
+    def packed(cls, segment_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+               sliding_window: int | None = None) -> AttentionMask:
+        """Causal attention within documents: ``segment_ids`` [B, S] (each document one contiguous run),
+        padding where ``attention_mask`` is 0."""
+        seg = segment_ids.astype(jnp.int32) + 1  # user ids may start at 0; 0 is reserved for padding
+        if attention_mask is not None:
+            seg = jnp.where(attention_mask.astype(bool), seg, 0)
+        return cls(seg, seg, causal=True, sliding_window=sliding_window)
+
+    @classmethod
+    def full_causal(cls, batch: int, seq_len: int, *, sliding_window: int | None = None) -> AttentionMask:
+        """Causal attention over rows with no padding."""
+        seg = jnp.ones((batch, seq_len), jnp.int32)
+        return cls(seg, seg, causal=True, sliding_window=sliding_window, contiguous=True)
+
+    @classmethod
+    def from_dense(cls, mask: jax.Array) -> AttentionMask:
+        """Exactly the boolean mask [B, T, S] (query, key); no other rule."""
+        b, t, s = mask.shape
+        return cls(jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32), explicit=mask.astype(bool),
+                   causal=False)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.q_segments.shape[0], self.q_segments.shape[1], self.kv_segments.shape[1])
+
+    def block(self, q_start, q_len: int, k_start, k_len: int) -> jax.Array:
+        """The allowed-matrix [B, q_len, k_len] of queries ``q_start ..`` against keys ``k_start ..``
+        (starts may be traced; the slices must lie inside the row)."""
+        q_seg = jax.lax.dynamic_slice_in_dim(self.q_segments, q_start, q_len, axis=1)
+        k_seg = jax.lax.dynamic_slice_in_dim(self.kv_segments, k_start, k_len, axis=1)
+        allowed = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] != 0)
+        qi = q_start + jnp.arange(q_len, dtype=jnp.int32)
+        kj = k_start + jnp.arange(k_len, dtype=jnp.int32)
+        if self.causal:
+            allowed = allowed & (kj[None, None, :] <= qi[None, :, None])
+        if self.sliding_window is not None:
+            allowed = allowed & (qi[None, :, None] - kj[None, None, :] < self.sliding_window)
+        if self.explicit is not None:
+            rows = jax.lax.dynamic_slice_in_dim(self.explicit, q_start, q_len, axis=1)
+            allowed = allowed & jax.lax.dynamic_slice_in_dim(rows, k_start, k_len, axis=2)
+        return allowed
+
+    def dense(self) -> jax.Array:
+        """The whole allowed-matrix [B, T, S]."""
+        _, t, s = self.shape
+        return self.block(0, t, 0, s)

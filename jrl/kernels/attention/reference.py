@@ -1,0 +1,32 @@
+"""Dense grouped-query attention: the whole ``[B, K, G, T, S]`` float32 score tensor at once (the truth)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jrl.kernels.attention.mask import AttentionMask
+
+NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, scale: float) -> jax.Array:
+    """``q`` [B, T, N, D], ``k``/``v`` [B, S, K, D] (N % K == 0), ``allowed`` bool [B, T, S]. Scores and
+    softmax in float32; a query with no allowed key gets a uniform average. Returns [B, T, N, D] in v's
+    dtype."""
+    b, t, n, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(allowed[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, n, d)
+
+
+def attention(q, k, v, mask: AttentionMask, *, scale: float) -> jax.Array:
+    return attend_dense(q, k, v, mask.dense(), scale=scale)

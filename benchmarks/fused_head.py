@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_common import bench  # noqa: E402
+from kernels_common import bench, report  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +104,7 @@ def main():
                    jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                    ratios={x["variant"]: round(x["ms"] / base, 3) for x in results if base and "ms" in x},
                    results=results)
-    print(json.dumps(summary), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(summary) + "\n")
+    report(summary, args.out)
 
 
 if __name__ == "__main__":

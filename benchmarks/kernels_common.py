@@ -42,6 +42,17 @@ def bench(fn, *args, warmup: int = 2, reps: int = 7, target_s: float = 0.05, max
             "inner": inner, "reps": reps}
 
 
+def report(row: dict, out: str | None) -> None:
+    """Print ``row`` as one JSON line, and append it to the file ``out`` when given."""
+    import json
+
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
 def env_line() -> str:
     import jax
 

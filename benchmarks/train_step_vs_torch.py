@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_common import report  # noqa: E402
 
 SHAPES = {
     # Llama-3.2-1B
@@ -214,10 +216,7 @@ def main():
                        error=tail[-1500:])
         else:
             row = json.loads(lines[-1][len("RESULT "):])
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        report(row, args.out)
 
 
 if __name__ == "__main__":

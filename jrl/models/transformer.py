@@ -114,16 +114,13 @@ class Transformer(nnx.Module):
             return positions.astype(jnp.int32), AttentionMask.from_dense(mask)
         if segment_ids is not None:
             structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window)
+            positions = positions_from_segments(segment_ids) if positions is None else positions
         elif attention_mask is not None:
             structured = AttentionMask.padded(attention_mask, sliding_window=window)
+            positions = positions_from_mask(attention_mask) if positions is None else positions
         else:
             structured = AttentionMask.full_causal(b, s, sliding_window=window)
-        if positions is None:
-            if segment_ids is not None:
-                positions = positions_from_segments(segment_ids)
-            elif attention_mask is not None:
-                positions = positions_from_mask(attention_mask)
-            else:
+            if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         return positions.astype(jnp.int32), structured
 

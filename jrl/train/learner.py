@@ -184,28 +184,33 @@ class Learner:
         return np.concatenate(parts, axis=0)
 
     # ---------------------------------------------------------------- update
-    def _plan(self, terms: list[LossTerm]) -> tuple[list[tuple[LossTerm, slice]], int]:
-        """The (term, micro-batch rows) pairs an update runs, and how many micro-batches it skips."""
+    def _plan(self, terms: list[LossTerm]) -> tuple[list[tuple[LossTerm, Any, slice]], int]:
+        """The (term, its aux on the devices, micro-batch rows) an update runs, and how many micro-batches
+        it skips."""
         plan, skipped = [], 0
         for term in terms:
+            aux = _replicated(term.aux)
             for sl in self.chunks(_num_rows(term.rows)):
                 if term.keep is not None and not np.any(term.keep[sl]):
                     skipped += 1
                 else:
-                    plan.append((term, sl))
+                    plan.append((term, aux, sl))
         return plan, skipped
+
+    def _accumulate(self, plan) -> tuple[Any, dict[str, list]]:
+        acc = _zeros_like(self.params)
+        collected: dict[str, list] = {"loss": []}
+        for term, aux, sl in plan:
+            acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(_rows(term.rows, sl)), aux,
+                                         graphdef=self.graphdef, loss=term.loss)
+            _collect(collected, value, metrics)
+        return acc, collected
 
     def accumulate(self, terms: list[LossTerm]) -> tuple[Any, dict[str, list], int]:
         """(summed gradient of every term's micro-batches at the current weights, per-micro-batch metrics
         with ``loss``, number of skipped micro-batches)."""
         plan, skipped = self._plan(terms)
-        acc = _zeros_like(self.params)
-        collected: dict[str, list] = {"loss": []}
-        for term, sl in plan:
-            acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(_rows(term.rows, sl)),
-                                         _replicated(term.aux), graphdef=self.graphdef, loss=term.loss)
-            _collect(collected, value, metrics)
-        return acc, collected, skipped
+        return (*self._accumulate(plan), skipped)
 
     def apply(self, grads) -> jax.Array:
         """One optimizer update with the summed gradient ``grads`` (params and optimizer state are donated
@@ -221,15 +226,15 @@ class Learner:
         plan, skipped = self._plan(terms)
         learning_rate = self.schedule(self.num_updates)
         if len(plan) == 1:
-            (term, sl), = plan
+            (term, aux, sl), = plan
             collected: dict[str, list] = {"loss": []}
             self.params, self.opt_state, value, metrics, gnorm = _micro_and_apply(
-                self.params, self.opt_state, self.frozen, self.put(_rows(term.rows, sl)), _replicated(term.aux),
+                self.params, self.opt_state, self.frozen, self.put(_rows(term.rows, sl)), aux,
                 graphdef=self.graphdef, loss=term.loss, tx=self.tx)
             self.num_updates += 1
             _collect(collected, value, metrics)
         else:
-            grads, collected, skipped = self.accumulate(terms)
+            grads, collected = self._accumulate(plan)
             gnorm = self.apply(grads)
         collected["learning_rate"] = [learning_rate]
         collected["grad_norm"] = [gnorm]

@@ -98,13 +98,19 @@ def build_step_batch(rollout: RolloutBatch, advantages: np.ndarray, *, pad_id: i
         has_signal=None if has_signal is None else np.asarray(has_signal, bool))
 
 
+def completion_hidden(model, batch: StepBatch):
+    """[N, T, H] final hidden states that predict ``batch.completion_ids`` (one position before each)."""
+    t = batch.completion_ids.shape[1]
+    lp_len = batch.input_ids.shape[1] - t
+    hidden = model.hidden_states(batch.input_ids, attention_mask=batch.attention_mask)
+    return hidden[:, lp_len - 1: lp_len - 1 + t]
+
+
 def completion_logprobs(model, batch: StepBatch, *, temperature: float, impl: str = "auto",
                         with_entropy: bool = False):
     """(logπ [N, T], entropy [N, T] or None) of ``batch.completion_ids`` under ``model`` at ``temperature``."""
     n, t = batch.completion_ids.shape
-    lp_len = batch.input_ids.shape[1] - t
-    hidden = model.hidden_states(batch.input_ids, attention_mask=batch.attention_mask)
-    h = hidden[:, lp_len - 1: lp_len - 1 + t]
+    h = completion_hidden(model, batch)
     lp, ent = token_logprobs(h.reshape(n * t, -1), model.lm_head_weight(), batch.completion_ids.reshape(n * t),
                              temperature=temperature, with_entropy=with_entropy, impl=impl)
     return lp.reshape(n, t), None if ent is None else ent.reshape(n, t)
@@ -159,11 +165,8 @@ class GRPOLoss:
             lp, ent = completion_logprobs(model, batch, temperature=self.temperature, impl=self.impl,
                                           with_entropy=self.algo.needs_entropy)
             return grpo_loss(_loss_inputs(batch, lp, ent), self.algo, normalizers)
-        t = batch.completion_ids.shape[1]
-        lp_len = batch.input_ids.shape[1] - t
-        hidden = model.hidden_states(batch.input_ids, attention_mask=batch.attention_mask)
         rows = batch._replace(input_ids=None, attention_mask=None, has_signal=None)
-        loss, lp, ent = fused_head_loss(hidden[:, lp_len - 1: lp_len - 1 + t], model.lm_head_weight(),
+        loss, lp, ent = fused_head_loss(completion_hidden(model, batch), model.lm_head_weight(),
                                         batch.completion_ids, GRPORowLoss(self.algo), rows, normalizers,
                                         temperature=self.temperature, with_entropy=self.algo.needs_entropy)
         _, metrics = grpo_loss(_loss_inputs(batch, lp, ent), self.algo, normalizers)

@@ -87,7 +87,8 @@ def run_jrl(args, shape: dict) -> dict:
     from jrl.train.config import OptimConfig
     from jrl.train.learner import Learner
 
-    cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat)
+    cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat,
+                      scan_layers=args.scan_layers)
     model = create_model(cfg, seed=0)
     if args.mode == "lora":
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
@@ -175,7 +176,8 @@ def summarize(side: str, args, shape: dict, raw: dict) -> dict:
     tokens = args.batch * args.seq
     n = num_params(shape)
     return dict(side=side, shape=args.shape, layers=shape["num_hidden_layers"], mode=args.mode, batch=args.batch,
-                seq=args.seq, attention=args.attention, remat=args.remat, loss_head=args.loss_head, step_s=round(med, 4),
+                seq=args.seq, attention=args.attention, remat=args.remat, loss_head=args.loss_head,
+                scan_layers=args.scan_layers, step_s=round(med, 4),
                 tokens_per_s=round(tokens / med), mfu=round(6 * n * tokens / med / (args.peak_tflops * 1e12), 4),
                 peak_gib=None if raw["peak_bytes"] is None else round(raw["peak_bytes"] / 2**30, 2),
                 compile_s=round(raw["times"][0] - med, 2), loss=raw["loss"], device=raw["device"],
@@ -192,7 +194,9 @@ def main():
     ap.add_argument("--sides", default="jrl,torch", help="comma list of jrl, torch, torch_compile")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--attention", default="auto", help="jrl attention implementation")
-    ap.add_argument("--remat", default="none", help="jrl remat policy")
+    ap.add_argument("--remat", default="auto", help="jrl remat policy")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="jrl: stacked, scanned layers (--no-scan-layers: unrolled)")
     ap.add_argument("--logprobs", default="auto", help="jrl logprob kernel implementation")
     ap.add_argument("--loss-head", default="auto", help="jrl loss head: auto, fused, logprobs")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")

@@ -34,7 +34,7 @@ from flax import nnx
 from jrl.models import hf_mapping
 from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
-from jrl.models.transformer import Transformer, named_params, place
+from jrl.models.transformer import Transformer, named_params, param_units, place, place_stacked
 from jrl.sharding.placement import to_host
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -83,15 +83,22 @@ def _np_dtype(name: str) -> np.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One HF tensor <-> (part of) one jrl parameter."""
+    """One HF tensor <-> (part of) one jrl parameter: layer ``layer`` of a stacked-layer parameter (``None`` for
+    an unstacked one), expert ``expert`` of a stacked-expert one."""
 
     hf_key: str
     jrl_path: str
     rule: Rule
     expert: int | None = None
+    layer: int | None = None
+
+    @property
+    def unit(self) -> tuple[str, int | None]:
+        """(jrl parameter, layer): the part of a parameter one HF layer's tensors fill."""
+        return self.jrl_path, self.layer
 
     def hf_shape(self, jrl_shape) -> tuple[int, ...]:
-        inner = jrl_shape[1:] if self.expert is not None else jrl_shape
+        inner = jrl_shape[(self.layer is not None) + (self.expert is not None):]
         shape = list(self.rule.transform.hf_shape(inner))
         if self.rule.chunk is not None:
             axis, _, count = self.rule.chunk
@@ -99,8 +106,16 @@ class _Entry:
         return tuple(shape)
 
 
+def _param_of(rule: Rule, layer: int | None, stacked: bool) -> tuple[str, int | None]:
+    """(jrl parameter path, index on its layer axis or ``None``) that ``rule`` fills for decoder layer ``layer``
+    (``None`` outside the layers); ``stacked``: the model keeps its layers stacked (``layers.attn...``)."""
+    if layer is None or not stacked:
+        return rule.jrl.format(**({} if layer is None else {"layer": layer})), None
+    return rule.jrl.replace("layers.{layer}.", "layers.", 1), layer
+
+
 def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[_Entry]:
-    """The canonical HF tensors of a model (the layout transformers writes), grouped by jrl parameter."""
+    """The canonical HF tensors of a model (the layout transformers writes), grouped by jrl parameter and layer."""
     rules = [r for r in hf_mapping.table(config.model_type) if r.export]
     out: list[_Entry] = []
 
@@ -109,13 +124,14 @@ def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[_Entr
             if ("{layer}" in rule.hf) != (layer is not None):
                 continue
             fmt = {} if layer is None else {"layer": layer}
-            path = rule.jrl.format(**fmt)
+            path, index = _param_of(rule, layer, config.stacked_layers)
             if path not in params:
                 continue
             if rule.per_expert:
-                out.extend(_Entry(rule.hf.format(expert=e, **fmt), path, rule, e) for e in range(config.num_experts))
+                out.extend(_Entry(rule.hf.format(expert=e, **fmt), path, rule, e, index)
+                           for e in range(config.num_experts))
             else:
-                out.append(_Entry(rule.hf.format(**fmt), path, rule))
+                out.append(_Entry(rule.hf.format(**fmt), path, rule, layer=index))
 
     add(None)
     for layer in range(config.num_hidden_layers):
@@ -178,7 +194,7 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
     """Match every checkpoint tensor to a rule, check shapes and coverage; raise before reading data."""
     rules = [(r, r.regex()) for r in hf_mapping.table(config.model_type)]
     tasks: list[_Task] = []
-    filled: dict[str, list[int | None]] = defaultdict(list)
+    filled: dict[tuple[str, int | None], list[int | None]] = defaultdict(list)
     for key, (file, shape, st_dtype) in headers.items():
         if any(p.match(key) for p in hf_mapping.IGNORED):
             continue
@@ -193,14 +209,15 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
             if m is None:
                 continue
             groups = m.groupdict()
-            path = rule.jrl.format(**({"layer": int(groups["layer"])} if "layer" in groups else {}))
-            if path not in params:
-                inactive = path
+            layer = int(groups["layer"]) if "layer" in groups else None
+            path, index = _param_of(rule, layer, config.stacked_layers)
+            if path not in params or (index is not None and index >= params[path].shape[0]):
+                inactive = path if index is None else f"{path}[{index}]"
                 continue
             expert = int(groups["expert"]) if rule.per_expert else None
             if expert is not None and expert >= config.num_experts:
                 continue
-            entry = _Entry(key, path, rule, expert)
+            entry = _Entry(key, path, rule, expert, index)
             expected = entry.hf_shape(params[path].shape)
             if tuple(shape) != expected:
                 raise ShapeMismatchError(
@@ -208,31 +225,32 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
                     f"(jrl parameter {path}, shape {list(params[path].shape)}); does config.json match the weights?")
             nbytes = math.prod(shape) * _ST_ITEMSIZE.get(st_dtype, 4) // (rule.chunk[2] if rule.chunk else 1)
             tasks.append(_Task(entry, file, nbytes))
-            filled[path].append(expert)
+            filled[entry.unit].append(expert)
             matched = True
         if not matched:
             why = (f" (its jrl parameter {inactive} does not exist for this config: e.g. a bias, an lm_head with "
                    f"tied embeddings, or an MoE tensor in a dense layer)" if inactive else "")
             raise UnexpectedTensorError(
                 f"unexpected tensor {key!r} in the checkpoint: no {config.model_type} parameter takes it{why}")
-    # Coverage: every parameter exactly once (whole) or every expert exactly once.
-    canonical: dict[str, list[_Entry]] = defaultdict(list)
+    # Coverage: every parameter (every layer of a stacked one) exactly once (whole) or every expert exactly once.
+    canonical: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
     for e in export_entries(config, params):
-        canonical[e.jrl_path].append(e)
+        canonical[e.unit].append(e)
     missing: list[str] = []
-    for path, var in params.items():
-        got = filled.get(path, [])
+    for (path, layer), shape in param_units(config, params).items():
+        got = filled.get((path, layer), [])
         experts = [e for e in got if e is not None]
         whole = len(got) - len(experts)
+        where = path if layer is None else f"{path} (layer {layer})"
         if whole > 1 or len(set(experts)) != len(experts) or (whole and experts):
-            raise CheckpointError(f"jrl parameter {path} is given more than once by the checkpoint (both per-expert "
-                                  f"and fused expert tensors, or duplicate keys)")
-        if whole == 1 or (experts and len(experts) == var.shape[0] and path.split(".")[-2] == "experts"):
+            raise CheckpointError(f"jrl parameter {where} is given more than once by the checkpoint (both "
+                                  f"per-expert and fused expert tensors, or duplicate keys)")
+        if whole == 1 or (experts and len(experts) == shape[0] and path.split(".")[-2] == "experts"):
             continue
         have = {e for e in experts}
-        missing.extend(e.hf_key for e in canonical[path] if e.expert is None or e.expert not in have)
-        if not canonical[path]:
-            missing.append(f"<tensor for {path}>")
+        missing.extend(e.hf_key for e in canonical[path, layer] if e.expert is None or e.expert not in have)
+        if not canonical[path, layer]:
+            missing.append(f"<tensor for {where}>")
     if missing:
         shown = ", ".join(repr(k) for k in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise MissingTensorError(f"missing tensor {shown} in the checkpoint ({len(missing)} missing)")
@@ -281,13 +299,13 @@ class _ShardReader:
 
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None,
                     rules: Mapping | None = None, progress: bool | None = None, attention: str = "auto",
-                    remat: str = "none") -> Transformer:
+                    remat: str = "auto", scan_layers: bool = True) -> Transformer:
     """Load a Hugging Face checkpoint directory as a :class:`Transformer`.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (defaults to ``dtype``). With ``mesh``,
     every parameter is placed with ``logical_sharding(param.logical_axes, mesh, rules, shape)`` and each
     device only receives its shard. ``progress``: tqdm bar (``None``: only for checkpoints >= 256 MiB).
-    ``attention`` / ``remat``: the runtime :class:`ModelConfig` fields of the same names.
+    ``attention`` / ``remat`` / ``scan_layers``: the runtime :class:`ModelConfig` fields of the same names.
     Raises ``FileNotFoundError`` (directory / config.json / weights), ``UnsupportedModelError``
     (model_type), :class:`MissingTensorError`, :class:`UnexpectedTensorError`, :class:`ShapeMismatchError`.
 
@@ -298,46 +316,58 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     path = Path(path)
     hf_config = _read_config(path)
     config = ModelConfig.from_hf(hf_config, dtype=jnp.dtype(dtype).name,
-                                 param_dtype=jnp.dtype(param_dtype or dtype).name, attention=attention, remat=remat)
+                                 param_dtype=jnp.dtype(param_dtype or dtype).name, attention=attention, remat=remat,
+                                 scan_layers=scan_layers)
     files = _weight_files(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
     model.source_dir = str(path.resolve())
     params = named_params(model)
     tasks = _plan(config, params, _tensor_headers(files))
     target = _np_dtype(config.param_dtype)
+    units = param_units(config, params)
     pending = defaultdict(int)
     for t in tasks:
-        pending[t.entry.jrl_path] += 1
-    buffers: dict[str, np.ndarray] = {}
+        pending[t.entry.unit] += 1
+    buffers: dict[tuple[str, int | None], np.ndarray] = {}
+    placed_layers: dict[str, list[jax.Array | None]] = {}
     total = sum(t.nbytes for t in tasks)
     by_file: dict[Path, list[_Task]] = defaultdict(list)
     for t in tasks:
         by_file[t.file].append(t)
 
-    def put(value: np.ndarray, var: nnx.Variable):
-        var.set_value(place(np.asarray(value).astype(target, order="K", copy=False), var.logical_axes, mesh, rules))
+    def put(unit: tuple[str, int | None], value: np.ndarray):
+        """Place one unit; a stacked parameter is stacked on the devices once its last layer is placed."""
+        (path, layer), var = unit, params[unit[0]]
+        host = np.asarray(value).astype(target, order="K", copy=False)
+        if layer is None:
+            var.set_value(place(host, var.logical_axes, mesh, rules))
+            return
+        placed = placed_layers.setdefault(path, [None] * var.shape[0])
+        placed[layer] = place(host, var.logical_axes[1:], mesh, rules)
+        if all(p is not None for p in placed):
+            var.set_value(place_stacked(placed_layers.pop(path), var.logical_axes, mesh, rules))
 
     with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
         for file, file_tasks in by_file.items():
             reader = _ShardReader(file)
             try:  # in on-disk order: sequential reads of the mapped file
                 for t in sorted(file_tasks, key=lambda t: reader.header[t.entry.hf_key]["data_offsets"][0]):
-                    e, var = t.entry, params[t.entry.jrl_path]
+                    e, shape = t.entry, units[t.entry.unit]
                     raw = reader.view(e.hf_key)
                     if e.rule.chunk is not None:
                         axis, i, count = e.rule.chunk
                         size = raw.shape[axis] // count
                         raw = raw[(slice(None),) * axis + (slice(i * size, (i + 1) * size),)]
                     if e.expert is None:
-                        put(e.rule.transform.to_jrl(raw, var.shape), var)
+                        put(e.unit, e.rule.transform.to_jrl(raw, shape))
                     else:  # assemble [E, *hf_shape] in the checkpoint's layout and dtype (plain copies)
-                        buf = buffers.get(e.jrl_path)
+                        buf = buffers.get(e.unit)
                         if buf is None:
-                            buf = buffers[e.jrl_path] = np.empty((var.shape[0],) + raw.shape, raw.dtype)
+                            buf = buffers[e.unit] = np.empty((shape[0],) + raw.shape, raw.dtype)
                         buf[e.expert] = raw
-                        pending[e.jrl_path] -= 1
-                        if pending[e.jrl_path] == 0:
-                            put(e.rule.transform.to_jrl(buffers.pop(e.jrl_path), var.shape), var)
+                        pending[e.unit] -= 1
+                        if pending[e.unit] == 0:
+                            put(e.unit, e.rule.transform.to_jrl(buffers.pop(e.unit), shape))
                     del raw
                     if bar is not None:
                         bar.update(1)
@@ -361,12 +391,18 @@ def parse_size(size: int | str) -> int:
 
 
 @functools.cache
-def _hf_layout_fn(transform, stacked: bool, dtype: str):
-    """Jitted jrl -> HF layout + cast, run where the parameter lives (transposes are fast on device)."""
-    fn = transform.to_hf
-    if stacked:
-        fn = jax.vmap(fn)
-    return jax.jit(lambda x: fn(x).astype(dtype))
+def _hf_layout_fn(transform, experts: bool, layer: bool, dtype: str):
+    """Jitted jrl -> HF layout + cast, run where the parameter lives (transposes are fast on device):
+    ``fn(value, index)`` takes layer ``index`` of a stacked-layer value first (``layer``), and maps the
+    transform over the experts of a stacked-expert one (``experts``)."""
+    fn = jax.vmap(transform.to_hf) if experts else transform.to_hf
+
+    def run(x, index):
+        if layer:
+            x = jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
+        return fn(x).astype(dtype)
+
+    return jax.jit(run)
 
 
 def write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...], str]], arrays: Iterator[np.ndarray],
@@ -444,11 +480,11 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
 
     def host_value(e: _Entry) -> np.ndarray:
         """The parameter of ``e`` in HF layout and the save dtype, on the host (one parameter cached)."""
-        key = (e.jrl_path, e.rule)
+        key = (e.unit, e.rule)
         if key not in cache:
-            cache.clear()  # entries are grouped by parameter: keep one gathered parameter at a time
-            fn = _hf_layout_fn(e.rule.transform, e.expert is not None, save_dtype)
-            cache[key] = to_host(fn(params[e.jrl_path].get_value()))
+            cache.clear()  # entries are grouped by parameter and layer: keep one gathered unit at a time
+            fn = _hf_layout_fn(e.rule.transform, e.expert is not None, e.layer is not None, save_dtype)
+            cache[key] = to_host(fn(params[e.jrl_path].get_value(), e.layer or 0))
         return cache[key]
 
     def arrays(idx: list[int], bar) -> Iterator[np.ndarray]:

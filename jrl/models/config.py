@@ -137,9 +137,14 @@ class ModelConfig:
     attention: str = "auto"
     """Attention implementation (:func:`jrl.kernels.attention.available_impls`); ``auto`` picks by backend.
     Runtime only: not part of the HF config."""
-    remat: str = "none"
-    """Rematerialisation of each decoder layer in the backward (:data:`jrl.models.remat.REMAT_NAMES`).
+    remat: str = "auto"
+    """Rematerialisation of each decoder layer in the backward (:data:`jrl.models.remat.REMAT_NAMES`; ``auto``
+    saves only the weight matmuls' outputs on a GPU/TPU and everything on CPU).
     Runtime only: not part of the HF config."""
+    scan_layers: bool = True
+    """Store the decoder layers as one stacked module (every parameter gets a leading layer axis) and run
+    them with ``jax.lax.scan``, so compile time does not grow with depth. Applies when every layer has the
+    same structure (see :attr:`stacked_layers`). Runtime only: not part of the HF config."""
 
     def __post_init__(self):
         def fix(name, value):
@@ -233,6 +238,12 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether any layer is a mixture of experts."""
         return self.num_experts > 0
+
+    @property
+    def stacked_layers(self) -> bool:
+        """Whether the layers are stacked and scanned: ``scan_layers`` and all layers alike (a Qwen3-MoE model
+        with dense layers among its MoE layers runs unrolled)."""
+        return self.scan_layers and len({self.layer_is_moe(i) for i in range(self.num_hidden_layers)}) == 1
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` uses the MoE block (HF's rule for Qwen3-MoE; every layer for Mixtral)."""

@@ -10,6 +10,9 @@ names (so parameter paths, sharding and the HF mapping do not change) and adds t
   ``kaiming_uniform_(a=sqrt(5))``);
 - ``lora_b``: ``(r,) + out_shape``, zeros, so a fresh adapter leaves the model unchanged.
 
+On stacked layers (:func:`jrl.models.transformer.stack_layers`) the adapters are stacked the same way:
+``lora_a`` ``(L,) + in_shape + (r,)`` and ``lora_b`` ``(L, r) + out_shape``.
+
 The forward pass is ``y = x·W (+ b) + s · (x·A)·B`` with ``s = alpha / r`` or ``alpha / sqrt(r)``
 (rsLoRA). In HF/PEFT terms ``lora_A.weight = A.reshape(in, r).T`` and ``lora_B.weight =
 B.reshape(r, out).T``. Because the adapter variables have their own type, the trainable state is
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 
 import jax
@@ -78,27 +82,38 @@ def _contract_trailing(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
 
 
 class LoRALinear(Linear):
-    """A :class:`Linear` with a low-rank update ``s · (x·A)·B`` (same ``kernel`` / ``bias`` variables)."""
+    """A :class:`Linear` with a low-rank update ``s · (x·A)·B`` (same ``kernel`` / ``bias`` variables).
+
+    ``stack``: the leading kernel dims beyond ``in_shape + out_shape`` (``(L,)`` on stacked layers, else ``()``),
+    which the adapters share."""
 
     def __init__(self, base: Linear, *, rank: int, scale: float, key: jax.Array):
         self.in_shape, self.out_shape, self.dtype = base.in_shape, base.out_shape, base.dtype
         self.kernel, self.bias = base.kernel, base.bias
-        axes = tuple(base.kernel.get_metadata().get("logical_axes") or (None,) * base.kernel[...].ndim)
-        n_in = len(self.in_shape)
-        fan_in = math.prod(self.in_shape)
-        bound = 1.0 / math.sqrt(fan_in)
-        dtype = base.kernel[...].dtype
-        a = jax.random.uniform(key, self.in_shape + (rank,), jnp.float32, -bound, bound).astype(dtype)
+        kernel = base.kernel[...]
+        axes = tuple(base.kernel.get_metadata().get("logical_axes") or (None,) * kernel.ndim)
+        lead = kernel.ndim - len(self.in_shape) - len(self.out_shape)
+        stack, n_in = tuple(kernel.shape[:lead]), lead + len(self.in_shape)
+        bound = 1.0 / math.sqrt(math.prod(self.in_shape))
+        a = jax.random.uniform(key, stack + self.in_shape + (rank,), jnp.float32, -bound, bound).astype(kernel.dtype)
         self.lora_a = LoRAParam(a, logical_axes=axes[:n_in] + ("lora_rank",))
-        self.lora_b = LoRAParam(jnp.zeros((rank,) + self.out_shape, dtype), logical_axes=("lora_rank",) + axes[n_in:])
+        self.lora_b = LoRAParam(jnp.zeros(stack + (rank,) + self.out_shape, kernel.dtype),
+                                logical_axes=axes[:lead] + ("lora_rank",) + axes[n_in:])
         self.scale = float(scale)
         self.lora_enabled = True
 
+    @property
+    def stack(self) -> tuple[int, ...]:
+        return tuple(self.kernel.shape[: self.kernel.ndim - len(self.in_shape) - len(self.out_shape)])
+
     def delta(self) -> jax.Array:
-        """``s · A @ B`` in the kernel's layout ``in_shape + out_shape`` (float32)."""
+        """``s · A @ B`` in the kernel's layout ``in_shape + out_shape`` (float32; per layer when stacked)."""
         a = self.lora_a[...].astype(jnp.float32)
         b = self.lora_b[...].astype(jnp.float32)
-        return self.scale * _contract_trailing(a, b, 1)
+        product = functools.partial(_contract_trailing, n=1)
+        for _ in self.stack:
+            product = jax.vmap(product)
+        return self.scale * product(a, b)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = super().__call__(x)

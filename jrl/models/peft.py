@@ -8,7 +8,8 @@ of tensors per adapted module, named by the HF module path with the adapter name
 - ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight``: ``[out, r]``
 
 so ``peft.PeftModel.from_pretrained(hf_model, out_dir)`` and vLLM's ``/v1/load_lora_adapter`` both
-load it. jrl's ``lora_a`` is ``in_shape + (r,)`` and ``lora_b`` is ``(r,) + out_shape`` (heads split),
+load it. jrl's ``lora_a`` is ``in_shape + (r,)`` and ``lora_b`` is ``(r,) + out_shape`` (heads split; one
+pair per layer of stacked layers),
 so ``lora_A = A.reshape(in, r).T`` and ``lora_B = B.reshape(r, out).T``, where ``in`` / ``out`` flatten
 the head dims in the order the HF weight mapping (:mod:`jrl.models.hf_mapping`) uses.
 
@@ -42,17 +43,21 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def _hf_modules(model: Transformer, layers: dict[str, LoRALinear]) -> dict[str, str]:
-    """jrl layer path (``layers.0.attn.q_proj``) -> HF module path (``model.layers.0.self_attn.q_proj``)."""
-    by_param = {e.jrl_path: e for e in export_entries(model.config, named_params(model))}
-    out = {}
-    for path in layers:
-        entry = by_param.get(f"{path}.kernel")
-        if (entry is None or entry.expert is not None or entry.rule.chunk is not None
-                or not isinstance(entry.rule.transform, hf_mapping.Linear) or not entry.hf_key.endswith(".weight")):
-            raise ValueError(f"save_peft_adapter: the LoRA layer {path} has no HF Linear module in the "
-                             f"{model.config.model_type} weight mapping, so it cannot be named in a PEFT adapter")
-        out[path] = entry.hf_key[: -len(".weight")]
+def _hf_modules(model: Transformer, layers: dict[str, LoRALinear]) -> list[tuple[str, LoRALinear, int | None]]:
+    """(HF module path, adapted layer, index on its stacked-layer axis or None) of every adapted HF module:
+    ``layers.0.attn.q_proj`` (or layer 0 of the stacked ``layers.attn.q_proj``) is
+    ``model.layers.0.self_attn.q_proj``."""
+    by_unit = {e.unit: e for e in export_entries(model.config, named_params(model))}
+    out = []
+    for path, layer in layers.items():
+        for index in range(layer.stack[0]) if layer.stack else (None,):
+            entry = by_unit.get((f"{path}.kernel", index))
+            if (entry is None or entry.expert is not None or entry.rule.chunk is not None
+                    or not isinstance(entry.rule.transform, hf_mapping.Linear)
+                    or not entry.hf_key.endswith(".weight")):
+                raise ValueError(f"save_peft_adapter: the LoRA layer {path} has no HF Linear module in the "
+                                 f"{model.config.model_type} weight mapping, so it cannot be named in a PEFT adapter")
+            out.append((entry.hf_key[: -len(".weight")], layer, index))
     return out
 
 
@@ -139,20 +144,19 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     rank, alpha, use_rslora = _adapter_hparams(layers, config)
     modules = _hf_modules(model, layers)
     tensors: list[tuple[str, tuple[int, ...], str]] = []
-    for path, layer in layers.items():
+    for module, layer, _ in modules:
         n_in, n_out = math.prod(layer.in_shape), math.prod(layer.out_shape)
-        tensors.append((f"{PEFT_PREFIX}{modules[path]}.lora_A.weight", (rank, n_in), save_dtype))
-        tensors.append((f"{PEFT_PREFIX}{modules[path]}.lora_B.weight", (n_out, rank), save_dtype))
+        tensors.append((f"{PEFT_PREFIX}{module}.lora_A.weight", (rank, n_in), save_dtype))
+        tensors.append((f"{PEFT_PREFIX}{module}.lora_B.weight", (n_out, rank), save_dtype))
 
     target = np.dtype(jnp.dtype(save_dtype))
 
     def arrays():
-        for layer in layers.values():
+        for _, layer, index in modules:
             n_in = math.prod(layer.in_shape)
-            a = to_host(layer.lora_a.get_value())
-            b = to_host(layer.lora_b.get_value())
-            yield np.ascontiguousarray(a.reshape(n_in, rank).T.astype(target))
-            yield np.ascontiguousarray(b.reshape(rank, -1).T.astype(target))
+            a, b = (v.get_value() if index is None else v.get_value()[index] for v in (layer.lora_a, layer.lora_b))
+            yield np.ascontiguousarray(to_host(a).reshape(n_in, rank).T.astype(target))
+            yield np.ascontiguousarray(to_host(b).reshape(rank, -1).T.astype(target))
 
     targets = sorted({path.rsplit(".", 1)[-1] for path in layers})
     base = base_model_name_or_path if base_model_name_or_path is not None else getattr(model, "source_dir", None)

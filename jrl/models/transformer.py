@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +26,13 @@ from jrl.models.layers import (
     positions_from_mask,
     positions_from_segments,
 )
-from jrl.models.remat import remat_layer
+from jrl.models.remat import remat
 from jrl.sharding.rules import logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
 _KV_CACHE = ("batch", None, "kv_heads", "head_dim")
+#: Logical name of the leading axis of stacked layer parameters (and of a stacked KV cache).
+LAYER_AXIS = "layers"
 
 
 def _freeze_rules(rules: Mapping | None):
@@ -59,8 +63,38 @@ class DecoderLayer(nnx.Module):
         return out if cache is None else (out, cache)
 
 
-def _run_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, mask: AttentionMask) -> jax.Array:
-    return layer(x, positions, mask)
+def _layer_step(graphdef: nnx.GraphDef) -> Callable:
+    """``step(state, x, positions, mask)``: the layer ``graphdef`` with parameters ``state`` applied to x (a pure
+    function, for ``jax.checkpoint`` and ``jax.lax.scan``)."""
+
+    def step(state, x, positions, mask):
+        return nnx.merge(graphdef, state)(x, positions, mask)
+
+    return step
+
+
+def stack_layers(layers: Sequence[DecoderLayer]) -> DecoderLayer:
+    """One :class:`DecoderLayer` holding ``layers`` (all of one structure): every parameter gets a leading
+    layer axis with the logical name ``"layers"`` (replicated by the default sharding rules)."""
+    graphdef, first = nnx.split(layers[0])
+    states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
+    return _relabel(nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)),
+                    lambda axes: (LAYER_AXIS, *axes))
+
+
+def unstack_layers(stacked: DecoderLayer, num_layers: int) -> list[DecoderLayer]:
+    """The separate layers of a :func:`stack_layers` module (slices of its parameters: one copy of them)."""
+    graphdef, state = nnx.split(stacked)
+    return [_relabel(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)), lambda axes: axes[1:])
+            for i in range(num_layers)]
+
+
+def _relabel(module: nnx.Module, fn: Callable) -> nnx.Module:
+    """``module`` with every parameter's ``logical_axes`` replaced by ``fn(logical_axes)``."""
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param):
+            var.set_metadata(logical_axes=fn(tuple(var.get_metadata()["logical_axes"])))
+    return module
 
 
 class Transformer(nnx.Module):
@@ -72,7 +106,10 @@ class Transformer(nnx.Module):
     cumsum of the mask minus one, restarting per segment with ``segment_ids``, else ``arange(S)``. A row's
     real tokens are one run (left and/or right padding; the GPU attention kernel relies on it) and each
     packed document is one run; the sliding window counts indices, which within a run are the positions.
-    Layers run under ``config.remat`` (:mod:`jrl.models.remat`) in a differentiated forward.
+    Layers run under ``config.remat`` (:mod:`jrl.models.remat`) in a differentiated forward. With
+    ``config.stacked_layers`` ``layers`` is one :class:`DecoderLayer` whose parameters carry a leading layer
+    axis (:func:`stack_layers`) and the forward and the decode are a ``jax.lax.scan`` over it (one compiled
+    layer body whatever the depth); otherwise ``layers`` is a list run in a Python loop.
 
     ``mesh`` (optional) turns on activation sharding constraints at block boundaries with ``rules``
     (defaults to :data:`jrl.sharding.rules.DEFAULT_RULES`). ``source_dir`` remembers the HF directory the
@@ -88,8 +125,8 @@ class Transformer(nnx.Module):
         self.source_dir = source_dir
         self.embed = Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                            init_std=c.initializer_range, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(c, i, rngs=rngs, mesh=mesh, rules=self.rules) for i in range(c.num_hidden_layers)])
+        layers = [DecoderLayer(c, i, rngs=rngs, mesh=mesh, rules=self.rules) for i in range(c.num_hidden_layers)]
+        self.layers = stack_layers(layers) if c.stacked_layers else nnx.List(layers)
         self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(
             (c.hidden_size,), (c.vocab_size,), in_axes=("embed",), out_axes=("vocab",), dtype=c.dtype,
@@ -147,12 +184,9 @@ class Transformer(nnx.Module):
                 raise ValueError(f"return_layers={list(return_layers)} has indices outside [0, {num_layers}]")
         depth = num_layers if wanted is None else max(wanted, default=0)
         positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask)
-        x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
-        collected = [x]
-        run = remat_layer(_run_layer, self.config.remat)
-        for layer in self.layers[:depth]:
-            x = run(layer, x, positions, mask)
-            collected.append(x)
+        embedded = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
+        x, outputs = self._run_layers(embedded, positions, mask, depth, collect=return_layers is not False)
+        collected = [embedded, *outputs]
         if depth < num_layers:  # only intermediate layers were asked for
             return x, tuple(collected[i] for i in wanted)
         final = self.final_norm(x)
@@ -163,7 +197,46 @@ class Transformer(nnx.Module):
             return final, tuple(collected)
         return final, tuple(collected[i] for i in wanted)
 
+    def _run_layers(self, x: jax.Array, positions: jax.Array, mask: AttentionMask, depth: int, *,
+                    collect: bool) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The first ``depth`` layers applied to ``x``: (output, every layer's output when ``collect``)."""
+        if depth == 0:
+            return x, ()
+        remat_name = self.config.remat
+        if not self.config.stacked_layers:
+            outputs = []
+            for layer in self.layers[:depth]:
+                graphdef, state = nnx.split(layer)
+                x = remat(_layer_step(graphdef), remat_name)(state, x, positions, mask)
+                outputs.append(x)
+            return x, tuple(outputs) if collect else ()
+        graphdef, state = nnx.split(self.layers)
+        if depth < self.config.num_hidden_layers:
+            state = jax.tree.map(lambda a: a[:depth], state)
+        step = remat(_layer_step(graphdef), remat_name, prevent_cse=False)  # scan already keeps CSE away
+
+        def body(h, layer_state):
+            h = step(layer_state, h, positions, mask)
+            return h, h if collect else None
+
+        x, stacked = jax.lax.scan(body, x, state)
+        return x, tuple(stacked[i] for i in range(depth)) if collect else ()
+
     # ------------------------------------------------------------------ decoding with a KV cache
+    def unstacked(self) -> Transformer:
+        """This model with its layers as separate modules (a new module sharing every other parameter; the
+        layer parameters are sliced, one copy of them), or the model itself when its layers are not stacked.
+
+        The samplers decode on it: a decode step over stacked layers slices every layer's weights out of the
+        stack on every token (3x slower on an H100 when scanned, ``benchmarks/RESULTS.md``); this copies
+        them once per generation."""
+        if not self.config.stacked_layers:
+            return self
+        view = nnx.merge(*nnx.split(self))
+        view.layers = nnx.List(unstack_layers(self.layers, self.config.num_hidden_layers))
+        view.config = dataclasses.replace(self.config, scan_layers=False)
+        return view
+
     def init_cache(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
         """An empty (zero) KV cache of ``max_len`` slots per layer, in the compute dtype, batch-sharded."""
         c = self.config
@@ -172,7 +245,7 @@ class Transformer(nnx.Module):
         def zeros():
             return constrain(jnp.zeros(shape, c.dtype), _KV_CACHE, self.mesh, self.rules)
 
-        return tuple(KVCache(zeros(), zeros()) for _ in self.layers)
+        return tuple(KVCache(zeros(), zeros()) for _ in range(c.num_hidden_layers))
 
     def decode(self, input_ids: jax.Array, positions: jax.Array, key_mask: jax.Array | None,
                cache: tuple[KVCache, ...], cache_index: jax.Array | int, *,
@@ -183,17 +256,21 @@ class Transformer(nnx.Module):
 
         Prefill is one call over the whole left-padded prompt at slot 0; decoding is one call per token.
         An explicit ``mask`` [B, T, S_max] (query, cache slot) replaces the mask built from ``key_mask``
-        (which may then be None), sliding window included."""
-        t = input_ids.shape[1]
+        (which may then be None), sliding window included.
+
+        The layers run one by one (stacked layers are sliced per call: a decoding loop runs on
+        :meth:`unstacked`, which slices them once)."""
+        t, slots = input_ids.shape[1], cache[0].k.shape[1]
         if mask is None:
             query_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
             mask = cache_attention_mask(key_mask, query_slots, positions, sliding_window=self.config.sliding_window)
-        elif mask.shape != (input_ids.shape[0], t, cache[0].k.shape[1]):
+        elif mask.shape != (input_ids.shape[0], t, slots):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, tokens, cache slots) = "
-                             f"{(input_ids.shape[0], t, cache[0].k.shape[1])}")
+                             f"{(input_ids.shape[0], t, slots)}")
         x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
+        layers = self.unstacked().layers
         new_cache = []
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
+        for layer, layer_cache in zip(layers, cache, strict=True):
             x, layer_cache = layer(x, positions, mask, layer_cache, cache_index)
             new_cache.append(layer_cache)
         return self.final_norm(x), tuple(new_cache)
@@ -242,19 +319,56 @@ def place(host: np.ndarray, logical_axes, mesh=None, rules: Mapping | None = Non
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
+def place_stacked(layers: Sequence[jax.Array], logical_axes, mesh=None, rules: Mapping | None = None) -> jax.Array:
+    """Stack per-layer arrays (each placed by :func:`place` with ``logical_axes[1:]``) on a new leading axis,
+    on the devices that hold them (the layer axis is replicated, so no data moves between devices)."""
+    if mesh is None:
+        return jnp.stack(layers)
+    sharding = logical_sharding(logical_axes, mesh, rules, (len(layers), *layers[0].shape))
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
+
+
 def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mapping | None = None) -> Transformer:
     """A randomly initialised :class:`Transformer`: normal(0, ``initializer_range``) weights, unit norm
-    scales, zero biases. Parameters are drawn one at a time on the host (numpy, seeded by ``(seed, index)``,
-    so the values do not depend on the mesh) and placed sharded by their logical axes when ``mesh`` is given."""
+    scales, zero biases. Parameters are drawn one at a time (one layer at a time) on the host (numpy, seeded by
+    ``(seed, index)``, so the values depend neither on the mesh nor on ``scan_layers``) and placed sharded by
+    their logical axes when ``mesh`` is given."""
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
-    for i, (path, var) in enumerate(sorted(named_params(model).items())):
+    params = named_params(model)
+    units = param_units(config, params)
+    by_name = sorted(units, key=lambda unit: unit_name(*unit))  # the same values stacked or not
+    placed: dict[str, list[jax.Array]] = {}
+    for i, (path, layer) in enumerate(by_name):
+        var, shape = params[path], units[path, layer]
         dtype = np.dtype(jnp.dtype(var.dtype))
         if path.endswith(".scale"):
-            host = np.ones(var.shape, dtype)
+            host = np.ones(shape, dtype)
         elif path.endswith(".bias"):
-            host = np.zeros(var.shape, dtype)
+            host = np.zeros(shape, dtype)
         else:
             rng = np.random.default_rng([seed, i])
-            host = (rng.standard_normal(var.shape, dtype=np.float32) * config.initializer_range).astype(dtype)
-        var.set_value(place(host, var.logical_axes, mesh, rules))
+            host = (rng.standard_normal(shape, dtype=np.float32) * config.initializer_range).astype(dtype)
+        if layer is None:
+            var.set_value(place(host, var.logical_axes, mesh, rules))
+        else:
+            placed.setdefault(path, [None] * var.shape[0])[layer] = place(host, var.logical_axes[1:], mesh, rules)
+    for path, layers in placed.items():
+        params[path].set_value(place_stacked(layers, params[path].logical_axes, mesh, rules))
     return model
+
+
+def param_units(config: ModelConfig, params: Mapping[str, nnx.Variable]) -> dict[tuple[str, int | None], tuple]:
+    """{(parameter path, layer): shape} of the per-layer parts of a model's parameters: each layer of a
+    stacked-layer parameter, every other parameter whole (layer ``None``)."""
+    out = {}
+    for path, var in params.items():
+        if config.stacked_layers and path.startswith("layers."):
+            out.update({(path, i): tuple(var.shape[1:]) for i in range(var.shape[0])})
+        else:
+            out[path, None] = tuple(var.shape)
+    return out
+
+
+def unit_name(path: str, layer: int | None) -> str:
+    """The parameter path a unit of :func:`param_units` has in an unstacked model (``layers.3.attn...``)."""
+    return path if layer is None else path.replace("layers.", f"layers.{layer}.", 1)

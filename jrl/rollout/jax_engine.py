@@ -58,7 +58,7 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
     (the last iteration's decode is unused: one extra decode step instead of a branch in the loop)."""
     p = program
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state).unstacked()  # layer weights sliced once, not on every token
     rules = dict(p.rules) if p.rules is not None else None
     n, prompt_len = prompt_ids.shape
     max_len = prompt_len + p.max_new_tokens

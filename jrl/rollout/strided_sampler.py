@@ -70,7 +70,7 @@ def _window(mask, q_position, k_position, sliding_window):
 @functools.partial(jax.jit, static_argnames=("graphdef", "program"))
 def _sample(graphdef, state, doc_ids, anchor, key, temperature, top_p, *, program):
     p = program
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state).unstacked()  # layer weights sliced once, not on every step
     window = model.config.sliding_window
     b, s = doc_ids.shape
     num, g, n = anchor.shape[1], p.generate_len, p.num_samples

@@ -32,6 +32,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "expert_mlp": "tensor",
     "norm": None,
     "lora_rank": None,
+    "layers": None,
 }
 
 

@@ -47,10 +47,15 @@ class ModelSpec:
     """Attention implementation (``auto``, ``reference``, ``xla``, ``cudnn``, ``splash``): ``auto`` takes
     cuDNN flash attention on an NVIDIA GPU, splash attention on TPU, and on CPU the dense path for short
     rows and the blocked one (memory O(block²)) for long rows."""
-    remat: str = "none"
-    """Recompute in the backward instead of keeping, per decoder layer: ``none`` (fastest; a 1B model's
-    step at 4 x 4096 tokens fits an 80 GB GPU without remat, benchmarks/RESULTS.md), ``full``,
+    remat: str = "auto"
+    """Recompute in the backward instead of keeping, per decoder layer: ``auto`` (on a GPU/TPU
+    ``dots_with_no_batch_dims_saveable``, which keeps only the weight matmuls' outputs: on an H100 both
+    faster and smaller than keeping everything, benchmarks/RESULTS.md; ``none`` on CPU), ``none``, ``full``,
     ``dots_saveable``, ``dots_with_no_batch_dims_saveable``, ``offload_dots_with_no_batch_dims``."""
+    scan_layers: bool = True
+    """Keep the decoder layers stacked and run them with ``jax.lax.scan``: one compiled layer body, so the first
+    step compiles in about the same time at any depth. Models whose layers differ (Qwen3-MoE with dense
+    ``mlp_only_layers``) always run unrolled. ``False`` unrolls a Python loop over separate layers."""
 
     def __post_init__(self):
         check_choice(self, "dtype", DTYPES)

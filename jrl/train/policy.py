@@ -43,8 +43,8 @@ def load_policy(cfg) -> Policy:
     mesh = make_mesh(cfg.mesh) if jax.device_count() > 1 else None
     rules = cfg.mesh.logical_rules()
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
-                            rules=rules, attention=cfg.model.attention,
-                            remat=cfg.model.remat)
+                            rules=rules, attention=cfg.model.attention, remat=cfg.model.remat,
+                            scan_layers=cfg.model.scan_layers)
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -136,3 +137,15 @@ def jrl_hidden(model, ids):
     global _FNS
     _FNS = _FNS or _jitted()
     return _FNS[1](model, jnp.asarray(ids))
+
+
+def layer_param(model, path: str) -> np.ndarray:
+    """A jrl parameter by its per-layer path (``layers.0.attn.q_proj.kernel``) as numpy, whether the model keeps
+    its layers unrolled or stacked (then it is layer 0 of ``layers.attn.q_proj.kernel``)."""
+    from jrl.models import named_params
+
+    params = named_params(model)
+    if path in params:
+        return np.asarray(params[path][...])
+    layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", path).groups()
+    return np.asarray(params[f"layers.{rest}"][...][int(layer)])

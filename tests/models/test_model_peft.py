@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_testlib import hf_logits
+from model_testlib import hf_logits, layer_param
 
 from jrl.models import from_pretrained, named_params, save_peft_adapter
 from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, lora_disabled, lora_layers
@@ -109,8 +109,7 @@ def test_key_format_and_layouts_match_peft_save(hf_checkpoints, tmp_path):
     for name, module in pm.named_modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
             jrl_path = name.removeprefix("base_model.model.model.").replace("self_attn", "attn")
-            layer = lora_layers(model)[jrl_path]
-            a, b = np.asarray(layer.lora_a[...]), np.asarray(layer.lora_b[...])
+            a, b = layer_param(model, f"{jrl_path}.lora_a"), layer_param(model, f"{jrl_path}.lora_b")
             with torch.no_grad():
                 module.lora_A["default"].weight.copy_(torch.from_numpy(a.reshape(-1, 3).T.copy()))
                 module.lora_B["default"].weight.copy_(torch.from_numpy(b.reshape(3, -1).T.copy()))

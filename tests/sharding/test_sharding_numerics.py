@@ -39,28 +39,29 @@ def test_parameters_placed_as_the_rules_say(result, case):
         assert all(all(a is None for a in s) for s in specs.values())
         return
     # Spot checks against DEFAULT_RULES: embed -> fsdp, heads/mlp/vocab -> tensor, expert -> expert.
-    q = "layers.0.attn.q_proj.kernel"  # [H=32, N=4, D=8] ("embed", "heads", "head_dim")
+    # Layers are stacked (one layer here): a leading replicated "layers" axis of size 1.
+    q = "layers.attn.q_proj.kernel"  # [1, H=32, N=4, D=8] ("layers", "embed", "heads", "head_dim")
     emb = "embed.embedding"  # [V=64, H=32] ("vocab", "embed")
     assert specs["final_norm.scale"] == [None]
     if mesh_name == "fsdp8":
-        assert specs[q] == ["fsdp", None, None] and shapes[q] == [[4, 4, 8]]
+        assert specs[q] == [None, "fsdp", None, None] and shapes[q] == [[1, 4, 4, 8]]
         assert specs[emb] == [None, "fsdp"] and shapes[emb] == [[64, 4]]
     if mesh_name == "data2_fsdp2_tensor2":
-        assert specs[q] == ["fsdp", "tensor", None] and shapes[q] == [[16, 2, 8]]
+        assert specs[q] == [None, "fsdp", "tensor", None] and shapes[q] == [[1, 16, 2, 8]]
         assert specs[emb] == ["tensor", "fsdp"] and shapes[emb] == [[32, 16]]
         assert specs["lm_head.kernel"] == ["fsdp", "tensor"]
     if model == "moe":
-        gate = "layers.0.mlp.experts.gate_proj"  # [E=4, H=32, I=16] ("expert", "embed", "expert_mlp")
-        down = "layers.0.mlp.experts.down_proj"  # [E, I, H]
-        want = {"fsdp8": ([None, "fsdp", None], [4, 4, 16]),
-                "data2_fsdp2_tensor2": ([None, "fsdp", "tensor"], [4, 16, 8]),
-                "expert4_fsdp2": (["expert", "fsdp", None], [1, 16, 16])}[mesh_name]
+        gate = "layers.mlp.experts.gate_proj"  # [1, E=4, H=32, I=16] ("layers", "expert", "embed", "expert_mlp")
+        down = "layers.mlp.experts.down_proj"  # [1, E, I, H]
+        want = {"fsdp8": ([None, None, "fsdp", None], [1, 4, 4, 16]),
+                "data2_fsdp2_tensor2": ([None, None, "fsdp", "tensor"], [1, 4, 16, 8]),
+                "expert4_fsdp2": ([None, "expert", "fsdp", None], [1, 1, 16, 16])}[mesh_name]
         assert specs[gate] == want[0] and shapes[gate] == [want[1]]
         if mesh_name == "expert4_fsdp2":
-            assert specs[down] == ["expert", None, "fsdp"]
+            assert specs[down] == [None, "expert", None, "fsdp"]
     else:
-        up = "layers.0.mlp.up_proj.kernel"  # [H, I] ("embed", "mlp")
-        assert specs[up] == {"fsdp8": ["fsdp", None], "data2_fsdp2_tensor2": ["fsdp", "tensor"]}[mesh_name]
+        up = "layers.mlp.up_proj.kernel"  # [1, H, I] ("layers", "embed", "mlp")
+        assert specs[up] == {"fsdp8": [None, "fsdp", None], "data2_fsdp2_tensor2": [None, "fsdp", "tensor"]}[mesh_name]
 
 
 @pytest.mark.parametrize("case", CASES)

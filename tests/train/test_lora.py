@@ -54,12 +54,12 @@ def test_merge_equals_adapted_forward(use_rslora):
     ref = model(_ids(1))
     np.testing.assert_allclose(np.asarray(merged(_ids(1))), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
     # The merged q kernel is W + s * A @ B with PEFT's layout convention.
-    q = model.layers[0].attn.q_proj
-    a = np.asarray(q.lora_a[...]).reshape(32, 4)
-    b = np.asarray(q.lora_b[...]).reshape(4, -1)
-    want = np.asarray(q.kernel[...]).reshape(32, -1) + layer.scale * a @ b
-    np.testing.assert_allclose(np.asarray(merged.layers[0].attn.q_proj.kernel[...]).reshape(32, -1), want, rtol=1e-5,
-                               atol=1e-6)
+    q = model.layers.attn.q_proj  # stacked layers: layer 0 of each parameter
+    a = np.asarray(q.lora_a[...][0]).reshape(32, 4)
+    b = np.asarray(q.lora_b[...][0]).reshape(4, -1)
+    want = np.asarray(q.kernel[...][0]).reshape(32, -1) + layer.scale * a @ b
+    np.testing.assert_allclose(np.asarray(merged.layers.attn.q_proj.kernel[...][0]).reshape(32, -1), want,
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_only_adapters_train_and_reference_is_base():

@@ -3,7 +3,9 @@
 ``from_pretrained`` builds the module abstractly (no random weights are ever allocated), checks every key
 and shape of the checkpoint against the family's mapping table before reading any data, then streams the
 tensors one by one (expert tensors are assembled expert by expert into one preallocated array) and places
-each parameter, sharded by its logical axes when a mesh is given.
+each parameter, sharded by its logical axes when a mesh is given. A stacked-layer parameter
+(``ModelConfig.stacked_layers``) is placed layer by layer and stacked on the devices, and exported layer by
+layer, so the host never holds more than one layer of it.
 
 ``save_pretrained`` writes config.json, safetensors shards (+ ``model.safetensors.index.json``) and the
 tokenizer files of the source checkpoint into a temp directory that is renamed into place at the end. The

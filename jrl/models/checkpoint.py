@@ -36,7 +36,7 @@ from flax import nnx
 from jrl.models import hf_mapping
 from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
-from jrl.models.transformer import Transformer, named_params, param_units, place, place_stacked
+from jrl.models.transformer import Transformer, named_params, param_units, unit_placer
 from jrl.sharding.placement import to_host
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -331,23 +331,14 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     for t in tasks:
         pending[t.entry.unit] += 1
     buffers: dict[tuple[str, int | None], np.ndarray] = {}
-    placed_layers: dict[str, list[jax.Array | None]] = {}
+    place_unit = unit_placer(params, mesh, rules)
     total = sum(t.nbytes for t in tasks)
     by_file: dict[Path, list[_Task]] = defaultdict(list)
     for t in tasks:
         by_file[t.file].append(t)
 
     def put(unit: tuple[str, int | None], value: np.ndarray):
-        """Place one unit; a stacked parameter is stacked on the devices once its last layer is placed."""
-        (path, layer), var = unit, params[unit[0]]
-        host = np.asarray(value).astype(target, order="K", copy=False)
-        if layer is None:
-            var.set_value(place(host, var.logical_axes, mesh, rules))
-            return
-        placed = placed_layers.setdefault(path, [None] * var.shape[0])
-        placed[layer] = place(host, var.logical_axes[1:], mesh, rules)
-        if all(p is not None for p in placed):
-            var.set_value(place_stacked(placed_layers.pop(path), var.logical_axes, mesh, rules))
+        place_unit(unit, np.asarray(value).astype(target, order="K", copy=False))
 
     with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
         for file, file_tasks in by_file.items():

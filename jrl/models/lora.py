@@ -92,8 +92,8 @@ class LoRALinear(Linear):
         self.kernel, self.bias = base.kernel, base.bias
         kernel = base.kernel[...]
         axes = tuple(base.kernel.get_metadata().get("logical_axes") or (None,) * kernel.ndim)
-        lead = kernel.ndim - len(self.in_shape) - len(self.out_shape)
-        stack, n_in = tuple(kernel.shape[:lead]), lead + len(self.in_shape)
+        stack = self.stack
+        lead, n_in = len(stack), len(stack) + len(self.in_shape)
         bound = 1.0 / math.sqrt(math.prod(self.in_shape))
         a = jax.random.uniform(key, stack + self.in_shape + (rank,), jnp.float32, -bound, bound).astype(kernel.dtype)
         self.lora_a = LoRAParam(a, logical_axes=axes[:n_in] + ("lora_rank",))

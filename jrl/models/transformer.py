@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from jrl.sharding.rules import logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
 _KV_CACHE = ("batch", None, "kv_heads", "head_dim")
-#: Logical name of the leading axis of stacked layer parameters (and of a stacked KV cache).
+#: Logical name of the leading axis of stacked layer parameters.
 LAYER_AXIS = "layers"
 
 
@@ -108,8 +107,9 @@ class Transformer(nnx.Module):
     packed document is one run; the sliding window counts indices, which within a run are the positions.
     Layers run under ``config.remat`` (:mod:`jrl.models.remat`) in a differentiated forward. With
     ``config.stacked_layers`` ``layers`` is one :class:`DecoderLayer` whose parameters carry a leading layer
-    axis (:func:`stack_layers`) and the forward and the decode are a ``jax.lax.scan`` over it (one compiled
-    layer body whatever the depth); otherwise ``layers`` is a list run in a Python loop.
+    axis (:func:`stack_layers`) and the forward is a ``jax.lax.scan`` over it (one compiled layer body
+    whatever the depth); otherwise ``layers`` is a list run in a Python loop. Decoding always runs the layers
+    one by one (:meth:`decode`, :meth:`unstacked`).
 
     ``mesh`` (optional) turns on activation sharding constraints at block boundaries with ``rules``
     (defaults to :data:`jrl.sharding.rules.DEFAULT_RULES`). ``source_dir`` remembers the HF directory the
@@ -319,13 +319,32 @@ def place(host: np.ndarray, logical_axes, mesh=None, rules: Mapping | None = Non
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def place_stacked(layers: Sequence[jax.Array], logical_axes, mesh=None, rules: Mapping | None = None) -> jax.Array:
+def _stack_on_devices(layers: Sequence[jax.Array], logical_axes, mesh, rules) -> jax.Array:
     """Stack per-layer arrays (each placed by :func:`place` with ``logical_axes[1:]``) on a new leading axis,
     on the devices that hold them (the layer axis is replicated, so no data moves between devices)."""
     if mesh is None:
         return jnp.stack(layers)
     sharding = logical_sharding(logical_axes, mesh, rules, (len(layers), *layers[0].shape))
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
+
+
+def unit_placer(params: Mapping[str, nnx.Variable], mesh=None, rules: Mapping | None = None) -> Callable:
+    """``put((path, layer), host)``: places one unit of :func:`param_units` from a host array. A whole
+    parameter is set at once; a stacked-layer parameter is placed layer by layer and set, stacked on the
+    devices, when its last layer arrives (the host never holds more than one layer of it)."""
+    pending: dict[str, list[jax.Array | None]] = {}
+
+    def put(unit: tuple[str, int | None], host: np.ndarray) -> None:
+        (path, layer), var = unit, params[unit[0]]
+        if layer is None:
+            var.set_value(place(host, var.logical_axes, mesh, rules))
+            return
+        placed = pending.setdefault(path, [None] * var.shape[0])
+        placed[layer] = place(host, var.logical_axes[1:], mesh, rules)
+        if all(p is not None for p in placed):
+            var.set_value(_stack_on_devices(pending.pop(path), var.logical_axes, mesh, rules))
+
+    return put
 
 
 def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mapping | None = None) -> Transformer:
@@ -337,10 +356,10 @@ def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mappin
     params = named_params(model)
     units = param_units(config, params)
     by_name = sorted(units, key=lambda unit: unit_name(*unit))  # the same values stacked or not
-    placed: dict[str, list[jax.Array]] = {}
+    put = unit_placer(params, mesh, rules)
     for i, (path, layer) in enumerate(by_name):
-        var, shape = params[path], units[path, layer]
-        dtype = np.dtype(jnp.dtype(var.dtype))
+        shape = units[path, layer]
+        dtype = np.dtype(jnp.dtype(params[path].dtype))
         if path.endswith(".scale"):
             host = np.ones(shape, dtype)
         elif path.endswith(".bias"):
@@ -348,12 +367,7 @@ def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mappin
         else:
             rng = np.random.default_rng([seed, i])
             host = (rng.standard_normal(shape, dtype=np.float32) * config.initializer_range).astype(dtype)
-        if layer is None:
-            var.set_value(place(host, var.logical_axes, mesh, rules))
-        else:
-            placed.setdefault(path, [None] * var.shape[0])[layer] = place(host, var.logical_axes[1:], mesh, rules)
-    for path, layers in placed.items():
-        params[path].set_value(place_stacked(layers, params[path].logical_axes, mesh, rules))
+        put((path, layer), host)
     return model
 
 

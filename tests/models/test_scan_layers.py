@@ -16,6 +16,7 @@ from model_testlib import VOCAB
 
 from jrl.models import from_pretrained, merge_lora, named_params, save_peft_adapter, save_pretrained
 from jrl.models.lora import LoraConfig, apply_lora, lora_layers
+from jrl.models.transformer import unit_name
 
 RTOL = 1e-5
 
@@ -31,7 +32,7 @@ def _per_layer(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for path, value in tree.items():
         if path.startswith("layers.") and not re.match(r"layers\.\d+\.", path):
-            out.update({path.replace("layers.", f"layers.{i}.", 1): v for i, v in enumerate(value)})
+            out.update({unit_name(path, i): v for i, v in enumerate(value)})
         else:
             out[path] = value
     return out

@@ -1,12 +1,17 @@
-"""The embedded sampler (``JaxRolloutEngine.generate``) against the memory-bandwidth limit of the GPU.
+"""The embedded sampler (``JaxRolloutEngine.generate``) against the memory-bandwidth limit of the GPU, and
+transformers ``generate`` on the same work.
 
 Random-weight model of a benchmark shape (``train_step_vs_torch.SHAPES``) in bf16; ``--rows`` rows of
-``--prompt`` left-padded prompt tokens, ``--new`` new tokens each (no stop token, so every row runs to the
-end), temperature 1. Reported: median wall time of a ``generate`` call after a compiling one, generated
-tokens/s, and the bandwidth limit: every decode step reads all weights once plus the KV cache written so
-far, at ``--bandwidth-tbs``.
+``--prompt`` prompt tokens, ``--new`` new tokens each, temperature 1, no top-k / top-p. Without
+``--stop-fraction`` no row stops early, so every row runs to the end. With it the first
+``fraction * vocab`` token ids are stop tokens: on a random model (near-uniform next-token distribution)
+each row stops at each step with about that probability, so completion lengths are ragged (reported:
+mean length and the share of rows that stopped). Reported: median wall time of a call after a compiling
+one, generated tokens/s (slots up to each row's stop), and the bandwidth limit: every decode step reads all
+weights once plus the KV cache written so far, at ``--bandwidth-tbs``.
 
     python benchmarks/sampler.py --shape llama1b --rows 64 --prompt 128 --new 256 --out results.jsonl
+    python benchmarks/sampler.py --backend transformers --rows 64 --prompt 128 --new 256
 """
 
 from __future__ import annotations
@@ -30,49 +35,95 @@ def bandwidth_limit_s(cfg, rows: int, prompt: int, new: int, tbs: float) -> floa
     return (new * weights + cache) / (tbs * 1e12)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--lora", action="store_true", help="rank-16 LoRA on every projection")
-    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--bandwidth-tbs", type=float, default=3.35, help="HBM bandwidth in TB/s (H100 SXM: 3.35)")
-    ap.add_argument("--out", default=None, help="append one JSON line here")
-    args = ap.parse_args()
-
+def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float]:
+    """Wall times of ``reps + 1`` generate calls (the first compiles) and the mean completion length."""
     import jax
-    import numpy as np
 
-    from jrl.models.config import ModelConfig
     from jrl.models.lora import LoraConfig, apply_lora
     from jrl.models.transformer import create_model
     from jrl.rollout.base import SamplingParams
     from jrl.rollout.jax_engine import JaxRolloutEngine
 
-    cfg = ModelConfig(**SHAPES[args.shape], dtype="bfloat16", param_dtype="bfloat16", scan_layers=args.scan_layers)
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, cfg.vocab_size, args.prompt).tolist() for _ in range(args.rows)]
-    params = SamplingParams(max_new_tokens=args.new, temperature=1.0)
-    times = []
+    params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
+    times, lengths = [], []
     for rep in range(args.reps + 1):
         t0 = time.perf_counter()
         out = engine.generate(prompts, params, num_generations=1, seed=rep)
         jax.block_until_ready(out.completion_ids)
         times.append(time.perf_counter() - t0)
+        lengths.append(float(out.completion_mask.sum(axis=1).mean()))
+    return times, statistics.mean(lengths[1:])
+
+
+def run_transformers(args, shape, prompts) -> tuple[list[float], float]:
+    """The same for transformers ``generate`` (sampling, every row to ``--new`` tokens)."""
+    import torch
+    from train_step_vs_torch import hf_model
+
+    model = hf_model(shape, args.prompt + args.new).eval()
+    ids = torch.tensor(prompts, device="cuda")
+    times = []
+    for rep in range(args.reps + 1):
+        torch.manual_seed(rep)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, float(args.new)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
+    ap.add_argument("--backend", choices=("jrl", "transformers"), default="jrl")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--lora", action="store_true", help="rank-16 LoRA on every projection (jrl)")
+    ap.add_argument("--stop-fraction", type=float, default=0.0,
+                    help="share of the vocabulary that stops a row (ragged lengths; jrl)")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--bandwidth-tbs", type=float, default=3.35, help="HBM bandwidth in TB/s (H100 SXM: 3.35)")
+    ap.add_argument("--out", default=None, help="append one JSON line here")
+    args = ap.parse_args()
+
+    import numpy as np
+
+    from jrl.models.config import ModelConfig
+
+    shape = SHAPES[args.shape]
+    cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", scan_layers=args.scan_layers)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, args.prompt).tolist() for _ in range(args.rows)]
+    stop_ids = tuple(range(1, 1 + round(args.stop_fraction * cfg.vocab_size)))
+    if args.backend == "jrl":
+        import jax
+
+        times, mean_len = run_jrl(args, cfg, prompts, stop_ids)
+        device, versions = jax.local_devices()[0].device_kind, f"jax {jax.__version__}"
+    else:
+        import torch
+        import transformers
+
+        times, mean_len = run_transformers(args, shape, prompts)
+        device = torch.cuda.get_device_name()
+        versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     med = statistics.median(times[1:])
     limit = bandwidth_limit_s(cfg, args.rows, args.prompt, args.new, args.bandwidth_tbs)
-    report(dict(bench="sampler", shape=args.shape, rows=args.rows, prompt=args.prompt, new=args.new, lora=args.lora,
-                scan_layers=args.scan_layers, time_s=round(med, 4), tokens_per_s=round(args.rows * args.new / med),
-                limit_s=round(limit, 4), fraction_of_limit=round(limit / med, 3),
-                compile_s=round(times[0] - med, 2), device=jax.local_devices()[0].device_kind,
-                versions=f"jax {jax.__version__}", date=time.strftime("%Y-%m-%d")), args.out)
+    report(dict(bench="sampler", backend=args.backend, shape=args.shape, rows=args.rows, prompt=args.prompt,
+                new=args.new, lora=args.lora, stop_fraction=args.stop_fraction, mean_length=round(mean_len, 1),
+                scan_layers=args.scan_layers, time_s=round(med, 4),
+                tokens_per_s=round(args.rows * mean_len / med), limit_s=round(limit, 4),
+                fraction_of_limit=round(limit / med, 3), compile_s=round(times[0] - med, 2), device=device,
+                versions=versions, date=time.strftime("%Y-%m-%d")), args.out)
 
 
 if __name__ == "__main__":

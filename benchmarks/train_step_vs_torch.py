@@ -112,8 +112,8 @@ def run_jrl(args, shape: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- PyTorch
-def run_torch(args, shape: dict, compiled: bool) -> dict:
-    import numpy as np
+def hf_model(shape: dict, max_len: int):
+    """A random-weight transformers model of a benchmark shape in bf16 on the GPU (sdpa attention)."""
     import torch
     import transformers
 
@@ -121,12 +121,20 @@ def run_torch(args, shape: dict, compiled: bool) -> dict:
               intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
               num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
               head_dim=shape["head_dim"], rope_theta=shape["rope_theta"], tie_word_embeddings=True,
-              max_position_embeddings=max(4096, args.seq), attn_implementation="sdpa")
+              max_position_embeddings=max(4096, max_len), attn_implementation="sdpa")
     if shape["model_type"] == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
-    model = model.to("cuda", torch.bfloat16)
+    return model.to("cuda", torch.bfloat16)
+
+
+def run_torch(args, shape: dict, compiled: bool) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    model = hf_model(shape, args.seq)
     if args.mode == "lora":
         import peft
 

@@ -136,7 +136,8 @@ class ModelConfig:
     """Parameter storage dtype."""
     attention: str = "auto"
     """Attention implementation (:func:`jrl.kernels.attention.available_impls`); ``auto`` picks by backend.
-    Runtime only: not part of the HF config."""
+    A decode step's attention picks its own (:func:`jrl.kernels.attention.decode_attention`) unless this is
+    ``reference``, which makes it dense too. Runtime only: not part of the HF config."""
     remat: str = "auto"
     """Rematerialisation of each decoder layer in the backward (:data:`jrl.models.remat.REMAT_NAMES`; ``auto``
     saves only the weight matmuls' outputs on a GPU/TPU and everything on CPU).

@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from jrl.kernels.attention import AttentionMask, attention
+from jrl.kernels.attention import AttentionMask, attention, decode_attention
 from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.moe import gmm, permute, unpermute
 from jrl.models.config import ModelConfig, rope_inv_freq
-from jrl.sharding.rules import with_logical_constraint
+from jrl.sharding.rules import logical_to_spec, with_logical_constraint
 
 Axes = tuple[str | None, ...]
 
@@ -182,8 +183,9 @@ class Attention(nnx.Module):
 
     Split into :meth:`qkv` (projections, norms, rope at explicit positions) and the attention itself so a KV
     cache can be inserted between them. A full forward runs :func:`jrl.kernels.attention.attention` (the
-    implementation ``config.attention`` names) under a structured mask; decoding attends densely over the
-    cache (one query row per step).
+    implementation ``config.attention`` names) under a structured mask. A decode step (one query per row)
+    runs :func:`jrl.kernels.attention.decode_attention` (``auto``; the dense reference when
+    ``config.attention`` is ``reference``); a prefill of several tokens attends densely over the cache.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules=None):
@@ -226,7 +228,30 @@ class Attention(nnx.Module):
         there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (output, updated cache)."""
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)
-        return self.o_proj(attend_dense(q, cache.k, cache.v, mask, scale=q.shape[-1] ** -0.5)), cache
+        scale = q.shape[-1] ** -0.5
+        if x.shape[1] == 1:
+            out = self._attend_one(q[:, 0], cache, mask[:, 0], scale)[:, None]
+        else:
+            out = attend_dense(q, cache.k, cache.v, mask, scale=scale)
+        return self.o_proj(out), cache
+
+    def _attend_one(self, q: jax.Array, cache: KVCache, allowed: jax.Array, scale: float) -> jax.Array:
+        """A decode step's attention; on a multi-device mesh per shard of rows and heads (``shard_map``: a
+        kernel call is opaque to XLA's partitioner, which would otherwise gather the whole cache)."""
+        impl = "reference" if self.config.attention == "reference" else "auto"
+        attend = functools.partial(decode_attention, impl=impl, scale=scale)
+        if self.mesh is None or self.mesh.size == 1:
+            return attend(q, cache.k, cache.v, allowed)
+        rules = dict(self.rules) if self.rules is not None else None
+        q_spec = logical_to_spec(("batch", "heads"), self.mesh, rules, q.shape[:2])
+        kv_spec = logical_to_spec(("batch", None, "kv_heads"), self.mesh, rules, cache.k.shape[:3])
+        rows = q_spec[0] if len(q_spec) else None
+        heads = (q_spec[1] if len(q_spec) > 1 else None)
+        if heads != (kv_spec[2] if len(kv_spec) > 2 else None):
+            heads = None  # query and KV heads split differently: keep heads whole on every device
+        q_spec, kv_spec = P(rows, heads, None), P(rows, None, heads, None)
+        return jax.shard_map(attend, mesh=self.mesh, in_specs=(q_spec, kv_spec, kv_spec, P(rows, None)),
+                             out_specs=q_spec, check_vma=False)(q, cache.k, cache.v, allowed)
 
 
 class MLP(nnx.Module):

@@ -196,3 +196,15 @@ def merge_lora(model: Transformer) -> Transformer:
     if deltas:
         raise ValueError(f"merge_lora: adapters on {sorted(deltas)} have no matching base kernel")
     return plain
+
+
+def decoding_view(model: Transformer) -> Transformer:
+    """The model a sampler decodes with: layers unstacked (:meth:`Transformer.unstacked`) and, when its LoRA
+    adapters are on, the adapters merged into a copy of their kernels (:func:`merge_lora`), so a decode step
+    runs one matmul per projection with or without adapters. Built inside the sampler's jit, once per
+    generation: one copy of the layer weights (the unstacked view is one already)."""
+    view = model.unstacked()
+    adapters = lora_layers(view).values()
+    if adapters and all(layer.lora_enabled for layer in adapters):
+        return merge_lora(view)
+    return view

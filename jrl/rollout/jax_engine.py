@@ -1,13 +1,17 @@
 """The embedded JAX sampler (rollout backend ``jax``): batched generation with a KV cache in one jit.
 
 A call to :meth:`JaxRolloutEngine.generate` repeats each prompt ``num_generations`` times (rows
-``p*G .. p*G+G-1``), left-pads the prompts to a multiple of ``prompt_bucket`` tokens, and runs one jitted
-program: a prefill of the whole prompt batch into a fixed-size KV cache of ``prompt_len + max_new_tokens``
-slots per layer (:meth:`jrl.models.Transformer.decode`), then a ``lax.while_loop`` that samples a token,
+``p*G .. p*G+G-1``), left-pads the prompts to a multiple of ``prompt_bucket`` tokens, pads the rows to a
+:func:`row_bucket`, and runs one jitted program: a prefill of the whole prompt batch into a fixed-size KV
+cache of ``prompt_len + max_new_tokens`` slots per layer (:meth:`jrl.models.Transformer.decode`), then a ``lax.while_loop`` that samples a token,
 writes it to the cache and decodes the next logits, until ``max_new_tokens`` tokens or every row has
-stopped. The program depends only on the shapes (rows, prompt bucket, ``max_new_tokens``), ``top_k``, whether
-top-p is on and the stop ids (temperature and top-p mass are runtime inputs), so a training run compiles
-once per prompt bucket.
+stopped. The program depends only on the shapes (row bucket, prompt bucket, ``max_new_tokens``), ``top_k``,
+whether top-p is on and the stop ids (temperature and top-p mass are runtime inputs), so a training run
+compiles once per (row bucket, prompt bucket).
+
+The decode step runs on :func:`jrl.models.lora.decoding_view` (layers sliced, LoRA adapters merged) and its
+attention through :func:`jrl.kernels.attention.decode_attention` (on a GPU a kernel that reads only each
+row's filled cache slots).
 
 Sampling semantics and the reported logprob are those of :mod:`jrl.rollout.sampling`.
 """
@@ -26,6 +30,7 @@ from flax import nnx
 
 from jrl.data.pipeline import left_pad
 from jrl.models.layers import constrain, positions_from_mask
+from jrl.models.lora import decoding_view
 from jrl.models.transformer import place
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.sampling import sample_tokens
@@ -51,14 +56,15 @@ class _Program:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "program"))
-def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, used_rows: jax.Array, key: jax.Array,
               temperature: jax.Array, top_p: jax.Array, program: _Program):
-    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for left-padded prompts [N, Lp].
+    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for left-padded prompts [N, Lp]; rows from
+    ``used_rows`` on fill a row bucket and start stopped (they never keep the loop running).
 
     The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
     (the last iteration's decode is unused: one extra decode step instead of a branch in the loop)."""
     p = program
-    model = nnx.merge(graphdef, state).unstacked()  # layer weights sliced once, not on every token
+    model = decoding_view(nnx.merge(graphdef, state))  # layers sliced (adapters merged) once per call
     rules = dict(p.rules) if p.rules is not None else None
     n, prompt_len = prompt_ids.shape
     max_len = prompt_len + p.max_new_tokens
@@ -76,7 +82,7 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     carry = dict(
         step=jnp.zeros((), jnp.int32), cache=cache, logits=logits, key_mask=key_mask,
         position=jnp.sum(prompt_mask.astype(jnp.int32), axis=-1),
-        stopped=rows(jnp.zeros((n,), bool)),
+        stopped=rows(jnp.arange(n) >= used_rows),
         tokens=rows(jnp.full((n, p.max_new_tokens), p.pad_id, jnp.int32)),
         mask=rows(jnp.zeros((n, p.max_new_tokens), jnp.int32)),
         logprobs=rows(jnp.zeros((n, p.max_new_tokens), jnp.float32)),
@@ -105,6 +111,14 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
 
     out = jax.lax.while_loop(cond, body, carry)
     return out["tokens"], out["mask"], out["logprobs"], out["stopped"]
+
+
+def row_bucket(rows: int, shards: int = 1) -> int:
+    """The row count a generation of ``rows`` rows runs with: the next power of two, and a multiple of the
+    batch ``shards``, so a run whose row count varies compiles O(log rows) programs. Decoding is bound by
+    reading the weights, so the extra rows cost little (they start stopped)."""
+    bucket = 1 << max(rows - 1, 0).bit_length()
+    return -(-bucket // shards) * shards
 
 
 def _batch_shards(mesh, rules) -> int:
@@ -164,8 +178,8 @@ class JaxRolloutEngine:
         check_generate_args(prompt_ids, num_generations)
         rows = len(prompt_ids) * num_generations
         rules = dict(self.rules) if self.rules is not None else None
-        padded_rows = -(-rows // _batch_shards(self.mesh, rules)) * _batch_shards(self.mesh, rules)
-        # Rows past ``rows`` (filling the last batch shard) repeat the first prompt and are dropped after.
+        padded_rows = row_bucket(rows, _batch_shards(self.mesh, rules))
+        # Rows past ``rows`` repeat the first prompt, start stopped and are dropped after.
         ids, mask = left_pad([prompt_ids[(r if r < rows else 0) // num_generations] for r in range(padded_rows)],
                              self.pad_id, multiple_of=self.prompt_bucket)
         with self._lock:
@@ -175,7 +189,7 @@ class JaxRolloutEngine:
                            stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
                            mesh=self.mesh, rules=self.rules)
         out = _generate(graphdef, state, place(ids, _ROWS, self.mesh, rules),
-                        place(mask, _ROWS, self.mesh, rules), jax.random.key(int(seed)),
+                        place(mask, _ROWS, self.mesh, rules), np.int32(rows), jax.random.key(int(seed)),
                         np.float32(params.temperature), np.float32(params.top_p), program=program)
         tokens, completion_mask, logprobs, stopped = (x[:rows] for x in gather_to_host(out))
         return RolloutBatch(prompt_ids=ids[:rows], prompt_mask=mask[:rows], completion_ids=tokens,

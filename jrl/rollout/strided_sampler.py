@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jrl.models.lora import decoding_view
 from jrl.models.strided import DOC, allowed
 from jrl.rollout.base import SamplingParams
 from jrl.rollout.sampling import sample_tokens
@@ -70,7 +71,7 @@ def _window(mask, q_position, k_position, sliding_window):
 @functools.partial(jax.jit, static_argnames=("graphdef", "program"))
 def _sample(graphdef, state, doc_ids, anchor, key, temperature, top_p, *, program):
     p = program
-    model = nnx.merge(graphdef, state).unstacked()  # layer weights sliced once, not on every step
+    model = decoding_view(nnx.merge(graphdef, state))  # layers sliced (adapters merged) once per call
     window = model.config.sliding_window
     b, s = doc_ids.shape
     num, g, n = anchor.shape[1], p.generate_len, p.num_samples

@@ -46,7 +46,8 @@ class ModelSpec:
     attention: str = "auto"
     """Attention implementation (``auto``, ``reference``, ``xla``, ``cudnn``, ``splash``): ``auto`` takes
     cuDNN flash attention on an NVIDIA GPU, splash attention on TPU, and on CPU the dense path for short
-    rows and the blocked one (memory O(block²)) for long rows."""
+    rows and the blocked one (memory O(block²)) for long rows. The embedded sampler's decode steps use a
+    Pallas kernel on an NVIDIA GPU and the dense path elsewhere; ``reference`` makes them dense everywhere."""
     remat: str = "auto"
     """Recompute in the backward instead of keeping, per decoder layer: ``auto`` (on a GPU/TPU
     ``dots_with_no_batch_dims_saveable``, which keeps only the weight matmuls' outputs: on an H100 both

@@ -42,3 +42,39 @@ def test_sampler_logprobs_match_train_step_scoring():
     trainer, _ = completion_logprobs(model, step_batch, temperature=TEMPERATURE)
     trainer = np.asarray(trainer)[:, :mask.shape[1]]
     assert np.abs(batch.sampling_logprobs - trainer)[mask].max() <= 1e-4
+
+
+def test_lora_sampler_logprobs_match_the_unmerged_forward():
+    """The sampler decodes with the adapters merged into its copy of the weights; the trainer scores with
+    separate adapters. Both give the same logprobs, and the adapters change them."""
+    import jax
+
+    from jrl.models.lora import LoraConfig, apply_lora, lora_disabled, lora_layers
+
+    model = apply_lora(tiny_model("llama", seed=3), LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj",
+                                                                                                     "down_proj")))
+    for i, layer in enumerate(lora_layers(model).values()):
+        layer.lora_b.set_value(jax.random.normal(jax.random.key(i), layer.lora_b.shape) * 0.3)
+    prompts = random_prompts(np.random.default_rng(5), [6, 3, 9])
+    params = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, stop_token_ids=(5, 9))
+    batch = JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=16).generate(prompts, params, num_generations=2, seed=1)
+    mask = batch.completion_mask.astype(bool)
+    assert np.abs(batch.sampling_logprobs - full_forward_logprobs(model, batch, TEMPERATURE))[mask].max() <= 1e-4
+    with lora_disabled(model):
+        base = full_forward_logprobs(model, batch, TEMPERATURE)
+    assert np.abs(batch.sampling_logprobs - base)[mask].max() > 1e-2
+
+
+def test_row_counts_share_one_program_per_power_of_two():
+    from jrl.rollout.jax_engine import _generate, row_bucket
+
+    assert [row_bucket(r) for r in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert row_bucket(3, shards=8) == 8 and row_bucket(12, shards=8) == 16
+    engine = JaxRolloutEngine(tiny_model("llama", seed=1), pad_id=PAD, prompt_bucket=16)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    rng = np.random.default_rng(0)
+    before = _generate._cache_size()
+    for prompts, generations in ((3, 2), (4, 2), (5, 1)):
+        batch = engine.generate(random_prompts(rng, [5] * prompts), params, num_generations=generations, seed=0)
+        assert batch.completion_ids.shape == (prompts * generations, 4)
+    assert _generate._cache_size() - before == 1  # 6, 8 and 5 rows all run as 8

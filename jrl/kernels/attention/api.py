@@ -11,6 +11,15 @@
 rows), xla. "Short" means at most :data:`DENSE_MAX_SCORES` scores per (row, head): the dense path is the
 fastest XLA program there, the blocked one is what fits beyond. The pick is logged once per
 configuration on the ``jrl.kernels`` logger.
+
+:func:`decode_attention` is the one-query-per-row case of a decode step over a KV cache:
+
+| name         | where                         | what                                                         |
+|--------------|-------------------------------|--------------------------------------------------------------|
+| `reference`  | anywhere                      | dense scores over every cache slot (the truth)               |
+| `pallas_gpu` | NVIDIA GPU (interpret mode elsewhere) | reads only the slots between each row's first and last allowed one |
+
+``impl="auto"`` order: GPU: pallas_gpu, reference. Elsewhere: reference.
 """
 
 from __future__ import annotations
@@ -35,6 +44,13 @@ ORDER = {
 }
 DENSE_MAX_SCORES = 2048 * 2048
 """``auto`` uses the dense reference only while T * S is at most this."""
+
+
+DECODE_IMPLS = {
+    "reference": Impl("reference", "jrl.kernels.attention.reference", ("cpu", "gpu", "tpu")),
+    "pallas_gpu": Impl("pallas_gpu", "jrl.kernels.attention.decode_pallas_gpu", ("gpu",), interpret_ok=True),
+}
+DECODE_ORDER = {"gpu": ("pallas_gpu", "reference"), "default": ("reference",)}
 
 
 def available_impls() -> list[str]:
@@ -77,3 +93,35 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, 
               f"explicit={mask.explicit is not None}")
     _, mod = _dispatch.select("attention", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.attention(q, k, v, mask, scale=scale, **kwargs)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, impl: str = "auto",
+                     scale: float | None = None, **kwargs) -> jax.Array:
+    """Grouped-query attention of one query per row over a KV cache.
+
+    Args:
+      q: [B, N, D] queries; k, v: [B, S, K, D] the cache (N % K == 0, never repeated).
+      allowed: bool [B, S], the slots each row's query attends to.
+      impl: "auto" or a name of :data:`DECODE_IMPLS`.
+      scale: score scale (default D ** -0.5).
+      **kwargs: implementation options (``block_k=`` / ``interpret=`` for pallas_gpu).
+
+    Returns:
+      [B, N, D] in v's dtype; scores and softmax in float32. The output of a row with no allowed slot is
+      unspecified (finite).
+    """
+    b, n, d = q.shape
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
+        raise ValueError(f"decode_attention needs q [B, N, D] and k = v [B, S, K, D] with N % K == 0; got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if allowed.shape != (b, k.shape[1]):
+        raise ValueError(f"allowed is for (batch, slots) = {allowed.shape}, the cache is {(b, k.shape[1])}")
+    scale = d ** -0.5 if scale is None else float(scale)
+    config = (tuple(q.shape), tuple(k.shape), str(q.dtype))
+
+    def call_check(name: str) -> str | None:
+        return DECODE_IMPLS[name].load().call_unsupported(q, k) if name == "pallas_gpu" else None
+
+    _, mod = _dispatch.select("decode_attention", DECODE_IMPLS, DECODE_ORDER, impl, config=config,
+                              call_check=call_check)
+    return mod.decode_attention(q, k, v, allowed, scale=scale, **kwargs)

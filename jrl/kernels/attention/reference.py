@@ -30,3 +30,8 @@ def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *
 
 def attention(q, k, v, mask: AttentionMask, *, scale: float) -> jax.Array:
     return attend_dense(q, k, v, mask.dense(), scale=scale)
+
+
+def decode_attention(q, k, v, allowed, *, scale: float) -> jax.Array:
+    """One query per row: ``q`` [B, N, D] over ``k``/``v`` [B, S, K, D] where ``allowed`` [B, S]."""
+    return attend_dense(q[:, None], k, v, allowed[:, None], scale=scale)[:, 0]

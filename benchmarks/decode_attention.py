@@ -1,0 +1,57 @@
+"""Decode attention (one query per row over a KV cache): the dense reference against the Pallas kernel.
+
+A sampler-shaped step: ``--rows`` rows, a cache of ``--slots`` slots of which ``--filled`` are allowed per
+row (after 10 slots of left padding), ``--kv-heads`` KV heads x ``--group`` query heads, bf16. One timed call
+attends over ``--layers`` different caches (so the caches do not sit in L2), as a decode step does.
+Reported: time per layer and the bandwidth on the allowed part of the cache (K and V read once).
+
+    python benchmarks/decode_attention.py --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_common import bench, env_line, report  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=384)
+    ap.add_argument("--filled", type=int, default=246)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from jrl.kernels.attention import decode_attention
+
+    b, s, kv, d = args.rows, args.slots, args.kv_heads, args.head_dim
+    key = jax.random.key(0)
+    q = jax.random.normal(key, (b, kv * args.group, d), jnp.bfloat16)
+    caches = [jax.random.normal(jax.random.fold_in(key, i), (b, s, kv, d), jnp.bfloat16) for i in range(args.layers)]
+    allowed = jnp.zeros((b, s), bool).at[:, 10:10 + args.filled].set(True)
+    kv_bytes = 2 * b * args.filled * kv * d * 2
+    variants = [("reference", {})] + [("pallas_gpu", dict(block_k=bk, num_warps=w))
+                                      for bk, w in ((32, 2), (64, 4), (128, 4), (128, 8), (256, 8))]
+    for impl, kw in variants:
+        step = jax.jit(lambda q, caches, a, impl=impl, kw=kw: [decode_attention(q, c, c, a, impl=impl, **kw)
+                                                              for c in caches])
+        t = bench(step, q, caches, allowed)
+        per_layer = t["ms"] / args.layers
+        report(dict(bench="decode_attention", impl=impl, **kw, rows=b, slots=s, filled=args.filled, kv_heads=kv,
+                    group=args.group, head_dim=d, us_per_layer=round(1e3 * per_layer, 2),
+                    filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2), env=env_line()), args.out)
+
+
+if __name__ == "__main__":
+    main()

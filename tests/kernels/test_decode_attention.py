@@ -1,0 +1,87 @@
+"""Decode attention (one query per row over a KV cache) against the dense reference on fresh random inputs:
+left padding, a partly filled cache, a row with holes (a stopped row), a single allowed slot, GQA and
+multi-head, block sizes that do not divide the cache. CPU: ``pallas_gpu`` in Pallas interpret mode. GPU
+(``-m gpu``): the compiled kernel in bf16 at a sampler's shape."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.kernels.attention import decode_attention
+from kernels_testlib import assert_close, rng_for
+
+
+def _allowed(rng, b: int, s: int) -> np.ndarray:
+    """[B, S] bool: row 0 left padding then a filled prefix of the cache, row 1 every slot, row 2 with holes,
+    row 3 one slot, the rest random contiguous runs."""
+    allowed = np.zeros((b, s), bool)
+    pad, filled = int(rng.integers(1, s // 4)), int(rng.integers(s // 2, s))
+    allowed[0, pad:filled] = True
+    allowed[1] = True
+    allowed[2, int(rng.integers(0, s // 4)):int(rng.integers(s // 2, s))] = True
+    allowed[2, rng.choice(s, size=s // 8, replace=False)] = False
+    allowed[2, s // 2] = True
+    allowed[3, int(rng.integers(0, s))] = True
+    for r in range(4, b):
+        lo = int(rng.integers(0, s - 1))
+        allowed[r, lo:int(rng.integers(lo + 1, s + 1))] = True
+    return allowed
+
+
+def _inputs(rng, b, s, kv, g, d, dtype):
+    q = jnp.asarray(rng.standard_normal((b, kv * g, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
+    return q, k, v, jnp.asarray(_allowed(rng, b, s))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv,g,s,block_k", [(2, 4, 100, 32), (3, 1, 48, 16), (1, 8, 70, 64)])
+def test_pallas_interpret_matches_reference(request, dtype, kv, g, s, block_k):
+    rng = rng_for(request)
+    q, k, v, allowed = _inputs(rng, 6, s, kv, g, 16, dtype)
+    ref = decode_attention(q, k, v, allowed, impl="reference")
+    out = decode_attention(q, k, v, allowed, impl="pallas_gpu", block_k=block_k, interpret=True)
+    assert out.dtype == v.dtype and out.shape == q.shape
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out, ref, dtype, f"decode attention kv={kv} g={g} s={s}")
+
+
+def test_a_row_with_no_allowed_slot_stays_finite(request):
+    rng = rng_for(request)
+    q, k, v, allowed = _inputs(rng, 5, 40, 2, 2, 16, jnp.float32)
+    allowed = allowed.at[4].set(False)
+    out = decode_attention(q, k, v, allowed, impl="pallas_gpu", block_k=16, interpret=True)
+    assert np.isfinite(np.asarray(out)).all()
+    ref = decode_attention(q, k, v, allowed, impl="reference")
+    assert_close(out[:4], ref[:4], jnp.float32, "rows with allowed slots")
+
+
+def test_unsupported_shapes_fall_back_or_name_the_reason():
+    q, k = jnp.ones((2, 4, 8)), jnp.ones((2, 10, 2, 8))
+    allowed = jnp.ones((2, 10), bool)
+    with pytest.raises(RuntimeError, match="head_dim 8 is not a power of two"):
+        decode_attention(q, k, k, allowed, impl="pallas_gpu")
+    assert_close(decode_attention(q, k, k, allowed), decode_attention(q, k, k, allowed, impl="reference"),
+                 jnp.float32, "auto")
+
+
+def test_shape_errors_name_the_inputs():
+    q = jnp.zeros((2, 4, 8))
+    k = jnp.zeros((2, 10, 3, 8))
+    with pytest.raises(ValueError, match="N % K == 0"):
+        decode_attention(q, k, k, jnp.ones((2, 10), bool))
+    with pytest.raises(ValueError, match="allowed is for"):
+        decode_attention(q, k[:, :, :2], k[:, :, :2], jnp.ones((2, 9), bool))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_reference(request):
+    rng = rng_for(request)
+    q, k, v, allowed = _inputs(rng, 64, 384, 8, 4, 64, jnp.bfloat16)
+    ref = decode_attention(q, k, v, allowed, impl="reference")
+    out = decode_attention(q, k, v, allowed, impl="pallas_gpu")
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out, ref, jnp.bfloat16, "compiled decode attention")

@@ -6,16 +6,26 @@ and the model and LoRA settings (written by :meth:`jrl.train.trainer.Trainer.sav
 
 Atomicity: orbax writes each step into a temporary directory and renames it into place when it is
 complete, and :meth:`CheckpointManager.latest_step` only lists finalised steps; a crash mid-save
-leaves the previous checkpoint as the latest.
+leaves the previous checkpoint as the latest. A finalised checkpoint damaged later (a truncated file) is
+caught when it is restored: :meth:`TrainCheckpointer.restore` then falls back to the next older one.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+logger = logging.getLogger(__name__)
+
+
+def _one_line(error: Exception, limit: int = 240) -> str:
+    """The first line of ``error``'s message with its type, at most ``limit`` characters."""
+    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class TrainCheckpointer:
@@ -39,11 +49,42 @@ class TrainCheckpointer:
         self.manager.wait_until_finished()
 
     def restore(self, params_like: Any, opt_state_like: Any, step: int | None = None):
-        """(params, opt_state, meta) of ``step`` (default: the latest), placed like the given trees."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        """(params, opt_state, meta) of ``step``, placed like the given trees. Without ``step``: the newest
+        checkpoint that restores; each newer one that does not (a truncated or missing file) is named in a
+        one-line warning with what is wrong, and skipped."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}; run without --resume to start fresh")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; it holds steps "
+                                    f"{sorted(steps)}")
+        damaged = []
+        for candidate in [step] if step is not None else steps:
+            try:
+                return self._restore(candidate, params_like, opt_state_like)
+            except Exception as e:  # whatever orbax / tensorstore raise on a damaged file
+                reason = _one_line(e)
+                if step is not None:
+                    raise RuntimeError(f"checkpoint {step} in {self.directory} is damaged: {reason}") from e
+                damaged.append(f"{candidate} ({reason})")
+                aside = self._move_aside(candidate)
+                logger.warning("checkpoint %d is damaged (%s); moved to %s, trying the previous one", candidate,
+                               reason, aside)
+        raise RuntimeError(f"no checkpoint in {self.directory} restores: {'; '.join(damaged)}; start afresh with "
+                           "--overwrite")
 
+    def _move_aside(self, step: int) -> Path:
+        """Rename the damaged checkpoint ``step`` to ``damaged-<step>[-n]`` (kept for inspection, out of the
+        way of the step the resumed run will write again)."""
+        target = self.directory / f"damaged-{step}"
+        n = 1
+        while target.exists():
+            target, n = self.directory / f"damaged-{step}-{n}", n + 1
+        (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        return target
+
+    def _restore(self, step: int, params_like: Any, opt_state_like: Any):
         def abstract(tree):
             return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
@@ -51,6 +92,8 @@ class TrainCheckpointer:
             params=ocp.args.StandardRestore(abstract(params_like)),
             opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
             meta=ocp.args.JsonRestore()))
+        if not isinstance(out["meta"], dict) or out["meta"].get("step") != step:
+            raise ValueError(f"its meta is unreadable or names another step ({out['meta']!r:.80})")
         return out["params"], out["opt_state"], out["meta"]
 
     def restore_params(self, params_like: Any, step: int | None = None) -> Any:

@@ -157,7 +157,10 @@ class TrainConfig:
     log_every: int = 1
     """Print a metrics line every this many steps (metrics.jsonl gets every step)."""
     resume: bool = False
-    """Continue from the latest checkpoint in ``output_dir``."""
+    """Continue from the newest intact checkpoint in ``output_dir`` (a damaged newer one is named in a
+    warning and skipped)."""
+    resume_from: int | None = None
+    """Continue from the checkpoint of this step in ``output_dir`` (implies ``resume``; no fallback)."""
     overwrite: bool = False
     """Start afresh in an ``output_dir`` that holds an earlier run, deleting its metrics, TensorBoard
     events, plot and checkpoints (without it, or ``resume``, such a directory is an error)."""
@@ -203,6 +206,13 @@ class TrainConfig:
         check_choice(self, "loss_head", ("auto", "fused", "logprobs"))
         check_int(self, "save_every", lo=0, fix="use an int >= 0 (0 = only at the end)")
         check_int(self, "seed", lo=-2**63, fix="use an int")
+        check_int(self, "resume_from", lo=1, optional=True,
+                  fix="use the step of a checkpoint in output_dir/checkpoints, or None")
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the run continues from a checkpoint (``resume`` or ``resume_from``)."""
+        return self.resume or self.resume_from is not None
 
     @property
     def reward_weights(self) -> tuple[float, ...]:

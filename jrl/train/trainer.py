@@ -17,6 +17,9 @@ call), ``time/wait_rollout`` (time this thread waited for generation), ``time/re
 ``time/train`` (update), ``time/sync`` (seconds of the step's weight sync, 0 without one),
 ``sync/version`` (the policy version the engine holds after it) and ``tokens_per_second``.
 
+SIGTERM / SIGINT (:mod:`jrl.train.preemption`): the running step finishes, a checkpoint is written at that
+boundary and :meth:`Trainer.train` returns (the script exits 0); ``--resume`` continues exactly.
+
 Checkpoint ``meta`` (see :mod:`jrl.train.checkpoint`): ``step``, ``num_updates``, ``seed``,
 ``data_state`` (the loader state after the last consumed batch), ``model`` (``path``, ``dtype``,
 ``param_dtype``) and ``lora`` (the :class:`~jrl.models.lora.LoraConfig` fields or None); the last two let
@@ -40,6 +43,7 @@ from jrl.train.config import TrainConfig
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, claim_output_dir, plot_curves
 from jrl.train.policy import load_policy
+from jrl.train.preemption import stop_requests
 from jrl.train.rollout_source import RolloutSource, make_rollout_engine
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,7 @@ class Trainer:
                                mesh=policy.mesh, rules=policy.rules)
         self.algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, policy, self.learner)
         self.out_dir = Path(cfg.output_dir)
-        if not cfg.resume:
+        if not cfg.resuming:
             claim_output_dir(self.out_dir, overwrite=cfg.overwrite)
         self.source = RolloutSource(
             cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
@@ -116,10 +120,11 @@ class Trainer:
         self.checkpointer.save(self.step, self.learner.params, self.learner.opt_state, meta)
 
     def restore(self) -> dict[str, Any]:
-        """Restore the latest checkpoint (learner, loader, step) written with this run's seed and sync the
-        engine to it; returns its meta."""
+        """Restore the checkpoint ``resume_from`` names, else the newest intact one (learner, loader, step),
+        written with this run's seed, and sync the engine to it; returns its meta."""
         self.source.stop()
-        params, opt_state, meta = self.checkpointer.restore(self.learner.params, self.learner.opt_state)
+        params, opt_state, meta = self.checkpointer.restore(self.learner.params, self.learner.opt_state,
+                                                            step=self.cfg.resume_from)
         if meta.get("seed") != self.cfg.seed:
             raise ValueError(f"the checkpoint in {self.checkpointer.directory} was written with seed={meta.get('seed')}, "
                              f"this run has seed={self.cfg.seed}; resume with the same seed")
@@ -135,9 +140,7 @@ class Trainer:
         """Run to ``max_steps``; returns the metric history (also in ``metrics.jsonl``)."""
         cfg, algorithm = self.cfg, self.algorithm
         writer = MetricsWriter(self.out_dir)
-        if cfg.resume:
-            if self.checkpointer.latest_step() is None:
-                raise FileNotFoundError(f"resume=True but {self.checkpointer.directory} holds no checkpoint")
+        if cfg.resuming:
             self.restore()
             writer.truncate_after(self.step)
         from tqdm.auto import tqdm
@@ -145,17 +148,21 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc, disable=not self.progress,
                    dynamic_ncols=True)
         try:
-            while self.step < cfg.max_steps:
-                metrics = self.train_step()
-                writer.write(self.step, metrics)
-                bar.update(1)
-                bar.set_postfix(algorithm.progress_postfix(metrics))
-                if self.step % cfg.log_every == 0:
-                    logger.info("step %d: %s loss %.5f", self.step, algorithm.log_summary(metrics), metrics["loss"])
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+            with stop_requests() as stop:
+                while self.step < cfg.max_steps and stop.signal is None:
+                    metrics = self.train_step()
+                    writer.write(self.step, metrics)
+                    bar.update(1)
+                    bar.set_postfix(algorithm.progress_postfix(metrics))
+                    if self.step % cfg.log_every == 0:
+                        logger.info("step %d: %s loss %.5f", self.step, algorithm.log_summary(metrics), metrics["loss"])
+                    if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                        self.save()
+                if self.checkpointer.latest_step() != self.step:
                     self.save()
-            if self.checkpointer.latest_step() != self.step:
-                self.save()
+                if stop.signal is not None:
+                    logger.warning("%s received: stopped after step %d of %d with a checkpoint in %s; continue "
+                                   "with --resume", stop.name, self.step, cfg.max_steps, self.checkpointer.directory)
         finally:
             self.source.stop()
             bar.close()

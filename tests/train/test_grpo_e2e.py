@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ def _cfg(model_dir, out, reward, **kw) -> TrainConfig:
     return dataclasses.replace(cfg, **kw)
 
 
-def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path):
+def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path, caplog):
     from jrl.train.trainer import train
 
     ok = write_reward_file(tmp_path, "reward_ok")
@@ -41,6 +42,29 @@ def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path):
     assert a == b
     assert (tmp_path / "b" / "curves.png").stat().st_size > 0
     assert list((tmp_path / "b" / "tensorboard").iterdir())
+
+    # SIGTERM during step 2: the step finishes, a checkpoint is written at step 2, the run returns; resumed, it
+    # reproduces the uninterrupted run.
+    stopped = train(_cfg(tiny_model_dir, tmp_path / "c", write_reward_file(tmp_path, "reward_term", sigterm=2)),
+                    progress=False)
+    assert [r["step"] for r in stopped] == [1, 2]
+    assert sorted(int(p.name) for p in (tmp_path / "c" / "checkpoints").iterdir()) == [2]
+    train(_cfg(tiny_model_dir, tmp_path / "c", ok, resume=True), progress=False)
+    assert read_metrics_log(tmp_path / "c") == a
+
+    # A truncated file in the latest checkpoint (6): --resume-from 6 names it; --resume warns, moves it aside,
+    # falls back to 3 and reproduces steps 4-6.
+    damaged = max((p for p in (tmp_path / "b" / "checkpoints" / "6").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match="checkpoint 6 in .* is damaged"):
+        train(_cfg(tiny_model_dir, tmp_path / "b", ok, resume_from=6), progress=False)
+    with caplog.at_level(logging.WARNING, logger="jrl.train.checkpoint"):
+        train(_cfg(tiny_model_dir, tmp_path / "b", ok, resume=True), progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warnings) == 1 and "checkpoint 6 is damaged" in warnings[0] and "\n" not in warnings[0]
+    assert (tmp_path / "b" / "checkpoints" / "damaged-6").is_dir()
+    assert read_metrics_log(tmp_path / "b") == a
 
     # Export of the final checkpoint loads and reproduces the trained policy's log-probs.
     from jrl.models import from_pretrained

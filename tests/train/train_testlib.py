@@ -76,8 +76,12 @@ def max_rel_err(a, b) -> float:
 #: A reward module with a function ``low_ids`` that varies between random completions; with ``crash`` set,
 #: the call after the ``crash``-th raises ``KeyboardInterrupt`` (a simulated kill mid-run).
 LOW_IDS_REWARD = '''
+import os
+import signal
+
 CALLS = 0
 CRASH_AFTER = {crash}
+SIGTERM_AT = {sigterm}
 
 
 def low_ids(prompts, completions, completion_ids, **kw):
@@ -86,14 +90,18 @@ def low_ids(prompts, completions, completion_ids, **kw):
     CALLS += 1
     if CRASH_AFTER is not None and CALLS > CRASH_AFTER:
         raise KeyboardInterrupt("simulated kill")
+    if CALLS == SIGTERM_AT:
+        os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends, mid-step
     return [sum(i < 128 for i in ids) / max(1, len(ids)) for ids in completion_ids]
 '''
 
 
-def write_reward_file(tmp_path: Path, name: str, crash: int | None = None) -> Path:
-    """``<tmp_path>/<name>.py`` holding :data:`LOW_IDS_REWARD` (a distinct module name per run)."""
+def write_reward_file(tmp_path: Path, name: str, crash: int | None = None, sigterm: int | None = None) -> Path:
+    """``<tmp_path>/<name>.py`` holding :data:`LOW_IDS_REWARD` (a distinct module name per run): with ``crash``
+    it raises KeyboardInterrupt from call ``crash + 1`` on; with ``sigterm`` call ``sigterm`` sends this
+    process SIGTERM."""
     path = Path(tmp_path) / f"{name}.py"
-    path.write_text(LOW_IDS_REWARD.format(crash=crash))
+    path.write_text(LOW_IDS_REWARD.format(crash=crash, sigterm=sigterm))
     return path
 
 

@@ -97,6 +97,7 @@ def test_grpo_with_vllm_lora_sync_and_prefetch(e2e_server, tmp_path):
     assert any(r["async/staleness"] == 1 for r in rows)  # generation really ran one step ahead
 
 
+@pytest.mark.slow  # 22 s; the GRPO run above covers the LoRA sync to a real server
 def test_ebft_structured_with_vllm_lora_sync(e2e_server, tmp_path):
     """EBFT structured mode on the vLLM backend: the server samples within the batch's adaptive generation
     limit, the frozen LoRA base scores the completions against the ``solution`` column in (group-whitened)

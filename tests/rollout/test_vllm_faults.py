@@ -33,6 +33,7 @@ def test_server_with_another_base_model_is_refused(vllm_server, tmp_path):
     assert "--model" in msg and "served_model_name" in msg
 
 
+@pytest.mark.slow  # 45 s: a second server start; the default suite keeps the other fault tests
 def test_server_restart_mid_run_resyncs_the_adapter_and_continues(vllm_server, tmp_path):
     server = vllm_server.server
     model = apply_lora(from_pretrained(TINY_MODEL, dtype="float32"), LoraConfig(rank=8, alpha=16.0), seed=1)

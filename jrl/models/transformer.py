@@ -227,9 +227,9 @@ class Transformer(nnx.Module):
         """This model with its layers as separate modules (a new module sharing every other parameter; the
         layer parameters are sliced, one copy of them), or the model itself when its layers are not stacked.
 
-        The samplers decode on it: a decode step over stacked layers slices every layer's weights out of the
-        stack on every token (3x slower on an H100 when scanned, ``benchmarks/RESULTS.md``); this copies
-        them once per generation."""
+        The samplers decode on it (through :func:`jrl.models.lora.decoding_view`): a decode step over stacked
+        layers slices every layer's weights out of the stack on every token (3x slower on an H100 when
+        scanned, ``benchmarks/RESULTS.md``); this copies them once per generation."""
         if not self.config.stacked_layers:
             return self
         view = nnx.merge(*nnx.split(self))

@@ -51,27 +51,33 @@ class TrainCheckpointer:
     def restore(self, params_like: Any, opt_state_like: Any, step: int | None = None):
         """(params, opt_state, meta) of ``step``, placed like the given trees. Without ``step``: the newest
         checkpoint that restores; each newer one that does not (a truncated or missing file) is named in a
-        one-line warning with what is wrong, and skipped."""
+        one-line warning with what is wrong and moved aside. When none restores nothing is moved and the
+        error lists every checkpoint's reason."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}; run without --resume to start fresh")
         if step is not None and step not in steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; it holds steps "
                                     f"{sorted(steps)}")
-        damaged = []
+        failed: list[tuple[int, str]] = []
         for candidate in [step] if step is not None else steps:
             try:
-                return self._restore(candidate, params_like, opt_state_like)
+                restored = self._restore(candidate, params_like, opt_state_like)
             except Exception as e:  # whatever orbax / tensorstore raise on a damaged file
                 reason = _one_line(e)
                 if step is not None:
                     raise RuntimeError(f"checkpoint {step} in {self.directory} is damaged: {reason}") from e
-                damaged.append(f"{candidate} ({reason})")
-                aside = self._move_aside(candidate)
-                logger.warning("checkpoint %d is damaged (%s); moved to %s, trying the previous one", candidate,
-                               reason, aside)
-        raise RuntimeError(f"no checkpoint in {self.directory} restores: {'; '.join(damaged)}; start afresh with "
-                           "--overwrite")
+                failed.append((candidate, reason))
+                continue
+            # An older checkpoint restores, so the newer ones are damaged (not a mismatch with this run's
+            # config, which would fail them all): move them out of the way of the steps the run writes again.
+            for bad, reason in failed:
+                logger.warning("checkpoint %d is damaged (%s); moved to %s, resuming from checkpoint %d", bad,
+                               reason, self._move_aside(bad), candidate)
+            return restored
+        raise RuntimeError(f"no checkpoint in {self.directory} restores (a damaged file, or a run whose model / "
+                           "LoRA settings differ from the checkpoint's): "
+                           + "; ".join(f"{s} ({r})" for s, r in failed))
 
     def _move_aside(self, step: int) -> Path:
         """Rename the damaged checkpoint ``step`` to ``damaged-<step>[-n]`` (kept for inspection, out of the
@@ -92,8 +98,6 @@ class TrainCheckpointer:
             params=ocp.args.StandardRestore(abstract(params_like)),
             opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
             meta=ocp.args.JsonRestore()))
-        if not isinstance(out["meta"], dict) or out["meta"].get("step") != step:
-            raise ValueError(f"its meta is unreadable or names another step ({out['meta']!r:.80})")
         return out["params"], out["opt_state"], out["meta"]
 
     def restore_params(self, params_like: Any, step: int | None = None) -> Any:

@@ -62,7 +62,8 @@ def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="jrl.train.checkpoint"):
         train(_cfg(tiny_model_dir, tmp_path / "b", ok, resume=True), progress=False)
     warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
-    assert len(warnings) == 1 and "checkpoint 6 is damaged" in warnings[0] and "\n" not in warnings[0]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "checkpoint 6 is damaged" in warnings[0] and "resuming from checkpoint 3" in warnings[0]
     assert (tmp_path / "b" / "checkpoints" / "damaged-6").is_dir()
     assert read_metrics_log(tmp_path / "b") == a
 

@@ -48,6 +48,21 @@ def test_save_restore_round_trip_and_interrupted_save(tmp_path):
     assert jax.tree.structure(params) == jax.tree.structure(learner.params)
 
 
+def test_a_config_mismatch_moves_no_checkpoint_aside(tmp_path):
+    """Every checkpoint failing to restore (here: another model size) is not damage: nothing is moved and the
+    error names each checkpoint."""
+    learner, _ = grpo_learner(tiny_model(seed=0), ALGO, OptimConfig(learning_rate=1e-2), total_updates=4)
+    ckpt = TrainCheckpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckpt.save(step, learner.params, learner.opt_state, {"step": step})
+    wider, _ = grpo_learner(tiny_model(seed=0, intermediate_size=96), ALGO, OptimConfig(learning_rate=1e-2),
+                            total_updates=4)
+    with pytest.raises(RuntimeError, match=r"no checkpoint in .* restores .*: 2 \(.*; 1 \("):
+        ckpt.restore(wider.params, wider.opt_state)
+    ckpt.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
+
+
 def _run(parts, loader, steps, log):
     """Steps of the learner on rollouts drawn deterministically from each prompt batch."""
     learner, update = parts

@@ -84,3 +84,56 @@ def peak_bytes() -> int | None:
 
 def gib(x) -> str:
     return "n/a" if x is None else f"{x / 2**30:.2f}"
+
+
+#: Kernel-name patterns of :func:`kernel_profile`'s categories, first match wins.
+KERNEL_CATEGORIES = (
+    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "gemv")),
+    ("attention", ("cudnn", "flash", "fmha", "attention", "sdpa")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("loop_", "fusion", "transpose", "concatenate", "dynamic_update_slice", "slice", "pad")),
+)
+
+
+def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
+    """GPU kernel time of one ``fn(*args)`` call from a profiler trace (after two warm-up calls): the total,
+    per category (:data:`KERNEL_CATEGORIES`) and the ``top`` kernels by time, as a dict for :func:`report`.
+
+    The trace is JAX's Perfetto export; kernels are the events on the GPU's compute streams."""
+    import collections
+    import glob
+    import gzip
+    import json
+
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*args))
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = [e for e in events if e.get("ph") == "M"]
+    processes = {e["pid"]: e["args"]["name"] for e in names if e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") != "X" or "GPU" not in processes.get(e["pid"], ""):
+            continue
+        if "Stream" not in threads.get((e["pid"], e["tid"]), ""):
+            continue
+        entry = per_kernel[e["name"][:80]]
+        entry[0] += e["dur"]
+        entry[1] += 1
+    by_category = collections.Counter()
+    for name, (us, _) in per_kernel.items():
+        low = name.lower()
+        category = next((c for c, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+        by_category[category] += us
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(kernel_ms=round(sum(us for us, _ in per_kernel.values()) / 1e3, 2),
+                category_ms={c: round(us / 1e3, 2) for c, us in by_category.most_common()},
+                top_kernels=[dict(name=n, ms=round(us / 1e3, 3), calls=c) for n, (us, c) in ranked])

@@ -35,8 +35,9 @@ def bandwidth_limit_s(cfg, rows: int, prompt: int, new: int, tbs: float) -> floa
     return (new * weights + cache) / (tbs * 1e12)
 
 
-def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float]:
-    """Wall times of ``reps + 1`` generate calls (the first compiles) and the mean completion length."""
+def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | None]:
+    """Wall times of ``reps + 1`` generate calls (the first compiles), the mean completion length, and with
+    ``--profile`` the kernel profile of one more call."""
     import jax
 
     from jrl.models.lora import LoraConfig, apply_lora
@@ -56,7 +57,13 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float]:
         jax.block_until_ready(out.completion_ids)
         times.append(time.perf_counter() - t0)
         lengths.append(float(out.completion_mask.sum(axis=1).mean()))
-    return times, statistics.mean(lengths[1:])
+    profile = None
+    if args.profile:
+        from kernels_common import kernel_profile
+
+        profile = kernel_profile(lambda: engine.generate(prompts, params, num_generations=1, seed=0).completion_ids,
+                                 trace_dir=args.profile)
+    return times, statistics.mean(lengths[1:]), profile
 
 
 def run_transformers(args, shape, prompts) -> tuple[list[float], float]:
@@ -92,6 +99,8 @@ def main():
                     help="share of the vocabulary that stops a row (ragged lengths; jrl)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--bandwidth-tbs", type=float, default=3.35, help="HBM bandwidth in TB/s (H100 SXM: 3.35)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="jrl: also trace one more call into DIR and report its GPU kernel time by category")
     ap.add_argument("--out", default=None, help="append one JSON line here")
     args = ap.parse_args()
 
@@ -107,13 +116,14 @@ def main():
     if args.backend == "jrl":
         import jax
 
-        times, mean_len = run_jrl(args, cfg, prompts, stop_ids)
+        times, mean_len, profile = run_jrl(args, cfg, prompts, stop_ids)
         device, versions = jax.local_devices()[0].device_kind, f"jax {jax.__version__}"
     else:
         import torch
         import transformers
 
         times, mean_len = run_transformers(args, shape, prompts)
+        profile = None
         device = torch.cuda.get_device_name()
         versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     med = statistics.median(times[1:])
@@ -123,7 +133,8 @@ def main():
                 scan_layers=args.scan_layers, time_s=round(med, 4),
                 tokens_per_s=round(args.rows * mean_len / med), limit_s=round(limit, 4),
                 fraction_of_limit=round(limit / med, 3), compile_s=round(times[0] - med, 2), device=device,
-                versions=versions, date=time.strftime("%Y-%m-%d")), args.out)
+                versions=versions, date=time.strftime("%Y-%m-%d"),
+                **({"profile": profile} if profile else {})), args.out)
 
 
 if __name__ == "__main__":

@@ -107,8 +107,13 @@ def run_jrl(args, shape: dict) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(metrics["loss"])
     stats = jax.local_devices()[0].memory_stats() or {}
+    profile = None
+    if args.profile:
+        from kernels_common import kernel_profile
+
+        profile = kernel_profile(lambda: (update(learner, batch), learner.params)[1], trace_dir=args.profile)
     return dict(times=times, peak_bytes=stats.get("peak_bytes_in_use"), loss=losses[-1],
-                device=jax.local_devices()[0].device_kind, versions=f"jax {jax.__version__}")
+                device=jax.local_devices()[0].device_kind, versions=f"jax {jax.__version__}", profile=profile)
 
 
 # ------------------------------------------------------------------------------------------- PyTorch
@@ -189,7 +194,8 @@ def summarize(side: str, args, shape: dict, raw: dict) -> dict:
                 tokens_per_s=round(tokens / med), mfu=round(6 * n * tokens / med / (args.peak_tflops * 1e12), 4),
                 peak_gib=None if raw["peak_bytes"] is None else round(raw["peak_bytes"] / 2**30, 2),
                 compile_s=round(raw["times"][0] - med, 2), loss=raw["loss"], device=raw["device"],
-                versions=raw["versions"], date=time.strftime("%Y-%m-%d"))
+                versions=raw["versions"], date=time.strftime("%Y-%m-%d"),
+                **({"profile": raw["profile"]} if raw.get("profile") else {}))
 
 
 def main():
@@ -208,6 +214,8 @@ def main():
     ap.add_argument("--logprobs", default="auto", help="jrl logprob kernel implementation")
     ap.add_argument("--loss-head", default="auto", help="jrl loss head: auto, fused, logprobs")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="jrl: also trace one more step into DIR and report its GPU kernel time by category")
     ap.add_argument("--out", default=None, help="append one JSON line per side here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

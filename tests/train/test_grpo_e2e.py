@@ -76,6 +76,22 @@ def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path, caplog):
     assert from_pretrained(out, dtype="float32").config.num_hidden_layers == 1
 
 
+def test_a_run_without_learning_signal_warns_once(tiny_model_dir, tmp_path, caplog):
+    """A constant reward gives every group zero advantage: after FLAT_REWARD_STEPS such steps one warning."""
+    from jrl.train.algorithms.grpo import FLAT_REWARD_STEPS
+    from jrl.train.trainer import train
+
+    constant = tmp_path / "reward_constant.py"
+    constant.write_text("def one(prompts, completions, completion_ids, **kw):\n    return [1.0] * len(completions)\n")
+    cfg = _cfg(tiny_model_dir, tmp_path / "flat", constant, max_steps=FLAT_REWARD_STEPS + 1, save_every=0,
+               rewards=(RewardSpec(path=f"{constant}:one"),))
+    with caplog.at_level(logging.WARNING, logger="jrl.train.algorithms.grpo"):
+        history = train(cfg, progress=False)
+    assert all(r["skipped_zero_adv_batches"] > 0 for r in history)
+    warnings = [r.getMessage() for r in caplog.records if "nothing is learned" in r.getMessage()]
+    assert len(warnings) == 1 and f"steps 1-{FLAT_REWARD_STEPS}:" in warnings[0]
+
+
 def test_sampler_and_trainer_logprobs_agree(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -270,6 +270,11 @@ def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, Pol
     return algo, sampling, update
 
 
+FLAT_REWARD_STEPS = 5
+"""Consecutive steps whose groups all got equal rewards (every advantage zero: nothing learned) before a
+warning."""
+
+
 @ALGORITHMS.register("grpo")
 class GRPO:
     """GRPO-family training with reward functions (see the module docstring)."""
@@ -283,6 +288,7 @@ class GRPO:
         self.tokenizer, self.pad_id = policy.tokenizer, policy.pad_id
         self.algo, self.sampling, self.update_policy = grpo_pipeline(cfg, policy, learner)
         self.reward_fns = load_reward_functions(cfg.rewards)
+        self._flat_steps = 0  # consecutive steps without a learning signal
 
     def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch:
         return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=self.algo.num_generations,
@@ -301,8 +307,15 @@ class GRPO:
                                "to the advantages; check the function (reward/%s/mean is null in metrics.jsonl)",
                                step, name, name)
         adv = np.asarray(advantages_from_config(rewards, self.algo))
+        has_signal = row_has_signal(rewards, self.algo)
+        self._flat_steps = 0 if has_signal.any() else self._flat_steps + 1
+        if self._flat_steps == FLAT_REWARD_STEPS:
+            logger.warning("steps %d-%d: in every group all completions got the same rewards, so every advantage is "
+                           "zero and nothing is learned; the task may be too easy or too hard for the policy, or a "
+                           "reward function constant: raise algo.num_generations or rollout.temperature, or check "
+                           "the rewards", step + 2 - FLAT_REWARD_STEPS, step + 1)
         batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
-                                 has_signal=row_has_signal(rewards, self.algo))
+                                 has_signal=has_signal)
         return batch, rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
                                       reward_names=tuple(names))
 

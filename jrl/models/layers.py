@@ -243,11 +243,8 @@ class Attention(nnx.Module):
         if self.mesh is None or self.mesh.size == 1:
             return attend(q, cache.k, cache.v, allowed)
         rules = dict(self.rules) if self.rules is not None else None
-        q_spec = logical_to_spec(("batch", "heads"), self.mesh, rules, q.shape[:2])
-        kv_spec = logical_to_spec(("batch", None, "kv_heads"), self.mesh, rules, cache.k.shape[:3])
-        rows = q_spec[0] if len(q_spec) else None
-        heads = (q_spec[1] if len(q_spec) > 1 else None)
-        if heads != (kv_spec[2] if len(kv_spec) > 2 else None):
+        rows, heads = logical_to_spec(("batch", "heads"), self.mesh, rules, q.shape[:2])
+        if heads != logical_to_spec(("batch", None, "kv_heads"), self.mesh, rules, cache.k.shape[:3])[2]:
             heads = None  # query and KV heads split differently: keep heads whole on every device
         q_spec, kv_spec = P(rows, heads, None), P(rows, None, heads, None)
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(q_spec, kv_spec, kv_spec, P(rows, None)),

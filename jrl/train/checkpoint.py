@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 def _one_line(error: Exception, limit: int = 240) -> str:
     """The first line of ``error``'s message with its type, at most ``limit`` characters."""
-    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    message = str(error).strip()
+    text = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

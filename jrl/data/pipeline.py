@@ -309,6 +309,29 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def batch(self, idx: Sequence[int]) -> PromptBatch:
+        """The prompts at dataset indices ``idx`` as one :class:`PromptBatch`."""
+        idx = [int(i) for i in idx]
+        return PromptBatch(
+            prompt_ids=[list(self.prompt_ids[i]) for i in idx],
+            prompt_texts=[self.prompt_texts[i] for i in idx],
+            prompts=[self.columns[self.prompt_column][i] for i in idx],
+            columns={k: [v[i] for i in idx] for k, v in self.columns.items()},
+            indices=idx,
+        )
+
+    def hold_out(self, n: int) -> tuple[PromptDataset, PromptDataset]:
+        """(the first ``len - n`` prompts, the last ``n``): a training set and a held-out set that share no row."""
+        if not 0 < n < len(self):
+            raise ValueError(f"cannot hold out {n} of the {len(self)} prompts: keep at least one for training")
+
+        def part(sl: slice) -> PromptDataset:
+            return dataclasses.replace(self, columns={k: v[sl] for k, v in self.columns.items()},
+                                       prompt_texts=self.prompt_texts[sl], prompt_ids=self.prompt_ids[sl],
+                                       source_rows=self.source_rows[sl])
+
+        return part(slice(0, len(self) - n)), part(slice(len(self) - n, None))
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """SHA-256 of the tokenized prompts and their order (identifies the data for resumption)."""
@@ -487,7 +510,7 @@ class PromptLoader:
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)
         ds = ds.repeat(cfg.num_epochs)  # reseeds the shuffle each epoch
-        ds = ds.batch(cfg.prompts_per_batch, drop_remainder=cfg.drop_remainder, batch_fn=self._make_batch)
+        ds = ds.batch(cfg.prompts_per_batch, drop_remainder=cfg.drop_remainder, batch_fn=self.dataset.batch)
         # No worker threads: batches are cheap list look-ups, and this keeps iteration deterministic.
         self._iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         self._it = iter(self._iter_ds)
@@ -497,17 +520,6 @@ class PromptLoader:
     def batches_per_epoch(self) -> int:
         """Full batches in one pass over this shard (the last partial one not counted)."""
         return self.num_prompts // self.cfg.prompts_per_batch
-
-    def _make_batch(self, idx: Sequence[int]) -> PromptBatch:
-        d = self.dataset
-        idx = [int(i) for i in idx]
-        return PromptBatch(
-            prompt_ids=[list(d.prompt_ids[i]) for i in idx],
-            prompt_texts=[d.prompt_texts[i] for i in idx],
-            prompts=[d.columns[d.prompt_column][i] for i in idx],
-            columns={k: [v[i] for i in idx] for k, v in d.columns.items()},
-            indices=idx,
-        )
 
     def _compute_fingerprint(self) -> dict[str, Any]:
         c = self.cfg

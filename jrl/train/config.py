@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+from tyro.constructors import PrimitiveConstructorSpec
 
 from jrl.data.pipeline import DataConfig
 from jrl.kernels.attention import available_impls
@@ -20,6 +22,7 @@ from jrl.models.remat import REMAT_NAMES
 from jrl.rollout.config import RolloutConfig
 from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
+from jrl.train.evaluation import EvalConfig
 from jrl.train.rewards import RewardSpec
 from jrl.validation import check_choice, check_int, check_real, invalid
 
@@ -103,6 +106,37 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScoringConfig:
+    """How the reward functions run (:mod:`jrl.train.reward_pool`): in worker processes, each call (one function
+    on a block of whole groups) with a timeout, so a function that hangs, crashes its process or raises costs
+    only the rows of that call (they get no reward, and the failure is counted and logged)."""
+
+    num_workers: int = 1
+    """Worker processes; up to this many calls run at once. 0 = in the trainer's process: no timeout and no
+    crash isolation (a function that hangs hangs the run), e.g. to step through a function in a debugger."""
+    timeout_s: float = 120.0
+    """Seconds one call may run before its worker is killed and its rows get no reward
+    (``reward/<fn>/timeouts``); needs ``num_workers`` >= 1."""
+    max_failed_steps: int = 3
+    """Stop the run with an error once a reward function has failed (raised, crashed, timed out or returned
+    something other than one number per completion) on every call of this many consecutive steps."""
+
+    def __post_init__(self):
+        check_int(self, "num_workers", lo=0, fix="use an int >= 0 (0 = in the trainer's process)")
+        check_real(self, "timeout_s", gt=0, fix="use a number of seconds > 0")
+        check_int(self, "max_failed_steps", lo=1)
+        if self.num_workers == 0 and self.timeout_s != ScoringConfig.timeout_s:
+            raise invalid("ScoringConfig", "timeout_s", self.timeout_s,
+                          "a timeout needs worker processes: set num_workers >= 1, or leave timeout_s at its default")
+
+
+#: ``--rewards`` on the command line: ``path:function[=weight]`` strings (:meth:`RewardSpec.parse`).
+RewardArg = Annotated[RewardSpec, PrimitiveConstructorSpec(
+    nargs=1, metavar="PATH:FN[=WEIGHT]", instance_from_str=lambda args: RewardSpec.parse(args[0]),
+    is_instance=lambda x: isinstance(x, RewardSpec), str_from_instance=lambda spec: [spec.format()])]
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A training run: algorithm, model, adapters, devices, prompts, rollouts, rewards, objective, optimizer,
     bookkeeping. Fields an algorithm or rollout backend does not read must keep their defaults (a set
@@ -123,9 +157,12 @@ class TrainConfig:
     """Prompt source and batching (``prompts_per_batch`` prompts per optimizer step)."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Rollout engine and sampling."""
-    rewards: tuple[RewardSpec, ...] = ARITHMETIC_REWARDS
-    """Reward functions by import path, with weights (default: the arithmetic task's two rewards);
+    rewards: tuple[RewardArg, ...] = ARITHMETIC_REWARDS
+    """Reward functions by import path, with weights (default: the arithmetic task's two rewards); on the command
+    line a list of ``path:function[=weight]`` (``--rewards my_rewards.py:correct=1 my_rewards.py:short=0.2``);
     ``grpo`` only (EBFT's reward is feature matching against the ground truth)."""
+    scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
+    """Where the reward functions run: worker processes, per-call timeout, when failures stop the run."""
     ebft: EBFTConfig = dataclasses.field(default_factory=EBFTConfig)
     """Feature network, reward and loss knobs of the ``ebft_structured`` / ``ebft_strided`` algorithms."""
     algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
@@ -156,6 +193,12 @@ class TrainConfig:
     """Most recent checkpoints kept."""
     log_every: int = 1
     """Print a metrics line every this many steps (metrics.jsonl gets every step)."""
+    eval_every: int = 0
+    """Evaluate on held-out prompts (the ``eval`` section) before the first step and every this many steps:
+    ``eval/*`` metrics in ``eval.jsonl`` and TensorBoard, sample completions in ``eval_samples.jsonl``; 0 = never.
+    A multiple of ``rollout.sync_interval`` (the engine must hold the current weights)."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Eval prompts, decodings and logged samples of ``eval_every``."""
     resume: bool = False
     """Continue from the newest intact checkpoint in ``output_dir`` (a damaged newer one is named in a
     warning and skipped)."""
@@ -201,6 +244,13 @@ class TrainConfig:
             raise invalid("TrainConfig", "optim.micro_batch_size", mb,
                           f"it must divide the {rows} rows of a step (data.prompts_per_batch x "
                           f"{algorithm.samples_field})")
+        check_int(self, "eval_every", lo=0, fix="use an int >= 0 (0 = no evaluation)")
+        if self.eval_every == 0:
+            reject_unused(self, ("eval",), "eval_every=0")
+        elif self.eval_every % self.rollout.sync_interval:
+            raise invalid("TrainConfig", "eval_every", self.eval_every,
+                          f"use a multiple of rollout.sync_interval={self.rollout.sync_interval}, so the engine holds "
+                          "the current weights at every evaluation")
         for name in ("max_steps", "num_iterations", "log_every", "keep_checkpoints"):
             check_int(self, name, lo=1)
         check_choice(self, "loss_head", ("auto", "fused", "logprobs"))

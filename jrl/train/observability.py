@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "curves.png", "checkpoints")
+RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "tensorboard", "curves.png", "checkpoints")
 
 
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
@@ -36,25 +36,38 @@ def _json_number(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
-class MetricsWriter:
-    """Append one JSON object per step to ``<dir>/metrics.jsonl`` and the same scalars to TensorBoard."""
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Drop the lines of a JSON-lines log whose ``step`` is > ``step`` (written after the checkpoint a resumed run
+    restarts from)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in lines))
 
-    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True):
+
+class MetricsWriter:
+    """Append one JSON object per step to ``<dir>/<name>.jsonl`` and the same scalars to TensorBoard
+    (``<dir>/tensorboard``, a ``name`` other than ``metrics`` in its own subdirectory, a run of its own there)."""
+
+    def __init__(self, output_dir: str | Path, *, name: str = "metrics", tensorboard: bool = True):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
+        self.path = self.dir / f"{name}.jsonl"
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.dir / "tensorboard" / ("" if name == "metrics" else name)))
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps > ``step`` (written after the checkpoint a resumed run restarts from)."""
-        if not self.path.exists():
-            return
-        lines = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in lines))
+        truncate_jsonl_after(self.path, step)
+
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        """A Markdown text (e.g. a table of sample completions) to TensorBoard's text tab."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, int(step))
+            self._tb.flush()
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """One line of strict JSON (a NaN or infinite value is written as null) and the finite scalars to

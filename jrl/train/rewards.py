@@ -17,32 +17,29 @@ Functions are named by import path in configs (:class:`RewardSpec`):
   attribute ``package.module:obj.method``;
 - ``path/to/file.py:function`` (the file is imported as a module of its own).
 
-:func:`compute_rewards` returns the per-function reward matrix ``[N, F]`` (float32, NaN for None);
-weights are applied by the advantage code (``jrl.losses.advantages``), which takes the matrix as is. Optional CPU parallelism:
-:class:`RewardWorkers` runs the functions in persistent worker processes on contiguous blocks of
-whole groups (docs/algorithms/grpo.md §14.6), falling back to the main process if any worker fails.
+:func:`run_call` runs one function on one block of completions and reports a failure instead of raising;
+:func:`compute_rewards` (the library call, in this process) returns the per-function reward matrix
+``[N, F]`` (float32, NaN for None) and raises :class:`RewardError` on the first failure. A training run
+scores through :class:`jrl.train.reward_pool.RewardScorer` instead: worker processes, per-call timeouts,
+failed calls counted and given no reward. Weights are applied by the advantage code
+(``jrl.losses.advantages``), which takes the matrix as is.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
 import importlib
 import importlib.util
-import logging
 import math
-import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 #: Column names that are never passed as keyword arguments (they are the positional inputs).
 RESERVED_COLUMNS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids"})
@@ -84,6 +81,23 @@ class RewardSpec:
             raise ValueError(
                 f"RewardSpec.name={self.name!r} is invalid for {self.path!r}: use a non-empty string or None"
             )
+
+    @classmethod
+    def parse(cls, text: str) -> RewardSpec:
+        """The spec written ``path:function[=weight]`` (the command line's form, e.g. ``my_rewards.py:fn=0.5``)."""
+        path, sep, weight = text.rpartition("=")
+        if not sep:
+            return cls(path=text)
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"reward {text!r}: the weight after '=' must be a number "
+                             f"(write path:function or path:function=weight)") from None
+        return cls(path=path, weight=value)
+
+    def format(self) -> str:
+        """``path:function=weight``, the form :meth:`parse` reads."""
+        return f"{self.path}={self.weight:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +227,8 @@ def reward_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _unique_names(fns: Sequence[Callable]) -> list[str]:
+def unique_names(fns: Sequence[Callable]) -> list[str]:
+    """The functions' names, a repeated one suffixed ``_1``, ``_2``..."""
     names, seen = [], {}
     for fn in fns:
         base = reward_name(fn)
@@ -223,7 +238,8 @@ def _unique_names(fns: Sequence[Callable]) -> list[str]:
     return names
 
 
-def _describe(name: str, fn: Callable) -> str:
+def describe(name: str, fn: Callable) -> str:
+    """``reward function 'name' (path)`` for messages."""
     path = fn.path if isinstance(fn, RewardFunction) else None
     return f"reward function {name!r}" + (f" ({path})" if path else "")
 
@@ -232,7 +248,7 @@ def _batch_desc(batch: Any, n: int) -> str:
     return f"batch {batch!r} ({n} completions)" if batch is not None else f"a batch of {n} completions"
 
 
-def _to_rewards(out: Any, n: int, what: str) -> np.ndarray:
+def _to_rewards(out: Any, n: int) -> np.ndarray:
     """Convert one function's output to float32 [n]; raise ValueError describing the problem."""
     if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
         arr = np.asarray(out)
@@ -262,7 +278,8 @@ def _to_rewards(out: Any, n: int, what: str) -> np.ndarray:
     return res
 
 
-def _check_inputs(prompts, completions, completion_ids, columns) -> tuple[int, dict[str, list]]:
+def check_inputs(prompts, completions, completion_ids, columns) -> tuple[int, dict[str, list]]:
+    """(N, the columns passed as keywords): one prompt, id list and column value per completion, or an error."""
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"compute_rewards: {len(prompts)} prompts for {n} completions; give one prompt per completion")
@@ -281,22 +298,46 @@ def _check_inputs(prompts, completions, completion_ids, columns) -> tuple[int, d
     return n, kwargs
 
 
-def _run_functions(fns, names, prompts, completions, completion_ids, kwargs, batch) -> np.ndarray:
-    n = len(completions)
-    out = np.empty((n, len(fns)), dtype=np.float32)
-    for j, (fn, name) in enumerate(zip(fns, names)):
-        what = _describe(name, fn)
-        try:
-            res = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        except Exception as e:
-            raise RewardError(
-                f"{what} raised {type(e).__name__}: {e} on {_batch_desc(batch, n)}", function=name, batch=batch
-            ) from e
-        try:
-            out[:, j] = _to_rewards(res, n, what)
-        except ValueError as e:
-            raise RewardError(f"{what} {e} on {_batch_desc(batch, n)}", function=name, batch=batch) from None
-    return out
+class RewardCall(NamedTuple):
+    """The inputs of one call of a reward function: a block of ``n`` completions and their columns."""
+
+    prompts: list
+    completions: list
+    completion_ids: list | None
+    columns: dict[str, list]
+
+
+class CallResult(NamedTuple):
+    """What one call gave: ``values`` (float32 ``[n]``, NaN for None) or ``error`` (what went wrong, a
+    phrase such as ``raised ValueError: ...``); ``timed_out`` when the call was stopped at its timeout."""
+
+    values: np.ndarray | None
+    error: str | None = None
+    timed_out: bool = False
+    exception: Exception | None = None
+
+
+def run_call(fn: Callable, call: RewardCall) -> CallResult:
+    """Call ``fn`` on ``call`` and check its output; an exception or malformed output is returned as the
+    result's ``error`` (the exception itself in ``exception`` when it can be kept)."""
+    n = len(call.completions)
+    try:
+        out = fn(prompts=call.prompts, completions=call.completions, completion_ids=call.completion_ids,
+                 **call.columns)
+    except Exception as e:
+        return CallResult(None, f"raised {type(e).__name__}: {e}", exception=e)
+    try:
+        return CallResult(_to_rewards(out, n))
+    except ValueError as e:
+        return CallResult(None, str(e))
+
+
+def split_call(prompts, completions, completion_ids, columns: Mapping[str, Sequence[Any]] | None, a: int,
+               b: int) -> RewardCall:
+    """The :class:`RewardCall` of completions ``a:b`` of a batch (columns already checked by ``check_inputs``)."""
+    return RewardCall(list(prompts[a:b]), list(completions[a:b]),
+                      None if completion_ids is None else [list(c) for c in completion_ids[a:b]],
+                      {k: list(v[a:b]) for k, v in (columns or {}).items()})
 
 
 def compute_rewards(
@@ -308,10 +349,8 @@ def compute_rewards(
     columns: Mapping[str, Sequence[Any]] | None,
     *,
     batch: Any = None,
-    workers: RewardWorkers | None = None,
-    group_size: int = 1,
 ) -> tuple[np.ndarray, list[str]]:
-    """Run every reward function on a batch of ``N`` completions.
+    """Run every reward function on a batch of ``N`` completions, in this process.
 
     Args:
       fns: reward callables (:class:`RewardFunction` from :func:`load_reward_functions`, or plain
@@ -322,8 +361,6 @@ def compute_rewards(
       columns: dataset columns, each with one value per completion; all except ``prompt`` /
         ``completion`` / ``completion_ids`` are passed as keyword arguments.
       batch: a label for error messages (e.g. the step number).
-      workers: optional :class:`RewardWorkers` to run the functions in worker processes.
-      group_size: completions per prompt; worker blocks never split a group.
 
     Returns:
       ``(rewards, names)``: float32 ``[N, F]`` with NaN where a function returned None/NaN, and the
@@ -337,21 +374,17 @@ def compute_rewards(
     if not fns:
         raise ValueError("compute_rewards: no reward functions given")
     resolve_weights(fns, weights)
-    n, kwargs = _check_inputs(prompts, completions, completion_ids, columns)
-    names = _unique_names(fns)
-    prompts, completions = list(prompts), list(completions)
-    completion_ids = None if completion_ids is None else [list(c) for c in completion_ids]
-    if workers is not None and workers.num_workers > 1 and n > 0:
-        try:
-            return workers.run(fns, names, prompts, completions, completion_ids, kwargs, batch, group_size), names
-        except Exception as e:  # any worker failure: recompute here, where errors are reported precisely
-            logger.warning(
-                "reward workers failed on %s (%s: %s); recomputing on the main process",
-                _batch_desc(batch, n),
-                type(e).__name__,
-                e,
-            )
-    return _run_functions(fns, names, prompts, completions, completion_ids, kwargs, batch), names
+    n, kwargs = check_inputs(prompts, completions, completion_ids, columns)
+    names = unique_names(fns)
+    call = split_call(prompts, completions, completion_ids, kwargs, 0, n)
+    out = np.empty((n, len(fns)), dtype=np.float32)
+    for j, (fn, name) in enumerate(zip(fns, names)):
+        res = run_call(fn, call)
+        if res.error is not None:
+            raise RewardError(f"{describe(name, fn)} {res.error} on {_batch_desc(batch, n)}", function=name,
+                              batch=batch) from res.exception
+        out[:, j] = res.values
+    return out, names
 
 
 def resolve_weights(fns: Sequence[Callable], weights: Sequence[float] | None) -> np.ndarray:
@@ -360,82 +393,8 @@ def resolve_weights(fns: Sequence[Callable], weights: Sequence[float] | None) ->
         return np.asarray([fn.weight if isinstance(fn, RewardFunction) else 1.0 for fn in fns], dtype=np.float32)
     w = list(weights)
     if len(w) != len(fns):
-        raise ValueError(f"{len(w)} reward weights for {len(fns)} reward functions ({_unique_names(fns)})")
-    for name, x in zip(_unique_names(fns), w):
+        raise ValueError(f"{len(w)} reward weights for {len(fns)} reward functions ({unique_names(fns)})")
+    for name, x in zip(unique_names(fns), w):
         if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x):
             raise ValueError(f"weight {x!r} of reward function {name!r} is not a finite number")
     return np.asarray(w, dtype=np.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker processes (optional)
-
-
-def _worker_run(args: tuple) -> np.ndarray:
-    return _run_functions(*args)
-
-
-class RewardWorkers:
-    """Persistent pool of reward worker processes (docs/algorithms/grpo.md §14.6).
-
-    Reward functions run in ``num_workers`` processes, each on a contiguous block of whole groups;
-    useful for slow CPU-bound verifiers (and for those using ``signal.alarm``, which needs a
-    process's main thread). Functions must be picklable, or loaded by path (they are re-imported
-    in the workers). Any worker failure makes :func:`compute_rewards` recompute the batch on the
-    main process, so errors are reported the same way. Use as a context manager or call
-    :meth:`close`. For cheap functions the inter-process overhead exceeds the work: keep 1.
-    """
-
-    def __init__(self, num_workers: int, *, start_method: str = "spawn"):
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        self.num_workers = num_workers
-        self.start_method = start_method
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-
-    def _get_pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        if self._pool is None:
-            ctx = multiprocessing.get_context(self.start_method)
-            self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
-        return self._pool
-
-    def run(self, fns, names, prompts, completions, completion_ids, kwargs, batch, group_size: int) -> np.ndarray:
-        n = len(completions)
-        if group_size < 1 or n % group_size:
-            raise ValueError(f"group_size={group_size} does not divide the {n} completions")
-        groups = n // group_size
-        per = -(-groups // self.num_workers)
-        bounds = [(a * group_size, min(groups, a + per) * group_size) for a in range(0, groups, per)]
-        try:
-            pool = self._get_pool()
-            futures = [
-                pool.submit(
-                    _worker_run,
-                    (
-                        fns,
-                        names,
-                        prompts[a:b],
-                        completions[a:b],
-                        None if completion_ids is None else completion_ids[a:b],
-                        {k: v[a:b] for k, v in kwargs.items()},
-                        batch,
-                    ),
-                )
-                for a, b in bounds
-            ]
-            parts = [f.result() for f in futures]
-        except concurrent.futures.process.BrokenProcessPool:
-            self.close()  # a worker died: a fresh pool is made on the next call
-            raise
-        return np.concatenate(parts, axis=0)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

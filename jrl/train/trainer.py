@@ -9,7 +9,9 @@
 Per step: batch ``k`` from the source (sampled with a seed derived from ``(seed, k)``, so a resumed run
 samples exactly what the uninterrupted run would have) → ``algorithm.make_experience`` →
 ``algorithm.update`` → weight sync at sync steps → one line of ``metrics.jsonl``, TensorBoard scalars,
-the progress bar; checkpoints every ``save_every`` steps and at the end; a plot at the end.
+the progress bar; checkpoints every ``save_every`` steps and at the end; a plot at the end. With
+``eval_every`` the current weights are evaluated on held-out prompts before the first step and every
+``eval_every`` steps (:mod:`jrl.train.evaluation`, ``eval.jsonl``).
 
 Per step the log has, besides the algorithm's metrics: ``async/staleness`` (version lag of the consumed
 batch), ``async/queue_depth`` (batches ready when the step asked for one), ``time/rollout`` (the generate
@@ -35,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 
-from jrl.data.pipeline import make_prompt_loader
+from jrl.data.pipeline import PromptLoader, build_prompt_dataset
 from jrl.rollout.base import RolloutEngine
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import TrainConfig
+from jrl.train.evaluation import split_eval_prompts
 from jrl.train.learner import Learner
-from jrl.train.observability import MetricsWriter, claim_output_dir, plot_curves
+from jrl.train.observability import MetricsWriter, claim_output_dir, plot_curves, truncate_jsonl_after
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
 from jrl.train.rollout_source import RolloutSource, make_rollout_engine
@@ -57,11 +60,16 @@ class Trainer:
         self.cfg, self.progress = cfg, progress
         policy = load_policy(cfg)
         self.tokenizer, self.pad_id, self.mesh = policy.tokenizer, policy.pad_id, policy.mesh
-        self.loader = make_prompt_loader(cfg.data, self.tokenizer)
+        prompts = build_prompt_dataset(cfg.data, self.tokenizer)
+        if cfg.eval_every:
+            prompts, eval_prompts = split_eval_prompts(cfg.eval, cfg.data, prompts, self.tokenizer)
+        self.loader = PromptLoader(prompts, cfg.data)
         self.learner = Learner(policy.model, cfg.optim, total_updates=cfg.max_steps * cfg.num_iterations,
                                mesh=policy.mesh, rules=policy.rules)
         self.algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, policy, self.learner)
         self.out_dir = Path(cfg.output_dir)
+        self.evaluator = (self.algorithm.evaluator(cfg.eval, eval_prompts, output_dir=self.out_dir, seed=cfg.seed)
+                          if cfg.eval_every else None)
         if not cfg.resuming:
             claim_output_dir(self.out_dir, overwrite=cfg.overwrite)
         self.source = RolloutSource(
@@ -109,6 +117,19 @@ class Trainer:
         metrics["tokens_per_second"] = self.algorithm.generated_tokens(item.rollout) / max(time.perf_counter() - t0, 1e-9)
         return metrics
 
+    def evaluate(self, writer: MetricsWriter) -> None:
+        """Evaluate the current weights (the ``eval`` section) and log it at this step."""
+        if self.source.schedule is not None and self.source.served_version() != self.step:
+            raise RuntimeError(f"evaluation at step {self.step} found the engine at version "
+                               f"{self.source.served_version()}; evaluations must fall on weight-sync steps")
+        t0 = time.perf_counter()
+        with self.source.device_lock:
+            metrics = self.evaluator.run(self.engine, self.step, writer)
+        metrics["time/eval"] = time.perf_counter() - t0
+        writer.write(self.step, metrics)
+        logger.info("eval at step %d: %s", self.step, ", ".join(
+            f"{k[len('eval/'):]} {v:.4f}" for k, v in metrics.items() if k.endswith("reward/mean")))
+
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
         cfg = self.cfg
@@ -140,18 +161,26 @@ class Trainer:
         """Run to ``max_steps``; returns the metric history (also in ``metrics.jsonl``)."""
         cfg, algorithm = self.cfg, self.algorithm
         writer = MetricsWriter(self.out_dir)
+        eval_writer = MetricsWriter(self.out_dir, name="eval") if self.evaluator else None
         if cfg.resuming:
             self.restore()
             writer.truncate_after(self.step)
+            if eval_writer:
+                eval_writer.truncate_after(self.step)
+                truncate_jsonl_after(self.evaluator.samples_path, self.step)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc, disable=not self.progress,
                    dynamic_ncols=True)
         try:
             with stop_requests() as stop:
+                if eval_writer and self.step == 0:
+                    self.evaluate(eval_writer)
                 while self.step < cfg.max_steps and stop.signal is None:
                     metrics = self.train_step()
                     writer.write(self.step, metrics)
+                    if eval_writer and self.step % cfg.eval_every == 0:
+                        self.evaluate(eval_writer)
                     bar.update(1)
                     bar.set_postfix(algorithm.progress_postfix(metrics))
                     if self.step % cfg.log_every == 0:
@@ -167,12 +196,15 @@ class Trainer:
             self.source.stop()
             bar.close()
             writer.close()
+            if eval_writer:
+                eval_writer.close()
         history = writer.history()
         plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys)
         return history
 
     def close(self) -> None:
         self.source.close()
+        self.algorithm.close()
         self.checkpointer.close()
 
 

@@ -12,12 +12,15 @@ import pytest
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.train.async_rollout import ProducedRollout, RolloutProducer, RolloutProducerError, RolloutSchedule
-from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
 from jrl.train.rewards import RewardSpec
 from train_testlib import read_metrics_log, run_worker, write_reward_file
 
 #: Per-step metrics that depend on timing, not on the computation.
 TIMING = ("tokens_per_second", "async/queue_depth")
+
+#: Rewards in the trainer's process, where the crash reward's KeyboardInterrupt kills the run.
+IN_PROCESS = ScoringConfig(num_workers=0)
 
 
 def _cfg(model_dir, out, reward, *, prefetch_depth=0, max_staleness=1, sync_interval=1, **kw) -> TrainConfig:
@@ -162,8 +165,7 @@ def _reference_synchronous_run(cfg: TrainConfig) -> list[dict]:
             ids = completion_token_lists(rollout)
             rep = pb.repeat(g)
             texts = [tr.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-            rewards, _ = compute_rewards(algo.reward_fns, None, rep.prompts, texts, ids, rep.columns, batch=f"step {k}",
-                                         group_size=g)
+            rewards, _ = compute_rewards(algo.reward_fns, None, rep.prompts, texts, ids, rep.columns, batch=f"step {k}")
             signal = sequence_has_signal(group_has_signal(rewards, group_size=g, reward_weights=algo.algo.reward_weights),
                                          g)
             batch = build_step_batch(rollout, np.asarray(advantages_from_config(rewards, algo.algo)), pad_id=tr.pad_id,
@@ -289,7 +291,7 @@ def test_resume_with_prefetch_reproduces_the_uninterrupted_run(tiny_model_dir, t
     # The second run dies in step 4's rewards (its producer had already taken later prompts), then resumes.
     crash = write_reward_file(tmp_path, "reward_crash", crash=3)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_model_dir, tmp_path / "b", crash, **kw), progress=False)
+        train(_cfg(tiny_model_dir, tmp_path / "b", crash, scoring=IN_PROCESS, **kw), progress=False)
     assert len(_log(tmp_path / "b")) == 3 and not _producer_threads()
     train(_cfg(tiny_model_dir, tmp_path / "b", ok, resume=True, **kw), progress=False)
     assert [r["step"] for r in _log(tmp_path / "b")] == [1, 2, 3, 4]

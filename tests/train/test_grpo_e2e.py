@@ -10,9 +10,12 @@ import pytest
 
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
-from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
 from jrl.train.rewards import RewardSpec
 from train_testlib import read_metrics_log, run_worker, write_reward_file
+
+#: Rewards in the trainer's process, where the crash reward's KeyboardInterrupt kills the run.
+IN_PROCESS = ScoringConfig(num_workers=0)
 
 
 def _cfg(model_dir, out, reward, **kw) -> TrainConfig:
@@ -34,7 +37,7 @@ def test_resume_gives_identical_metrics(tiny_model_dir, tmp_path, caplog):
     # The second run dies during step 4 (after the step-3 checkpoint), then resumes to step 6.
     crash = write_reward_file(tmp_path, "reward_crash", crash=3)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_model_dir, tmp_path / "b", crash), progress=False)
+        train(_cfg(tiny_model_dir, tmp_path / "b", crash, scoring=IN_PROCESS), progress=False)
     assert len(read_metrics_log(tmp_path / "b")) == 3
     train(_cfg(tiny_model_dir, tmp_path / "b", ok, resume=True), progress=False)
     a, b = read_metrics_log(tmp_path / "a"), read_metrics_log(tmp_path / "b")

@@ -2,7 +2,6 @@
 name the function and the batch."""
 
 import functools
-import os
 import textwrap
 
 import numpy as np
@@ -13,7 +12,6 @@ from jrl.train.rewards import (
     RewardFunction,
     RewardLoadError,
     RewardSpec,
-    RewardWorkers,
     compute_rewards,
     load_reward_function,
     load_reward_functions,
@@ -242,35 +240,14 @@ def test_reward_function_pickles_by_path(reward_file):
     assert isinstance(back, RewardFunction)
 
 
-def test_workers_match_main_process_and_fall_back(reward_file, caplog):
-    fns = load_reward_functions([f"{ARITH}:exact_match", f"{reward_file}:echo_kwargs", f"{reward_file}:sometimes_none"])
-    g = 2
-    b = _batch(4)
-    b = {k: (v * 2 if k != "columns" else {c: x * 2 for c, x in v.items()}) for k, v in b.items()}  # 8 = 4 groups of 2
-    main, names = compute_rewards(fns, None, **b, batch=0)
-    with RewardWorkers(2) as workers:
-        par, names2 = compute_rewards(fns, None, **b, batch=0, workers=workers, group_size=g)
-        np.testing.assert_array_equal(par, main)
-        assert names2 == names
-        # really ran in two other processes, each on whole groups (contiguous blocks of 4)
-        pids, _ = compute_rewards(
-            load_reward_functions([f"{reward_file}:pid"]), None, **b, workers=workers, group_size=g
-        )
-        pids = pids[:, 0].astype(np.int64)
-        assert os.getpid() not in set(pids.tolist())
-        assert len(set(pids[:4].tolist())) == 1 and len(set(pids[4:].tolist())) == 1
-        # a function that cannot be sent to a worker (a lambda): computed on the main process
-        rewards, _ = compute_rewards(
-            [lambda **kw: [1.0] * len(kw["completions"])], None, **b, workers=workers, group_size=g
-        )
-        np.testing.assert_array_equal(rewards, np.ones((8, 1)))
-        assert "recomputing on the main process" in caplog.text
-        # a failing function in a worker: recomputed on the main process, same clear error
-        bad = load_reward_functions([f"{reward_file}:boom"])
-        with pytest.raises(RewardError, match="reward function 'boom'"):
-            compute_rewards(bad, None, **b, batch=5, workers=workers, group_size=g)
-    with pytest.raises(ValueError, match="num_workers"):
-        RewardWorkers(0)
+def test_spec_from_the_command_line_form():
+    assert RewardSpec.parse("my.py:fn=0.5") == RewardSpec("my.py:fn", 0.5)
+    assert RewardSpec.parse("pkg.mod:fn") == RewardSpec("pkg.mod:fn", 1.0)
+    assert RewardSpec.parse(RewardSpec("a.py:f", -2.0).format()) == RewardSpec("a.py:f", -2.0)
+    with pytest.raises(ValueError, match=r"reward 'a.py:f=x': the weight after '=' must be a number"):
+        RewardSpec.parse("a.py:f=x")
+    with pytest.raises(ValueError, match="RewardSpec.path='nocolon' is invalid"):
+        RewardSpec.parse("nocolon=1")
 
 
 def test_end_to_end_with_prompt_batches():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
-from jrl.train.config import ModelSpec, OptimConfig, TrainConfig, load_config_file
+from jrl.train.config import ModelSpec, OptimConfig, ScoringConfig, TrainConfig, load_config_file
 from jrl.train.rewards import RewardError, RewardLoadError, RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,39 @@ def test_shipped_config_loads_and_overrides_apply():
     assert cfg.algo.num_generations == 4 and cfg.optim.learning_rate == 0.001
     # Untouched fields keep the file's values, not the dataclass defaults.
     assert cfg.data == base.data and cfg.save_every == base.save_every
+
+
+def test_rewards_from_the_command_line_and_a_hanging_one(tmp_path, monkeypatch):
+    """``--rewards path:fn[=weight] ...`` replaces the config file's rewards; a function that never returns costs
+    each step its timeout, its rows get no reward (null in a strict-JSON metrics.jsonl), the run goes on."""
+    from jrl.train.trainer import train
+
+    file = tmp_path / "cli_rewards.py"
+    file.write_text("import time\n\n"
+                    "def length(prompts, completions, completion_ids, **kw):\n"
+                    "    return [len(c) / 10 for c in completions]\n\n"
+                    "def hang(prompts, completions, completion_ids, **kw):\n"
+                    "    time.sleep(10_000)\n")
+    monkeypatch.chdir(ROOT)
+    cfg = _train_script().parse_config(["--config", "configs/grpo.py", "--rewards", f"{file}:length=0.5",
+                                        f"{file}:hang", "--scoring.timeout-s", "1", "--max-steps", "2",
+                                        "--data.prompts-per-batch", "2", "--algo.num-generations", "4",
+                                        "--optim.micro-batch-size", "8", "--output-dir", str(tmp_path / "run")])
+    assert cfg.rewards == (RewardSpec(f"{file}:length", 0.5), RewardSpec(f"{file}:hang", 1.0))
+    t0 = time.monotonic()
+    train(cfg, progress=False)
+    assert time.monotonic() - t0 < 120  # two 1 s timeouts, never the 10_000 s sleep
+
+    def strict(token):
+        raise ValueError(f"metrics.jsonl holds {token}, which is not JSON")
+
+    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/hang/timeouts"] for r in rows] == [1.0, 1.0]
+    assert [r["reward/length/errors"] for r in rows] == [0.0, 0.0]
+    assert all(r["reward/hang/mean"] is None and r["reward/length/mean"] > 0 for r in rows)
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    with pytest.raises(SystemExit):
+        _train_script().parse_config(["--config", "configs/grpo.py", "--rewards", "no_colon"])
 
 
 def test_help_lists_every_documented_field():
@@ -111,13 +146,17 @@ def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
         Trainer(_cfg(tmp_path, tmp_path))
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def one_value(prompts, completions, completion_ids=None, **kw):\n    return [1.0]\n")
-    trainer = Trainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path=f"{bad}:one_value"),)))
-    batch = next(trainer.loader)
-    rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
-    with pytest.raises(RewardError, match="one_value") as e:
-        trainer.algorithm.make_experience(rollout, batch, trainer.learner, 7)
-    assert "step 7" in str(e.value)
-    trainer.close()
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path, rewards=(RewardSpec(path=f"{bad}:one_value"),),
+                           scoring=ScoringConfig(max_failed_steps=1)))
+    try:
+        batch = next(trainer.loader)
+        rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
+        with pytest.raises(RewardError, match=r"'one_value' .* failed on every call of 1 consecutive steps \(steps 8-8\)"
+                                              r"; the last error: returned 1 values for \d+ completions") as e:
+            trainer.algorithm.make_experience(rollout, batch, trainer.learner, 7)
+        assert e.value.function == "one_value"
+    finally:
+        trainer.close()
 
 
 def test_a_reward_that_is_nan_for_a_whole_step_is_reported(tiny_model_dir, tmp_path, caplog):
@@ -134,8 +173,8 @@ def test_a_reward_that_is_nan_for_a_whole_step_is_reported(tiny_model_dir, tmp_p
             _, metrics = trainer.algorithm.make_experience(rollout, batch, trainer.learner, 3)
     finally:
         trainer.close()
-    warned = [r.getMessage() for r in caplog.records if "None/NaN for every completion" in r.getMessage()]
-    assert len(warned) == 1 and "step 3" in warned[0] and "'never'" in warned[0]
+    warned = [r.getMessage() for r in caplog.records if "gave no reward" in r.getMessage()]
+    assert len(warned) == 1 and "step 4" in warned[0] and "'never'" in warned[0]
     assert np.isnan(metrics["reward/never/mean"]) and np.isfinite(metrics["reward/format_reward/mean"])
 
 

@@ -76,6 +76,7 @@ def max_rel_err(a, b) -> float:
 #: A reward module with a function ``low_ids`` that varies between random completions; with ``crash`` set,
 #: the call after the ``crash``-th raises ``KeyboardInterrupt`` (a simulated kill mid-run).
 LOW_IDS_REWARD = '''
+import multiprocessing
 import os
 import signal
 
@@ -91,15 +92,16 @@ def low_ids(prompts, completions, completion_ids, **kw):
     if CRASH_AFTER is not None and CALLS > CRASH_AFTER:
         raise KeyboardInterrupt("simulated kill")
     if CALLS == SIGTERM_AT:
-        os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends, mid-step
+        # what a scheduler sends mid-step, to the trainer (this worker's parent, or this process without workers)
+        os.kill(os.getppid() if multiprocessing.parent_process() else os.getpid(), signal.SIGTERM)
     return [sum(i < 128 for i in ids) / max(1, len(ids)) for ids in completion_ids]
 '''
 
 
 def write_reward_file(tmp_path: Path, name: str, crash: int | None = None, sigterm: int | None = None) -> Path:
     """``<tmp_path>/<name>.py`` holding :data:`LOW_IDS_REWARD` (a distinct module name per run): with ``crash``
-    it raises KeyboardInterrupt from call ``crash + 1`` on; with ``sigterm`` call ``sigterm`` sends this
-    process SIGTERM."""
+    it raises KeyboardInterrupt from call ``crash + 1`` on (a kill of the run when the rewards run in its process,
+    ``scoring.num_workers=0``); with ``sigterm`` call ``sigterm`` sends the trainer SIGTERM."""
     path = Path(tmp_path) / f"{name}.py"
     path.write_text(LOW_IDS_REWARD.format(crash=crash, sigterm=sigterm))
     return path

@@ -58,6 +58,18 @@ class Algorithm(Protocol):
         """What the periodic log line says of a step besides its number and loss."""
         ...
 
+    def close(self) -> None:
+        """Release what the algorithm started (e.g. reward worker processes)."""
+        ...
+
+
+class Evaluating(Algorithm, Protocol):
+    """An algorithm that reads ``eval_every`` / ``eval`` (the others list them in ``ignores``)."""
+
+    def evaluator(self, cfg, prompts, *, output_dir, seed: int) -> Any:
+        """A :class:`~jrl.train.evaluation.Evaluator` of ``prompts`` under the ``EvalConfig`` ``cfg``."""
+        ...
+
 
 #: ``TrainConfig.algorithm`` name → algorithm class ``(cfg, policy, learner) -> Algorithm``.
 ALGORITHMS = Registry("algorithm", "TrainConfig.algorithm", how_to_register="@ALGORITHMS.register(name)")

@@ -259,7 +259,7 @@ PROGRESS = (("align↑", "ebft/alignment"), ("cfm↓", "ebft/cfm_loss"), ("rewar
 class EBFTStrided:
     """Strided EBFT (see the module docstring)."""
 
-    ignores = ("rewards", "algo", "num_iterations", "loss_head", "rollout.backend", "rollout.sync", "rollout.vllm",
+    ignores = ("rewards", "scoring", "eval_every", "eval", "algo", "num_iterations", "loss_head", "rollout.backend", "rollout.sync", "rollout.vllm",
                "rollout.max_new_tokens", "rollout.stop_token_ids", "rollout.sync_interval", "rollout.prefetch_depth",
                "rollout.max_staleness", "ebft.adaptive_max_tokens", "ebft.gt_length_multiplier",
                "ebft.adaptive_min_tokens")
@@ -347,3 +347,6 @@ class EBFTStrided:
 
     def log_summary(self, metrics: dict[str, float]) -> str:
         return " ".join(f"{label} {metrics[key]:+.4f}" for label, key in PROGRESS)
+
+    def close(self) -> None:
+        """Nothing to release: the feature-matching reward runs in the train step's process."""

@@ -112,7 +112,7 @@ def _reduction(name: str) -> str:
 class EBFTStructured:
     """GRPO with EBFT's feature-matching reward (see the module docstring)."""
 
-    ignores = ("rewards", "ebft.stride", "ebft.context_length", "ebft.generate_max_len", "ebft.n_samples_per_prompt",
+    ignores = ("rewards", "scoring", "eval_every", "eval", "ebft.stride", "ebft.context_length", "ebft.generate_max_len", "ebft.n_samples_per_prompt",
                "ebft.rl_coef", "ebft.min_completion_prefix")
     progress_desc = "ebft"
     plot_keys = ("reward/mean", "loss")
@@ -250,3 +250,6 @@ class EBFTStructured:
 
     def log_summary(self, metrics: dict[str, float]) -> str:
         return f"reward {metrics['reward/mean']:.4f}"
+
+    def close(self) -> None:
+        """Nothing to release: the feature-matching reward runs in the train step's process."""

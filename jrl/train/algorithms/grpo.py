@@ -43,8 +43,10 @@ from jrl.losses import (
 )
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.train.algorithms.base import ALGORITHMS
+from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics
-from jrl.train.rewards import compute_rewards, load_reward_functions
+from jrl.train.reward_pool import RewardScorer
+from jrl.train.rewards import load_reward_functions
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +290,8 @@ class GRPO:
         self.tokenizer, self.pad_id = policy.tokenizer, policy.pad_id
         self.algo, self.sampling, self.update_policy = grpo_pipeline(cfg, policy, learner)
         self.reward_fns = load_reward_functions(cfg.rewards)
+        self.scorer = RewardScorer(self.reward_fns, num_workers=cfg.scoring.num_workers,
+                                   timeout_s=cfg.scoring.timeout_s, max_failed_steps=cfg.scoring.max_failed_steps)
         self._flat_steps = 0  # consecutive steps without a learning signal
 
     def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch:
@@ -299,13 +303,12 @@ class GRPO:
         ids = completion_token_lists(rollout)
         rep = prompt_batch.repeat(g)
         texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-        rewards, names = compute_rewards(self.reward_fns, None, rep.prompts, texts, ids, rep.columns,
-                                         batch=f"step {step}", group_size=g)
+        rewards, names, failures = self.scorer.score(rep.prompts, texts, ids, rep.columns, step=step + 1, group_size=g)
         for name, column in zip(names, np.asarray(rewards).T):
             if np.all(np.isnan(column)):
-                logger.warning("step %d: reward function %r returned None/NaN for every completion, so it adds nothing "
-                               "to the advantages; check the function (reward/%s/mean is null in metrics.jsonl)",
-                               step, name, name)
+                logger.warning("step %d: reward function %r gave no reward (None/NaN, or a failed call) for any "
+                               "completion, so it adds nothing to the advantages; check the function "
+                               "(reward/%s/mean is null in metrics.jsonl)", step + 1, name, name)
         adv = np.asarray(advantages_from_config(rewards, self.algo))
         has_signal = row_has_signal(rewards, self.algo)
         self._flat_steps = 0 if has_signal.any() else self._flat_steps + 1
@@ -316,8 +319,9 @@ class GRPO:
                            "the rewards", step + 2 - FLAT_REWARD_STEPS, step + 1)
         batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
                                  has_signal=has_signal)
-        return batch, rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
-                                      reward_names=tuple(names))
+        metrics = rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
+                                  reward_names=tuple(names))
+        return batch, {**metrics, **failures}
 
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)
@@ -331,3 +335,23 @@ class GRPO:
 
     def log_summary(self, metrics: dict[str, float]) -> str:
         return f"reward {metrics['reward/mean']:.4f}"
+
+    def evaluator(self, cfg, prompts, *, output_dir, seed: int) -> Evaluator:
+        """The held-out evaluation of ``prompts`` (an ``EvalConfig``'s) with this run's sampling and rewards."""
+        return Evaluator(cfg, prompts, sampling=self.sampling, complete=self._complete, score=self._score_eval,
+                         weights=self.algo.reward_weights, output_dir=output_dir, seed=seed)
+
+    def _complete(self, engine, prompt_batch, sampling: SamplingParams, *, seed: int) -> Completions:
+        rollout = engine.generate(prompt_batch.prompt_ids, sampling, num_generations=1, seed=seed)
+        ids = completion_token_lists(rollout)
+        return Completions([self.tokenizer.decode(x, skip_special_tokens=True) for x in ids], ids,
+                           np.asarray(rollout.truncated, bool))
+
+    def _score_eval(self, prompt_batch, done: Completions, step: int):
+        rewards, names, _ = self.scorer.score(prompt_batch.prompts, done.texts, done.ids, prompt_batch.columns,
+                                              step=step, group_size=1, count_failures=False)
+        rm = reward_metrics(rewards, group_size=1, reward_weights=self.algo.reward_weights, reward_names=tuple(names))
+        return rewards, names, {reward_log_name(k): float(v) for k, v in rm.items() if k == "reward" or k.endswith("/mean")}
+
+    def close(self) -> None:
+        self.scorer.close()

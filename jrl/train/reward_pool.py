@@ -1,0 +1,268 @@
+"""Reward functions of a training run in worker processes: a call that hangs is killed after ``timeout_s``, a
+call that crashes its process costs only its own rows, a call that raises or returns malformed output is
+reported; the run never waits on a reward function for longer than the timeout.
+
+:class:`RewardScorer` is what an algorithm holds. Per step it splits the batch into calls (one function on
+one contiguous block of whole groups, one block per worker), runs them in a :class:`RewardPool` of
+``num_workers`` processes (or one after another in this process when 0), gives the rows of every failed
+call no reward (NaN, which every later aggregation skips), counts the failures per function
+(``reward/<fn>/errors``, ``reward/<fn>/timeouts``), logs them with the function's name and first error,
+and stops the run with :class:`~jrl.train.rewards.RewardError` once a function has failed on every call of
+``max_failed_steps`` consecutive steps.
+
+Workers are started with ``spawn`` (no forked JAX state), load the functions once (by import path), and
+ignore SIGINT and SIGTERM: a Ctrl-C or a scheduler's signal reaches the trainer, which finishes the step
+with its rewards. A worker exits when the trainer's end of its pipe closes, also when the trainer dies.
+In asynchronous runs the next step's generation runs in the rollout thread while this one is scored.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jrl.train.rewards import (
+    CallResult,
+    RewardCall,
+    RewardError,
+    check_inputs,
+    describe,
+    run_call,
+    split_call,
+    unique_names,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a new worker may take to import the reward functions before the run stops with an error.
+START_TIMEOUT_S = 300.0
+
+
+def _worker_main(conn, fns_pickle: bytes) -> None:
+    """A worker's loop: load the functions, then answer ``(index, RewardCall)`` messages with a
+    :class:`CallResult` until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        fns = pickle.loads(fns_pickle)
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            j, call = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(run_call(fns[j], call)._replace(exception=None))
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: Any
+    conn: Any
+
+
+class RewardPool:
+    """``num_workers`` processes that run calls of ``fns`` (see the module docstring); :meth:`run` returns one
+    :class:`CallResult` per call, never raising for what a function does. Close with :meth:`close`."""
+
+    def __init__(self, fns: Sequence[Callable], num_workers: int, timeout_s: float):
+        if num_workers < 1:
+            raise ValueError(f"RewardPool needs num_workers >= 1, got {num_workers}")
+        try:
+            self._payload = pickle.dumps(list(fns))
+        except Exception as e:
+            raise ValueError(f"the reward functions cannot be sent to worker processes ({type(e).__name__}: {e}); "
+                             "load them by import path, or run them in this process") from e
+        self.timeout_s = float(timeout_s)
+        self._what = ", ".join(describe(n, f) for n, f in zip(unique_names(fns), fns))
+        self._workers: list[_Worker | None] = [None] * num_workers
+        self._ctx = multiprocessing.get_context("spawn")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def _start_missing(self) -> None:
+        """Start a process in every empty slot and wait until each has loaded the functions."""
+        started = []
+        for slot, w in enumerate(self._workers):
+            if w is None:
+                parent, child = self._ctx.Pipe()
+                p = self._ctx.Process(target=_worker_main, args=(child, self._payload), daemon=True,
+                                      name=f"jrl-reward-worker-{slot}")
+                p.start()
+                child.close()
+                self._workers[slot] = _Worker(p, parent)
+                started.append(slot)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for slot in started:
+            w = self._workers[slot]
+            try:
+                kind, detail = w.conn.recv() if w.conn.poll(max(0.0, deadline - time.monotonic())) else (None, None)
+            except (EOFError, OSError):
+                kind, detail = "exited", None
+            if kind != "ready":
+                self._discard(slot)
+                why = {None: f"did not load them within {START_TIMEOUT_S:.0f} s",
+                       "exited": "exited while loading them (its error is above)",
+                       "failed": f"failed to load them: {detail}"}[kind]
+                raise RuntimeError(f"a reward worker process {why} ({self._what}); run them in the trainer's "
+                                   "process with scoring.num_workers=0 to debug")
+
+    def _discard(self, slot: int) -> int | None:
+        """Kill the slot's process (if it still runs) and empty the slot; its exit code."""
+        w = self._workers[slot]
+        self._workers[slot] = None
+        if w is None:
+            return None
+        if w.process.is_alive():
+            w.process.kill()
+        w.process.join()
+        w.conn.close()
+        return w.process.exitcode
+
+    def run(self, calls: Sequence[tuple[int, RewardCall]]) -> list[CallResult]:
+        """Run ``(function index, call)`` pairs, as many at once as there are workers; the results in order."""
+        results: list[CallResult | None] = [None] * len(calls)
+        pending = collections.deque(range(len(calls)))
+        busy: dict[int, tuple[int, float]] = {}  # slot -> (call index, deadline)
+        while pending or busy:
+            if pending:
+                self._start_missing()
+            for slot in range(self.num_workers):
+                if pending and slot not in busy:
+                    i = pending.popleft()
+                    try:
+                        self._workers[slot].conn.send(calls[i])
+                    except OSError:  # the idle worker died (killed from outside): start another, send again
+                        self._discard(slot)
+                        pending.appendleft(i)
+                        break
+                    busy[slot] = (i, time.monotonic() + self.timeout_s)
+            if not busy:
+                continue
+            wait_s = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+            ready = set(multiprocessing.connection.wait([self._workers[s].conn for s in busy], timeout=wait_s))
+            for slot, (i, deadline) in list(busy.items()):
+                conn = self._workers[slot].conn
+                if conn in ready:
+                    try:
+                        results[i] = conn.recv()
+                    except (EOFError, OSError):
+                        code = self._discard(slot)
+                        results[i] = CallResult(None, f"crashed its worker process (exit code {code})")
+                elif time.monotonic() >= deadline:
+                    self._discard(slot)
+                    results[i] = CallResult(None, f"timed out after {self.timeout_s:g} s (its worker was killed)",
+                                            timed_out=True)
+                else:
+                    continue
+                del busy[slot]
+        return results
+
+    def close(self) -> None:
+        """Stop every worker: close its pipe (it exits), kill it if it does not within 5 s."""
+        for slot, w in enumerate(self._workers):
+            if w is not None:
+                w.conn.close()
+                w.process.join(5.0)
+                self._discard(slot)
+
+
+def group_blocks(n: int, group_size: int, parts: int) -> list[tuple[int, int]]:
+    """Up to ``parts`` contiguous ``(start, stop)`` blocks of ``n`` rows that never split a group."""
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the {n} completions")
+    groups = n // group_size
+    per = max(1, -(-groups // parts))
+    return [(a * group_size, min(groups, a + per) * group_size) for a in range(0, groups, per)]
+
+
+class RewardScorer:
+    """A run's reward functions, scoring a step's completions (see the module docstring).
+
+    Args:
+      fns: the loaded functions (:func:`jrl.train.rewards.load_reward_functions`).
+      num_workers: worker processes; 0 runs the calls in this process (no timeout, no crash isolation).
+      timeout_s: seconds one call may run in a worker.
+      max_failed_steps: consecutive steps in which every call of one function failed before the run stops.
+    """
+
+    def __init__(self, fns: Sequence[Callable], *, num_workers: int, timeout_s: float, max_failed_steps: int):
+        self.fns = list(fns)
+        self.names = unique_names(self.fns)
+        self.max_failed_steps = int(max_failed_steps)
+        self.pool = RewardPool(self.fns, num_workers, timeout_s) if num_workers > 0 else None
+        self._failed_steps = [0] * len(self.fns)  # consecutive steps in which each function failed every call
+        self._first_failed = [0] * len(self.fns)
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None,
+              columns: Mapping[str, Sequence[Any]] | None, *, step: int, group_size: int,
+              count_failures: bool = True) -> tuple[np.ndarray, list[str], dict[str, float]]:
+        """``(rewards [N, F] float32 with NaN for no reward, the functions' names, failure metrics)`` of one
+        step; raises :class:`RewardError` when a function has now failed for ``max_failed_steps`` steps (only
+        calls with ``count_failures`` count: an evaluation's do not)."""
+        n, kwargs = check_inputs(prompts, completions, completion_ids, columns)
+        blocks = group_blocks(n, group_size, self.pool.num_workers if self.pool else 1)
+        calls = [(j, split_call(prompts, completions, completion_ids, kwargs, a, b))
+                 for j in range(len(self.fns)) for a, b in blocks]
+        if self.pool is not None:
+            results = self.pool.run(calls)
+        else:
+            results = [run_call(self.fns[j], call) for j, call in calls]
+        rewards = np.full((n, len(self.fns)), np.nan, np.float32)
+        metrics: dict[str, float] = {}
+        for j, (fn, name) in enumerate(zip(self.fns, self.names)):
+            mine = results[j * len(blocks): (j + 1) * len(blocks)]
+            for (a, b), res in zip(blocks, mine):
+                if res.values is not None:
+                    rewards[a:b, j] = res.values
+            failed = [(blk, res) for blk, res in zip(blocks, mine) if res.error is not None]
+            timeouts = sum(res.timed_out for _, res in failed)
+            metrics[f"reward/{name}/errors"] = float(len(failed) - timeouts)
+            metrics[f"reward/{name}/timeouts"] = float(timeouts)
+            self._account(j, step, failed, len(blocks), count_failures)
+        return rewards, self.names, metrics
+
+    def _account(self, j: int, step: int, failed: list, calls: int, count: bool) -> None:
+        """Log step ``step``'s failed calls of function ``j`` and stop the run after too many failed steps."""
+        if not count:
+            if failed:
+                logger.warning("step %d (eval): %s failed on %d of %d calls: %s", step,
+                               describe(self.names[j], self.fns[j]), len(failed), calls, failed[0][1].error)
+            return
+        if not failed:
+            self._failed_steps[j] = 0
+            return
+        what = describe(self.names[j], self.fns[j])
+        rows = sum(b - a for (a, b), _ in failed)
+        first = failed[0][1].error
+        logger.warning("step %d: %s failed on %d of %d calls (%d completions got no reward): %s", step, what,
+                       len(failed), calls, rows, first)
+        if len(failed) < calls:
+            self._failed_steps[j] = 0
+            return
+        if self._failed_steps[j] == 0:
+            self._first_failed[j] = step
+        self._failed_steps[j] += 1
+        if self._failed_steps[j] >= self.max_failed_steps:
+            raise RewardError(f"{what} failed on every call of {self._failed_steps[j]} consecutive steps "
+                              f"(steps {self._first_failed[j]}-{step}); the last error: {first}. Fix the function, "
+                              "or raise scoring.timeout_s if it is only slow (scoring.max_failed_steps sets how many "
+                              "failed steps stop a run)", function=self.names[j], batch=f"step {step}")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

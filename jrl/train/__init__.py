@@ -12,6 +12,8 @@ _EXPORTS = {
     "ModelSpec": "jrl.train.config",
     "RolloutConfig": "jrl.rollout.config",
     "OptimConfig": "jrl.train.config",
+    "ScoringConfig": "jrl.train.config",
+    "EvalConfig": "jrl.train.evaluation",
     "load_config_file": "jrl.train.config",
     "EBFTConfig": "jrl.train.ebft_config",
     "ALGORITHMS": "jrl.train.algorithms",

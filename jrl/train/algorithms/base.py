@@ -10,7 +10,9 @@ name in :data:`ALGORITHMS` (``TrainConfig.algorithm``).
 
 ``ignores`` lists the config fields (dotted paths from :class:`~jrl.train.TrainConfig`, a whole section or
 one field) that the algorithm does not read; :class:`~jrl.train.TrainConfig` rejects a non-default value
-there, so no flag is silently without effect.
+there, so no flag is silently without effect. An algorithm that reads ``eval_every`` / ``eval`` (the others list
+them in ``ignores``) also has ``evaluator(eval_cfg, prompts, *, output_dir, seed)`` returning a
+:class:`~jrl.train.evaluation.Evaluator`.
 """
 
 from __future__ import annotations
@@ -60,14 +62,6 @@ class Algorithm(Protocol):
 
     def close(self) -> None:
         """Release what the algorithm started (e.g. reward worker processes)."""
-        ...
-
-
-class Evaluating(Algorithm, Protocol):
-    """An algorithm that reads ``eval_every`` / ``eval`` (the others list them in ``ignores``)."""
-
-    def evaluator(self, cfg, prompts, *, output_dir, seed: int) -> Any:
-        """A :class:`~jrl.train.evaluation.Evaluator` of ``prompts`` under the ``EvalConfig`` ``cfg``."""
         ...
 
 

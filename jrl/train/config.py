@@ -23,6 +23,7 @@ from jrl.rollout.config import RolloutConfig
 from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
+from jrl.train.observability import WandbConfig
 from jrl.train.rewards import RewardSpec
 from jrl.validation import check_choice, check_int, check_real, invalid
 
@@ -199,6 +200,8 @@ class TrainConfig:
     A multiple of ``rollout.sync_interval`` (the engine must hold the current weights)."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Eval prompts, decodings and logged samples of ``eval_every``."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases logging (off unless ``wandb.project`` is set; offline by default)."""
     resume: bool = False
     """Continue from the newest intact checkpoint in ``output_dir`` (a damaged newer one is named in a
     warning and skipped)."""

@@ -1,14 +1,64 @@
-"""Run observability: ``metrics.jsonl``, TensorBoard events (tensorboardX) and the final reward/loss plot."""
+"""Run observability: ``metrics.jsonl``, TensorBoard events (tensorboardX), optional Weights & Biases logging and
+the final reward/loss plot."""
 
 from __future__ import annotations
 
+import dataclasses
+import html
 import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any, Literal
+
+from jrl.validation import check_choice, invalid
+
+RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "tensorboard", "wandb", "curves.png",
+               "checkpoints")
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "tensorboard", "curves.png", "checkpoints")
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging beside ``metrics.jsonl`` and TensorBoard (needs the ``wandb`` package)."""
+
+    project: str | None = None
+    """W&B project to log the run to; None = no W&B logging."""
+    mode: Literal["offline", "online"] = "offline"
+    """``offline`` writes the W&B run under ``<output_dir>/wandb`` without any network (``wandb sync`` uploads it
+    later); ``online`` streams it to the W&B server."""
+    entity: str | None = None
+    """W&B entity (user or team); None = the logged-in account's default."""
+    name: str | None = None
+    """Run name; None = the name of ``output_dir``."""
+
+    def __post_init__(self):
+        check_choice(self, "mode", ("offline", "online"))
+        if self.project is None and (self.mode, self.entity, self.name) != ("offline", None, None):
+            raise invalid("WandbConfig", "project", None, "the W&B settings take effect only with a project: set "
+                          "--wandb.project NAME, or leave mode, entity and name at their defaults")
+
+
+class WandbSink:
+    """The W&B run of a training run: scalars per step, text (sample tables) as HTML."""
+
+    def __init__(self, cfg: WandbConfig, output_dir: str | Path, run_config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("WandbConfig.project is set but the wandb package is not installed: pip install wandb "
+                              "(or jrl[wandb]), or leave wandb.project unset") from None
+        self._wandb = wandb
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or Path(output_dir).resolve().name,
+                              mode=cfg.mode, dir=str(output_dir), config=run_config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log({k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}, step=int(step))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.run.log({tag: self._wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def claim_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
@@ -47,9 +97,12 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
 
 class MetricsWriter:
     """Append one JSON object per step to ``<dir>/<name>.jsonl`` and the same scalars to TensorBoard
-    (``<dir>/tensorboard``, a ``name`` other than ``metrics`` in its own subdirectory, a run of its own there)."""
+    (``<dir>/tensorboard``, a ``name`` other than ``metrics`` in its own subdirectory, a run of its own there) and
+    to ``wandb`` when given (the caller closes it)."""
 
-    def __init__(self, output_dir: str | Path, *, name: str = "metrics", tensorboard: bool = True):
+    def __init__(self, output_dir: str | Path, *, name: str = "metrics", tensorboard: bool = True,
+                 wandb: WandbSink | None = None):
+        self.wandb = wandb
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"{name}.jsonl"
@@ -68,6 +121,8 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.add_text(tag, text, int(step))
             self._tb.flush()
+        if self.wandb is not None:
+            self.wandb.text(tag, text, step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """One line of strict JSON (a NaN or infinite value is written as null) and the finite scalars to
@@ -80,6 +135,8 @@ class MetricsWriter:
                 if math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), int(step))
             self._tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step)
 
     def history(self) -> list[dict]:
         if not self.path.exists():

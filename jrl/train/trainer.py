@@ -44,7 +44,7 @@ from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import TrainConfig
 from jrl.train.evaluation import split_eval_prompts
 from jrl.train.learner import Learner
-from jrl.train.observability import MetricsWriter, claim_output_dir, plot_curves, truncate_jsonl_after
+from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
 from jrl.train.rollout_source import RolloutSource, make_rollout_engine
@@ -160,19 +160,21 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         """Run to ``max_steps``; returns the metric history (also in ``metrics.jsonl``)."""
         cfg, algorithm = self.cfg, self.algorithm
-        writer = MetricsWriter(self.out_dir)
-        eval_writer = MetricsWriter(self.out_dir, name="eval") if self.evaluator else None
         if cfg.resuming:
             self.restore()
-            writer.truncate_after(self.step)
-            if eval_writer:
-                eval_writer.truncate_after(self.step)
-                truncate_jsonl_after(self.evaluator.samples_path, self.step)
+        sink = WandbSink(cfg.wandb, self.out_dir, dataclasses.asdict(cfg)) if cfg.wandb.project else None
+        writer = MetricsWriter(self.out_dir, wandb=sink)
+        eval_writer = MetricsWriter(self.out_dir, name="eval", wandb=sink) if self.evaluator else None
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc, disable=not self.progress,
                    dynamic_ncols=True)
         try:
+            if cfg.resuming:  # lines written after the restored checkpoint
+                writer.truncate_after(self.step)
+                if eval_writer:
+                    eval_writer.truncate_after(self.step)
+                    truncate_jsonl_after(self.evaluator.samples_path, self.step)
             with stop_requests() as stop:
                 if eval_writer and self.step == 0:
                     self.evaluate(eval_writer)
@@ -198,6 +200,8 @@ class Trainer:
             writer.close()
             if eval_writer:
                 eval_writer.close()
+            if sink:
+                sink.close()
         history = writer.history()
         plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys)
         return history

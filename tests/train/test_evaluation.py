@@ -1,4 +1,5 @@
-"""Held-out evaluation during a run: when it runs, what it logs (strict JSON), which prompts it uses, resume."""
+"""Held-out evaluation during a run: when it runs, what it logs (strict JSON, TensorBoard, offline W&B), which prompts
+it uses, config errors."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jrl.losses import GRPOConfig
 from jrl.rollout.config import RolloutConfig
 from jrl.train.config import ModelSpec, OptimConfig, TrainConfig
 from jrl.train.evaluation import EvalConfig
-from jrl.train.observability import MetricsWriter
+from jrl.train.observability import MetricsWriter, WandbConfig
 from jrl.train.rewards import RewardSpec
 from train_testlib import write_reward_file
 
@@ -38,8 +39,10 @@ def _strict_rows(path) -> list[dict]:
 def test_eval_runs_on_held_out_prompts_and_logs_strict_json(tiny_model_dir, tmp_path):
     from jrl.train.trainer import Trainer
 
+    pytest.importorskip("wandb", reason="the W&B sink needs the wandb package (the dev extra installs it)")
     reward = write_reward_file(tmp_path, "eval_reward")
-    trainer = Trainer(_cfg(tiny_model_dir, tmp_path / "run", reward), progress=False)
+    trainer = Trainer(_cfg(tiny_model_dir, tmp_path / "run", reward, wandb=WandbConfig(project="jrl-tests")),
+                      progress=False)
     try:
         held_out = trainer.evaluator.prompts
         trained = trainer.loader.dataset
@@ -62,6 +65,10 @@ def test_eval_runs_on_held_out_prompts_and_logs_strict_json(tiny_model_dir, tmp_
     for s in samples:  # the logged reward is the function's value on the logged completion's tokens' text
         assert set(s["rewards"]) == {"low_ids"} and s["reward"] == pytest.approx(s["rewards"]["low_ids"])
     assert list((tmp_path / "run" / "tensorboard" / "eval").iterdir())
+    # the same run in W&B, offline (no network): one run file holding the step and eval metrics and the samples
+    (wandb_run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = wandb_run.read_bytes()
+    assert all(key in data for key in (b"reward/low_ids/mean", b"loss", b"eval/greedy/reward/mean", b"eval/sampled/samples"))
 
 
 def test_greedy_eval_is_the_engine_at_top_k_1(tiny_model_dir, tmp_path):
@@ -92,6 +99,8 @@ def test_eval_settings_are_checked(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"TrainConfig.eval_every=3 is invalid: use a multiple of "
                                          r"rollout.sync_interval=2"):
         _cfg(tiny_model_dir, tmp_path, reward, eval_every=3, rollout=RolloutConfig(max_new_tokens=6, sync_interval=2))
+    with pytest.raises(ValueError, match=r"WandbConfig.project=None is invalid: the W&B settings take effect only"):
+        WandbConfig(mode="online")
     with pytest.raises(ValueError, match=r"EvalConfig.decodings=\('beam',\) is invalid"):
         EvalConfig(decodings=("beam",))
     with pytest.raises(ValueError, match=r"EvalConfig.holdout=5000 is invalid: the training source has \d+ prompts"):

@@ -28,6 +28,7 @@ from jrl.train.algorithms import ALGORITHMS
 from jrl.train.config import ModelSpec, OptimConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
+from jrl.train.observability import WandbConfig
 from jrl.train.rewards import RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,8 @@ def _runs(model_dir: Path, tmp: Path) -> list[TrainConfig]:
         base, rewards=(RewardSpec(path=f"{reward}:low_ids"),), output_dir=str(tmp / "grpo"), num_iterations=2,
         algo=GRPOConfig(num_generations=2, beta=0.01, off_policy_mask_threshold=0.5, top_entropy_quantile=0.5),
         rollout=RolloutConfig(max_new_tokens=6, prefetch_depth=1, stop_token_ids=(10,)), eval_every=2,
-        eval=EvalConfig(holdout=2, batch_size=1, decodings=("greedy", "sampled"), num_samples=1))
+        eval=EvalConfig(holdout=2, batch_size=1, decodings=("greedy", "sampled"), num_samples=1),
+        wandb=WandbConfig(project="jrl-help-walk"))
     structured = dataclasses.replace(
         base, algorithm="ebft_structured", output_dir=str(tmp / "structured"), algo=GRPOConfig(num_generations=2),
         ebft=EBFTConfig(feature_layers=(0.5, 1.0), ce_coef=0.1, adaptive_min_tokens=4, embed_method="concat"),

@@ -138,6 +138,16 @@ class RewardPool:
         results: list[CallResult | None] = [None] * len(calls)
         pending = collections.deque(range(len(calls)))
         busy: dict[int, tuple[int, float]] = {}  # slot -> (call index, deadline)
+        try:
+            self._dispatch(calls, results, pending, busy)
+        except BaseException:  # e.g. a worker that cannot start, a second Ctrl-C: no answer may reach a later call
+            for slot in busy:
+                self._discard(slot)
+            raise
+        return results
+
+    def _dispatch(self, calls, results: list, pending: collections.deque, busy: dict) -> None:
+        """:meth:`run`'s loop: keep every worker busy, collect answers, kill calls past their deadline."""
         while pending or busy:
             if pending:
                 self._start_missing()
@@ -170,7 +180,6 @@ class RewardPool:
                 else:
                     continue
                 del busy[slot]
-        return results
 
     def close(self) -> None:
         """Stop every worker: close its pipe (it exits), kill it if it does not within 5 s."""

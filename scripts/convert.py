@@ -1,4 +1,5 @@
-"""Convert a Hugging Face checkpoint through jrl and back, or run the demo (``jrl convert``); see :mod:`jrl.cli.convert`."""
+"""Convert a Hugging Face checkpoint through jrl and back, or run the demo (``jrl convert``); see
+:mod:`jrl.cli.convert`."""
 
 import sys
 

@@ -79,6 +79,7 @@ class Evaluator:
     def __init__(self, cfg: EvalConfig, prompts: PromptDataset, *, sampling: SamplingParams, complete, score,
                  weights, output_dir: str | Path, seed: int):
         self.cfg, self.prompts, self.sampling = cfg, prompts, sampling
+        self._all = prompts.batch(range(len(prompts)))  # every eval prompt with its columns, for the rewards
         self._complete, self._score = complete, score
         self.weights = np.asarray(weights, np.float32)
         self.samples_path = Path(output_dir) / "eval_samples.jsonl"
@@ -95,7 +96,7 @@ class Evaluator:
                 parts.append(self._complete(engine, batch, params, seed=self.seed + 7919 * step + start))
             done = Completions([t for p in parts for t in p.texts], [x for p in parts for x in p.ids],
                                np.concatenate([p.truncated for p in parts]))
-            rewards, names, metrics = self._score(self.prompts.batch(range(len(self.prompts))), done, step)
+            rewards, names, metrics = self._score(self._all, done, step)
             lengths = np.asarray([len(x) for x in done.ids], np.float32)
             metrics = {**metrics, "completions/mean_length": float(lengths.mean()),
                        "completions/truncated_fraction": float(np.mean(done.truncated))}
@@ -107,7 +108,7 @@ class Evaluator:
         n = min(self.cfg.num_samples, len(texts))
         if n == 0:
             return
-        prompts = self.prompts.batch(range(n)).prompts
+        prompts = self._all.prompts
         rows = []
         for i in range(n):
             per_fn = {name: (float(v) if np.isfinite(v) else None) for name, v in zip(names, rewards[i])}
@@ -136,6 +137,7 @@ def split_eval_prompts(cfg: EvalConfig, data: DataConfig, train: PromptDataset,
             raise invalid("EvalConfig", "holdout", cfg.holdout,
                           f"the training source has {len(train)} prompts; hold out fewer, or give eval.source")
         return train.hold_out(cfg.holdout)
-    eval_data = DataConfig(source=cfg.source, prompt_column=data.prompt_column, use_chat_template=data.use_chat_template,
-                           system_prompt=data.system_prompt, max_prompt_length=data.max_prompt_length, shuffle=False)
+    eval_data = DataConfig(source=cfg.source, prompt_column=data.prompt_column,
+                           use_chat_template=data.use_chat_template, system_prompt=data.system_prompt,
+                           max_prompt_length=data.max_prompt_length, shuffle=False)
     return train, build_prompt_dataset(eval_data, tokenizer)

@@ -215,7 +215,6 @@ class RewardScorer:
         self.max_failed_steps = int(max_failed_steps)
         self.pool = RewardPool(self.fns, num_workers, timeout_s) if num_workers > 0 else None
         self._failed_steps = [0] * len(self.fns)  # consecutive steps in which each function failed every call
-        self._first_failed = [0] * len(self.fns)
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None,
               columns: Mapping[str, Sequence[Any]] | None, *, step: int, group_size: int,
@@ -246,31 +245,22 @@ class RewardScorer:
         return rewards, self.names, metrics
 
     def _account(self, j: int, step: int, failed: list, calls: int, count: bool) -> None:
-        """Log step ``step``'s failed calls of function ``j`` and stop the run after too many failed steps."""
-        if not count:
-            if failed:
-                logger.warning("step %d (eval): %s failed on %d of %d calls: %s", step,
-                               describe(self.names[j], self.fns[j]), len(failed), calls, failed[0][1].error)
-            return
-        if not failed:
-            self._failed_steps[j] = 0
-            return
+        """Log step ``step``'s failed calls of function ``j``; when they ``count`` (training, not an evaluation),
+        stop the run after ``max_failed_steps`` consecutive steps in which every call failed."""
         what = describe(self.names[j], self.fns[j])
-        rows = sum(b - a for (a, b), _ in failed)
-        first = failed[0][1].error
-        logger.warning("step %d: %s failed on %d of %d calls (%d completions got no reward): %s", step, what,
-                       len(failed), calls, rows, first)
-        if len(failed) < calls:
-            self._failed_steps[j] = 0
+        if failed:
+            logger.warning("step %d%s: %s failed on %d of %d calls (%d completions got no reward): %s", step,
+                           "" if count else " (eval)", what, len(failed), calls, sum(b - a for (a, b), _ in failed),
+                           failed[0][1].error)
+        if not count:
             return
-        if self._failed_steps[j] == 0:
-            self._first_failed[j] = step
-        self._failed_steps[j] += 1
+        self._failed_steps[j] = self._failed_steps[j] + 1 if len(failed) == calls else 0
         if self._failed_steps[j] >= self.max_failed_steps:
             raise RewardError(f"{what} failed on every call of {self._failed_steps[j]} consecutive steps "
-                              f"(steps {self._first_failed[j]}-{step}); the last error: {first}. Fix the function, "
-                              "or raise scoring.timeout_s if it is only slow (scoring.max_failed_steps sets how many "
-                              "failed steps stop a run)", function=self.names[j], batch=f"step {step}")
+                              f"(steps {step + 1 - self._failed_steps[j]}-{step}); the last error: "
+                              f"{failed[0][1].error}. Fix the function, or raise scoring.timeout_s if it is only slow "
+                              "(scoring.max_failed_steps sets how many failed steps stop a run)",
+                              function=self.names[j], batch=f"step {step}")
 
     def close(self) -> None:
         if self.pool is not None:

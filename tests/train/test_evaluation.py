@@ -68,7 +68,8 @@ def test_eval_runs_on_held_out_prompts_and_logs_strict_json(tiny_model_dir, tmp_
     # the same run in W&B, offline (no network): one run file holding the step and eval metrics and the samples
     (wandb_run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     data = wandb_run.read_bytes()
-    assert all(key in data for key in (b"reward/low_ids/mean", b"loss", b"eval/greedy/reward/mean", b"eval/sampled/samples"))
+    keys = (b"reward/low_ids/mean", b"loss", b"eval/greedy/reward/mean", b"eval/sampled/samples")
+    assert all(key in data for key in keys)
 
 
 def test_greedy_eval_is_the_engine_at_top_k_1(tiny_model_dir, tmp_path):

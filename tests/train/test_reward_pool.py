@@ -133,8 +133,9 @@ def test_a_failing_call_costs_its_rows_is_counted_and_logged(functions, caplog, 
         assert f"step 9: reward function '{name}'" in msg and "failed on 2 of 2 calls (8 completions" in msg
         assert error in msg
         # the second step in a row with every call failed stops the run, naming the function and the error
+        escaped = error.replace("(", ".").replace(")", ".")
         with pytest.raises(RewardError, match=rf"'{name}' .* failed on every call of 2 consecutive steps "
-                                              rf"\(steps 9-10\); the last error: {error.replace('(', '.').replace(')', '.')}"):
+                                              rf"\(steps 9-10\); the last error: {escaped}"):
             scorer.score(**_batch(), step=10, group_size=4)
     finally:
         scorer.close()

@@ -65,7 +65,8 @@ def test_rewards_from_the_command_line_and_a_hanging_one(tmp_path, monkeypatch):
     def strict(token):
         raise ValueError(f"metrics.jsonl holds {token}, which is not JSON")
 
-    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=strict) for line in lines]
     assert [r["reward/hang/timeouts"] for r in rows] == [1.0, 1.0]
     assert [r["reward/length/errors"] for r in rows] == [0.0, 0.0]
     assert all(r["reward/hang/mean"] is None and r["reward/length/mean"] > 0 for r in rows)
@@ -151,8 +152,8 @@ def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
     try:
         batch = next(trainer.loader)
         rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
-        with pytest.raises(RewardError, match=r"'one_value' .* failed on every call of 1 consecutive steps \(steps 8-8\)"
-                                              r"; the last error: returned 1 values for \d+ completions") as e:
+        with pytest.raises(RewardError, match=r"'one_value' .* failed on every call of 1 consecutive steps "
+                                              r"\(steps 8-8\); the last error: returned 1 values for \d+ completions") as e:
             trainer.algorithm.make_experience(rollout, batch, trainer.learner, 7)
         assert e.value.function == "one_value"
     finally:

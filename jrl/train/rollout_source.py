@@ -53,13 +53,16 @@ class RolloutSource:
 
     ``generate(engine, prompt_batch, seed=...)`` is the algorithm's sampling call; ``learner`` supplies the
     weights to sync; ``make_engine()`` builds the engine on first use (in the trainer's thread) unless an
-    ``engine`` is passed in (then the caller closes it).
+    ``engine`` is passed in (then the caller closes it). ``rerolled(k)``, when given, names the dataset indices of
+    prompts batch ``k`` samples in place of its last loader prompts (:mod:`jrl.train.reroll`).
     """
 
     def __init__(self, rollout: RolloutConfig, *, loader, generate: Callable[..., Any], learner,
                  make_engine: Callable[[], RolloutEngine], seed: int, max_steps: int, checkpoint_every: int,
-                 multi_device: bool, engine: RolloutEngine | None = None):
+                 multi_device: bool, engine: RolloutEngine | None = None,
+                 rerolled: Callable[[int], list[int]] | None = None):
         self.cfg, self.loader, self._generate, self.learner = rollout, loader, generate, learner
+        self._rerolled = rerolled
         self._make_engine, self.seed, self.max_steps = make_engine, seed, max_steps
         self.checkpoint_every, self.multi_device = checkpoint_every, multi_device
         self._engine, self._owns_engine = engine, engine is None
@@ -82,10 +85,13 @@ class RolloutSource:
         return self.cfg.prefetch_depth > 0 or self.cfg.sync_interval > 1
 
     def produce(self, index: int) -> ProducedRollout:
-        """Rollout batch ``index``: the loader's next prompt batch, sampled with the seed of step ``index``
-        (in the producer thread when prefetching)."""
+        """Rollout batch ``index``: the loader's next prompt batch (its last prompts replaced by re-rolled ones),
+        sampled with the seed of step ``index`` (in the producer thread when prefetching)."""
         prompt_batch = next(self.loader)
         data_state = self.loader.get_state()
+        again = self._rerolled(index) if self._rerolled is not None else []
+        if again:
+            prompt_batch = prompt_batch.with_last(self.loader.dataset.batch(again))
         with self.device_lock:
             t0 = time.perf_counter()
             rollout = self._generate(self.engine, prompt_batch, seed=step_seed(self.seed, index))

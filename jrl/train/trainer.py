@@ -24,8 +24,9 @@ boundary and :meth:`Trainer.train` returns (the script exits 0); ``--resume`` co
 
 Checkpoint ``meta`` (see :mod:`jrl.train.checkpoint`): ``step``, ``num_updates``, ``seed``,
 ``data_state`` (the loader state after the last consumed batch), ``model`` (``path``, ``dtype``,
-``param_dtype``) and ``lora`` (the :class:`~jrl.models.lora.LoraConfig` fields or None); the last two let
-:mod:`jrl.train.export` rebuild the model.
+``param_dtype``) and ``lora`` (the :class:`~jrl.models.lora.LoraConfig` fields or None), which let
+:mod:`jrl.train.export` rebuild the model, and ``algorithm`` (the algorithm's ``state(step)``, e.g. GRPO's replay
+and re-roll buffers, when it has one).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class Trainer:
             cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
             make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
                                                     mesh=policy.mesh, rules=policy.rules, output_dir=self.out_dir),
-            seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every, multi_device=policy.mesh is not None)
+            seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every,
+            multi_device=policy.mesh is not None, rerolled=getattr(self.algorithm, "rerolled_prompts", None))
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
         self.step = 0
 
@@ -138,6 +140,8 @@ class Trainer:
                 "model": {"path": str(Path(cfg.model.path).resolve()), "dtype": cfg.model.dtype,
                           "param_dtype": cfg.model.param_dtype},
                 "lora": None if cfg.lora is None else dataclasses.asdict(cfg.lora)}
+        if hasattr(self.algorithm, "state"):
+            meta["algorithm"] = self.algorithm.state(self.step)
         self.checkpointer.save(self.step, self.learner.params, self.learner.opt_state, meta)
 
     def restore(self) -> dict[str, Any]:
@@ -152,6 +156,8 @@ class Trainer:
         self.learner.params, self.learner.opt_state = params, opt_state
         self.learner.num_updates = int(meta["num_updates"])
         self.loader.set_state(meta["data_state"])
+        if hasattr(self.algorithm, "load_state"):
+            self.algorithm.load_state(meta.get("algorithm", {}))
         self.step = int(meta["step"])
         self.source.restored(meta["data_state"], self.step)
         return meta

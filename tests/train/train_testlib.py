@@ -73,7 +73,8 @@ def max_rel_err(a, b) -> float:
     return max(errs)
 
 
-#: A reward module with a function ``low_ids`` that varies between random completions; with ``crash`` set,
+#: A reward module with functions ``low_ids`` (varies between random completions) and ``rare_low_id`` (0 for
+#: all completions of many groups); with ``crash`` set,
 #: the call after the ``crash``-th raises ``KeyboardInterrupt`` (a simulated kill mid-run).
 LOW_IDS_REWARD = '''
 import multiprocessing
@@ -85,8 +86,7 @@ CRASH_AFTER = {crash}
 SIGTERM_AT = {sigterm}
 
 
-def low_ids(prompts, completions, completion_ids, **kw):
-    """Fraction of completion tokens with an id below 128: varies between random completions."""
+def _call():
     global CALLS
     CALLS += 1
     if CRASH_AFTER is not None and CALLS > CRASH_AFTER:
@@ -94,7 +94,18 @@ def low_ids(prompts, completions, completion_ids, **kw):
     if CALLS == SIGTERM_AT:
         # what a scheduler sends mid-step, to the trainer (this worker's parent, or this process without workers)
         os.kill(os.getppid() if multiprocessing.parent_process() else os.getpid(), signal.SIGTERM)
+
+
+def low_ids(prompts, completions, completion_ids, **kw):
+    """Fraction of completion tokens with an id below 128: varies between random completions."""
+    _call()
     return [sum(i < 128 for i in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def rare_low_id(prompts, completions, completion_ids, **kw):
+    """1 when the completion has a token id below 8, else 0: many groups of random completions get all 0."""
+    _call()
+    return [float(any(i < 8 for i in ids)) for ids in completion_ids]
 '''
 
 

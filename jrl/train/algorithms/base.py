@@ -12,7 +12,9 @@ name in :data:`ALGORITHMS` (``TrainConfig.algorithm``).
 one field) that the algorithm does not read; :class:`~jrl.train.TrainConfig` rejects a non-default value
 there, so no flag is silently without effect. An algorithm that reads ``eval_every`` / ``eval`` (the others list
 them in ``ignores``) also has ``evaluator(eval_cfg, prompts, *, output_dir, seed)`` returning a
-:class:`~jrl.train.evaluation.Evaluator`.
+:class:`~jrl.train.evaluation.Evaluator`. Optional too: ``state(step) -> dict`` and ``load_state(dict)`` (what the
+algorithm carries across steps, JSON-safe, saved in the checkpoint at ``step``) and ``rerolled_prompts(k) ->
+list[int]`` (dataset indices of prompts rollout batch ``k`` samples in place of its last ones).
 """
 
 from __future__ import annotations

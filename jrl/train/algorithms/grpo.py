@@ -45,6 +45,8 @@ from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics
+from jrl.train.replay import ReplayBuffer
+from jrl.train.reroll import RerollBuffer, all_fail_groups
 from jrl.train.reward_pool import RewardScorer
 from jrl.train.rewards import load_reward_functions
 
@@ -293,6 +295,10 @@ class GRPO:
         self.scorer = RewardScorer(self.reward_fns, num_workers=cfg.scoring.num_workers,
                                    timeout_s=cfg.scoring.timeout_s, max_failed_steps=cfg.scoring.max_failed_steps)
         self._flat_steps = 0  # consecutive steps without a learning signal
+        g = self.algo.num_generations
+        self.replay = ReplayBuffer(cfg.replay, group_size=g, seed=cfg.seed) if cfg.replay.buffer_size else None
+        self.reroll = (RerollBuffer(cfg.reroll, max_steps=cfg.max_steps, lag=cfg.rollout.prefetch_depth)
+                       if cfg.reroll.start_fraction < 1 else None)
 
     def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch:
         return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=self.algo.num_generations,
@@ -312,6 +318,19 @@ class GRPO:
         adv = np.asarray(advantages_from_config(rewards, self.algo))
         has_signal = row_has_signal(rewards, self.algo)
         self._flat_steps = 0 if has_signal.any() else self._flat_steps + 1
+        metrics = rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
+                                  reward_names=tuple(names))
+        if self.reroll is not None:
+            failed = np.flatnonzero(all_fail_groups(rewards, g))
+            metrics.update(self.reroll.add(step, [prompt_batch.indices[k] for k in failed]))
+        if self.replay is not None:
+            width = self.sampling.max_new_tokens
+            rollout, rewards, replaced = self.replay.exchange(rollout, rewards, adv, has_signal[::g], step=step,
+                                                              pad_id=self.pad_id, width=width)
+            if replaced:
+                adv = np.asarray(advantages_from_config(rewards, self.algo))
+                has_signal = row_has_signal(rewards, self.algo)
+            metrics.update(replay_buffer_replacements=float(replaced), replay_buffer_size=float(len(self.replay)))
         if self._flat_steps == FLAT_REWARD_STEPS:
             logger.warning("steps %d-%d: in every group all completions got the same rewards, so every advantage is "
                            "zero and nothing is learned; the task may be too easy or too hard for the policy, or a "
@@ -319,9 +338,26 @@ class GRPO:
                            "the rewards", step + 2 - FLAT_REWARD_STEPS, step + 1)
         batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
                                  has_signal=has_signal)
-        metrics = rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
-                                  reward_names=tuple(names))
         return batch, {**metrics, **failures}
+
+    def rerolled_prompts(self, index: int) -> list[int]:
+        """Dataset indices of the prompts rollout batch ``index`` samples again (:mod:`jrl.train.reroll`)."""
+        return [] if self.reroll is None else self.reroll.take(index)
+
+    def state(self, step: int) -> dict:
+        """What a checkpoint at step ``step`` keeps of this algorithm: the replay and re-roll buffers."""
+        return {"replay": None if self.replay is None else self.replay.state(),
+                "reroll": None if self.reroll is None else self.reroll.state(step)}
+
+    def load_state(self, state: dict) -> None:
+        for part in ("replay", "reroll"):
+            buffer, saved = getattr(self, part), state.get(part)
+            if (buffer is None) != (saved is None):
+                raise ValueError(f"the checkpoint was written with {part} {'off' if saved is None else 'on'}, this "
+                                 f"run has it {'off' if buffer is None else 'on'}; resume with the same {part} "
+                                 "settings")
+            if buffer is not None:
+                buffer.load_state(saved)
 
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)

@@ -32,6 +32,7 @@ import importlib
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,16 @@ class DataConfig:
     """Where prompts come from, how they are formatted, and how they are batched."""
 
     source: str = "builtin:arithmetic"
-    """``builtin:arithmetic`` (generated, see ``arithmetic``), or a path to a ``.jsonl`` / ``.json``
-    file (a list of objects, or JSON lines), a ``.parquet`` file, or a directory written by
-    ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    """``builtin:arithmetic`` (generated, see ``arithmetic``), a path to a ``.jsonl`` / ``.json``
+    file (a list of objects, or JSON lines), a ``.parquet`` file, a directory written by
+    ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``, or a Hugging Face Hub dataset id
+    (``owner/name``, loaded by ``datasets.load_dataset``: downloaded once, then read from the local cache;
+    with ``HF_HUB_OFFLINE=1`` only the cache is asked)."""
     split: str | None = None
-    """Split to read from a saved ``DatasetDict`` directory (default: ``train``, or the only split); set for
-    another source, an error."""
+    """Split to read from a saved ``DatasetDict`` directory or a hub dataset (default: ``train``, or the only
+    split); set for a file or a built-in task, an error."""
+    hub_config: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. ``main`` for ``openai/gsm8k``; only for hub ids."""
     prompt_column: str = "prompt"
     """Column holding the prompt: a string, or a list of ``{"role", "content"}`` chat messages
     (the latter needs ``use_chat_template``). Every column is kept and passed to the rewards."""
@@ -102,9 +107,14 @@ class DataConfig:
         elif self.arithmetic != ArithmeticConfig():
             raise invalid("DataConfig", "arithmetic", self.arithmetic,
                           f"it configures source='builtin:arithmetic' and source={self.source!r} does not read it")
-        if self.split is not None and (builtin or Path(self.source).suffix):
+        if self.split is not None and (builtin or Path(self.source).suffix.lower() in SUPPORTED_EXTENSIONS):
             raise invalid("DataConfig", "split", self.split,
-                          f"it picks a split of a saved DatasetDict directory; source={self.source!r} has none")
+                          f"it picks a split of a saved DatasetDict directory or a hub dataset; source={self.source!r} "
+                          "has none")
+        if self.hub_config is not None and (builtin or not is_hub_id(self.source)):
+            raise invalid("DataConfig", "hub_config", self.hub_config,
+                          f"it picks a configuration of a hub dataset (source='owner/name'); source={self.source!r} "
+                          "is not one")
         if not isinstance(self.prompt_column, str) or not self.prompt_column:
             raise invalid("DataConfig", "prompt_column", self.prompt_column,
                           "give the name of the column holding the prompts")
@@ -191,24 +201,56 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
         raise ImportError(
             f"reading the save_to_disk directory {path} needs the datasets package: pip install datasets"
         ) from None
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        splits = list(ds)
-        if split is None:
-            if "train" in ds:
-                split = "train"
-            elif len(splits) == 1:
-                split = splits[0]
-            else:
-                raise ValueError(f"{path} holds the splits {splits}; choose one with DataConfig.split")
-        if split not in ds:
-            raise ValueError(f"DataConfig.split={split!r} is not in {path}; its splits are {splits}")
-        ds = ds[split]
-    elif split is not None:
-        raise ValueError(
-            f"DataConfig.split={split!r} given, but {path} holds a single Dataset, not a DatasetDict; drop split"
-        )
-    return ds.to_list()
+    return _pick_split(datasets.load_from_disk(str(path)), path, split).to_list()
+
+
+#: A Hugging Face Hub dataset id: ``name`` or ``owner/name``.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_hub_id(source: str) -> bool:
+    """Whether ``source`` reads as a hub dataset id (``owner/name``) rather than a file: no supported file
+    extension, no leading ``.``/``/``/``~``, and nothing on disk by that name."""
+    return (_HUB_ID.fullmatch(source) is not None and Path(source).suffix.lower() not in SUPPORTED_EXTENSIONS
+            and not Path(os.path.expanduser(source)).exists())
+
+
+def _read_hub_dataset(source: str, split: str | None, hub_config: str | None) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, hub_config)
+    except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise FileNotFoundError(
+            f"DataConfig.source={source!r} is neither a local file or directory nor a Hugging Face dataset that "
+            f"could be downloaded or found in the local cache ({datasets.config.HF_DATASETS_CACHE}): "
+            f"{type(e).__name__}: {e}. Download it once where the hub is reachable (python -c \"import datasets; "
+            f"datasets.load_dataset('{source}')\"), or point source at a .jsonl/.json/.parquet file") from None
+    except ValueError as e:  # an unknown configuration name, or one needed
+        raise ValueError(f"DataConfig.source={source!r}: {e} (set DataConfig.hub_config)") from None
+    return _pick_split(ds, source, split).to_list()
+
+
+def _pick_split(ds, where, split: str | None):
+    """The ``split`` of a ``DatasetDict`` (default ``train``, or the only one), or a lone ``Dataset``."""
+    import datasets
+
+    if not isinstance(ds, datasets.DatasetDict):
+        if split is not None:
+            raise ValueError(f"DataConfig.split={split!r} given, but {where} holds a single Dataset, not a "
+                             "DatasetDict; drop split")
+        return ds
+    splits = list(ds)
+    if split is None:
+        if "train" in ds:
+            split = "train"
+        elif len(splits) == 1:
+            split = splits[0]
+        else:
+            raise ValueError(f"{where} holds the splits {splits}; choose one with DataConfig.split")
+    if split not in ds:
+        raise ValueError(f"DataConfig.split={split!r} is not in {where}; its splits are {splits}")
+    return ds[split]
 
 
 def load_records(cfg: DataConfig) -> list[dict[str, Any]]:
@@ -221,6 +263,8 @@ def load_records(cfg: DataConfig) -> list[dict[str, Any]]:
             return module.generate_arithmetic(cfg.arithmetic)
         raise NotImplementedError(f"built-in task {name!r} has no loader")  # pragma: no cover
     path = Path(os.path.expanduser(src))
+    if is_hub_id(src):
+        return _read_hub_dataset(src, cfg.split, cfg.hub_config)
     if not path.exists():
         raise FileNotFoundError(
             f"DataConfig.source: dataset path {str(path)!r} does not exist (resolved: {path.resolve()})"

@@ -121,6 +121,56 @@ def test_save_to_disk_dataset_and_dict(tmp_path, tok):
     assert len(loader.dataset) == 6
 
 
+#: Run in a child process with HF_HUB_OFFLINE=1 and its own HF_DATASETS_CACHE: puts ``tiny/arith`` in the cache
+#: the way ``datasets`` leaves a downloaded hub dataset (its builder's arrow files under ``tiny___arith/``), then
+#: loads hub ids through jrl's data config.
+HUB_CACHE_SCRIPT = """
+import glob, json, os, shutil, sys
+import datasets
+from jrl.data.pipeline import DataConfig, load_records
+
+data = sys.argv[1]
+built = datasets.load_dataset("json", data_files={"train": data + "/train.jsonl", "test": data + "/test.jsonl"})
+src = next(p for p in glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, "json", "*", "*", "*"))
+           if os.path.isdir(p))
+dst = os.path.join(datasets.config.HF_DATASETS_CACHE, "tiny___arith", "default", "0.0.0", os.path.basename(src))
+shutil.copytree(src, dst)
+for f in os.listdir(dst):
+    if f.startswith("json-"):
+        os.rename(os.path.join(dst, f), os.path.join(dst, "arith-" + f[len("json-"):]))
+out = {"train": load_records(DataConfig(source="tiny/arith")),
+       "test": load_records(DataConfig(source="tiny/arith", split="test"))}
+for source in ("tiny/missing", "missing_dir"):
+    try:
+        load_records(DataConfig(source=source))
+    except FileNotFoundError as e:
+        out[source] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_hub_dataset_ids_resolve_from_the_local_cache_offline(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    _write_jsonl(tmp_path / "train.jsonl", _rows(4))
+    _write_jsonl(tmp_path / "test.jsonl", _rows(2))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", HUB_CACHE_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["train"] == _rows(4) and out["test"] == _rows(2)
+    for missing in ("tiny/missing", "missing_dir"):  # a hub id not cached, a directory that does not exist
+        assert f"DataConfig.source='{missing}' is neither a local file or directory nor" in out[missing]
+        assert str(tmp_path / "cache") in out[missing] and "load_dataset('" + missing in out[missing]
+    with pytest.raises(ValueError, match=r"DataConfig\.hub_config=.*'owner/name'"):
+        DataConfig(source=str(tmp_path / "train.jsonl"), hub_config="main")
+    with pytest.raises(ValueError, match=r"DataConfig\.split=.*has none"):
+        DataConfig(source=str(tmp_path / "train.jsonl"), split="train")
+
+
 def test_chat_messages_and_system_prompt(tmp_path, tok):
     rows = [
         {"messages": [{"role": "user", "content": "hi"}], "id": 0},

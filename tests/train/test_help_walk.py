@@ -204,11 +204,13 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
             backend="vllm", vllm=VLLMConfig(base_url="http://127.0.0.1:9", startup_timeout=0.2, max_retries=0))),
             tmp_path)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
-    # data.split selects a split of a saved DatasetDict directory (tests/data reads one); for these runs'
-    # built-in source it is refused.
-    assert unread == ["data.split"], f"documented fields no run reads: {unread}"
+    # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
+    # dataset (tests/data reads them); for these runs' built-in source they are refused.
+    assert unread == ["data.hub_config", "data.split"], f"documented fields no run reads: {unread}"
     with pytest.raises(ValueError, match=r"DataConfig\.split='test'.*has none"):
         DataConfig(split="test")
+    with pytest.raises(ValueError, match=r"DataConfig\.hub_config='main'.*is not one"):
+        DataConfig(hub_config="main")
 
     # Each algorithm and backend refuses a set value in a field it ignores, naming the field.
     base = {cfg.algorithm: cfg for cfg in runs}

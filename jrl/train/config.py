@@ -187,9 +187,15 @@ class TrainConfig:
     recomputes the logits in the backward); ``auto`` is ``fused`` on GPU/TPU where the loss allows it."""
     max_steps: int = 100
     """Training steps; each samples one rollout of ``prompts_per_batch x num_generations``
-    completions and makes ``num_iterations`` optimizer updates on it."""
+    completions and makes ``num_iterations`` passes over it (one optimizer update per ``docs_per_step``)."""
     num_iterations: int = 1
-    """mu: optimizer updates per rollout (old log-probs are computed once per rollout when > 1)."""
+    """mu: passes over each rollout (old log-probs are computed once per rollout when a rollout makes more than
+    one optimizer update)."""
+    docs_per_step: int | None = None
+    """Sequences per optimizer update (Fast-LLM's ``docs_per_step``): each rollout's ``prompts_per_batch x
+    num_generations`` sequences are split, in whole groups and in batch order, into updates of this many, so a
+    step makes ``rows / docs_per_step x num_iterations`` updates; None = the whole rollout in one update. A
+    multiple of ``algo.num_generations`` and of ``optim.micro_batch_size`` that divides the step's rows."""
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, TensorBoard events, checkpoints and the reward/loss plot go."""
     seed: int = 0
@@ -253,6 +259,13 @@ class TrainConfig:
             raise invalid("TrainConfig", "optim.micro_batch_size", mb,
                           f"it must divide the {rows} rows of a step (data.prompts_per_batch x "
                           f"{algorithm.samples_field})")
+        docs = self.docs_per_step
+        check_int(self, "docs_per_step", lo=1, optional=True, fix="use a positive int, or None for whole rollouts")
+        if docs is not None and (rows % docs or docs % _value_at(self, algorithm.samples_field) or (mb and docs % mb)):
+            raise invalid("TrainConfig", "docs_per_step", docs,
+                          f"use a divisor of the {rows} rows of a step that is a multiple of "
+                          f"{algorithm.samples_field}={_value_at(self, algorithm.samples_field)} (whole groups) and of "
+                          f"optim.micro_batch_size={mb}")
         check_int(self, "eval_every", lo=0, fix="use an int >= 0 (0 = no evaluation)")
         if self.eval_every == 0:
             reject_unused(self, ("eval",), "eval_every=0")
@@ -272,6 +285,12 @@ class TrainConfig:
     def resuming(self) -> bool:
         """Whether the run continues from a checkpoint (``resume`` or ``resume_from``)."""
         return self.resume or self.resume_from is not None
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates one step makes: ``num_iterations`` passes of ``rows / docs_per_step`` updates."""
+        rows = self.data.prompts_per_batch * self.algo.num_generations
+        return self.num_iterations * (rows // self.docs_per_step if self.docs_per_step else 1)
 
     @property
     def reward_weights(self) -> tuple[float, ...]:

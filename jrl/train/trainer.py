@@ -65,7 +65,7 @@ class Trainer:
         if cfg.eval_every:
             prompts, eval_prompts = split_eval_prompts(cfg.eval, cfg.data, prompts, self.tokenizer)
         self.loader = PromptLoader(prompts, cfg.data)
-        self.learner = Learner(policy.model, cfg.optim, total_updates=cfg.max_steps * cfg.num_iterations,
+        self.learner = Learner(policy.model, cfg.optim, total_updates=cfg.max_steps * cfg.updates_per_step,
                                mesh=policy.mesh, rules=policy.rules)
         self.algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, policy, self.learner)
         self.out_dir = Path(cfg.output_dir)

@@ -147,9 +147,13 @@ def _vllm_backend_reads(cfg: TrainConfig, tmp: Path) -> None:
 
 #: A valid non-default value of the string fields an algorithm may ignore.
 OTHER_STRINGS = {"backend": "vllm", "sync": "filesystem", "loss_head": "fused"}
+#: A set value for fields whose default is None.
+OTHER_NONES = {"docs_per_step": 2}
 
 
 def _non_default(value, name: str = ""):
+    if value is None:
+        return OTHER_NONES.get(name)
     if isinstance(value, str):
         return OTHER_STRINGS.get(name)
     if isinstance(value, tuple) and all(isinstance(x, int) for x in value):

@@ -13,6 +13,7 @@ from flax import nnx
 from train_testlib import grpo_learner, max_rel_err, random_step_batch, tiny_model
 
 from jrl.losses import GRPOConfig, LossInputs, grpo_loss
+from jrl.train.algorithms.grpo import batch_rows
 from jrl.train.config import OptimConfig
 from jrl.train.learner import make_optimizer
 
@@ -151,6 +152,39 @@ def test_num_iterations_uses_old_logprobs_of_the_rollout():
     ref_loss, ref_g = reference_grads(learner, batch._replace(old_logprobs=old), algo)
     acc, collected, _ = accumulate(learner, update, batch._replace(old_logprobs=old), np.ones(8, bool))
     assert max_rel_err(acc, ref_g) <= 1e-5
+
+
+def test_docs_per_step_makes_one_update_per_part_against_the_rollouts_old_logprobs():
+    batch = random_step_batch(seed=9)  # 8 rows, groups of 2
+    algo = dataclasses.replace(ALGO, importance_sampling_correction=False)
+    optim = OptimConfig(learning_rate=5e-2, micro_batch_size=2)
+    learner, update = make(tiny_model(seed=10), algo, optim, total_updates=4, docs_per_step=4)
+    old = learner.evaluate(update.logprobs, batch)
+    metrics = update(learner, batch)
+    assert learner.num_updates == 2 and metrics["kl_new_old"] > 0  # the second update's policy had moved
+    # The same two updates by hand: rows 0-3 then rows 4-7, each a whole update with its own normalisers, both
+    # against the log-probs of the weights before the first.
+    ref, ref_update = make(tiny_model(seed=10), algo, optim, total_updates=4)
+    for sl in (slice(0, 4), slice(4, 8)):
+        ref.step([ref_update.policy_term(ref, batch_rows(batch._replace(old_logprobs=old), sl))])
+    assert max_rel_err(learner.params, ref.params) <= 1e-5
+    # One part = the whole batch: the plain update.
+    whole, whole_update = make(tiny_model(seed=10), algo, optim, total_updates=4, docs_per_step=8)
+    plain, plain_update = make(tiny_model(seed=10), algo, optim, total_updates=4)
+    whole_update(whole, batch), plain_update(plain, batch)
+    assert whole.num_updates == plain.num_updates == 1 and max_rel_err(whole.params, plain.params) == 0
+
+
+def test_docs_per_step_must_be_whole_groups_dividing_the_step():
+    from jrl.data.pipeline import DataConfig
+    from jrl.train.config import TrainConfig
+
+    cfg = TrainConfig(data=DataConfig(prompts_per_batch=4), algo=GRPOConfig(num_generations=4),
+                      optim=OptimConfig(micro_batch_size=4), docs_per_step=8, num_iterations=3)
+    assert cfg.updates_per_step == 6
+    for bad in (6, 12, 2):  # not whole groups, not a divisor of 16 rows, not a multiple of micro_batch_size
+        with pytest.raises(ValueError, match=rf"TrainConfig\.docs_per_step={bad}.*divisor of the 16 rows"):
+            dataclasses.replace(cfg, docs_per_step=bad)
 
 
 def test_bad_micro_batch_size():

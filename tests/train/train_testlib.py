@@ -57,11 +57,12 @@ def random_step_batch(seed: int, n: int = 8, prompt_len: int = 5, completion_len
 
 
 def grpo_learner(model, algo, optim=None, *, total_updates: int, num_iterations: int = 1,
-                 temperature: float = 1.0, loss_head: str = "auto") -> tuple[Learner, PolicyUpdate]:
+                 temperature: float = 1.0, loss_head: str = "auto",
+                 docs_per_step: int | None = None) -> tuple[Learner, PolicyUpdate]:
     """A learner of ``model`` and the GRPO-family update of ``algo`` on it."""
     learner = Learner(model, optim or OptimConfig(), total_updates=total_updates)
     return learner, PolicyUpdate(algo, learner, temperature=temperature, num_iterations=num_iterations, impl="auto",
-                                 loss_head=loss_head)
+                                 loss_head=loss_head, docs_per_step=docs_per_step)
 
 
 def max_rel_err(a, b) -> float:

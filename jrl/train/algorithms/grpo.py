@@ -4,16 +4,17 @@ functions, group advantages, the clipped-ratio loss of :func:`jrl.losses.grpo_lo
 Per step: ``num_generations`` completions per prompt at the ``rollout`` section's sampling parameters →
 decoded and scored by the reward functions ([N, K], NaN for None) → advantages on the whole batch
 (:func:`jrl.losses.advantages_from_config`) and per-group signal flags from the raw rewards → a
-:class:`StepBatch` (the experience) → :class:`PolicyUpdate`: ``num_iterations`` optimizer updates, each
-over micro-batches with step-global normalisers (:func:`jrl.losses.step_normalizers`), micro-batches
-without learning signal skipped and counted in ``skipped_zero_adv_batches``
-(docs/algorithms/grpo.md §14.8).
+:class:`StepBatch` (the experience) → :class:`PolicyUpdate`: ``num_iterations`` passes over the batch, each
+one optimizer update per ``docs_per_step`` rows (whole groups; default the whole batch), each update over
+micro-batches with normalisers global to the update (:func:`jrl.losses.step_normalizers`), micro-batches
+without learning signal skipped and counted in ``skipped_zero_adv_batches`` (docs/algorithms/grpo.md §14.8).
 
 Old log-probs (the PPO ratio's denominator) are always those of the *current* weights, never the
-sampler's: with ``num_iterations = 1`` the loss uses sg(new), and with more the batch is scored once
+sampler's: with one update per batch the loss uses sg(new), and with more the batch is scored once
 before the first update. The sampler's log-probs (of the possibly older version that generated the
-batch) feed only the IS correction and OPSM of :mod:`jrl.losses` (docs/algorithms/grpo.md §2.4). With ``beta > 0`` the reference log-probs come from the base weights with LoRA disabled, or
-from a frozen copy of the initial weights for a full fine-tune.
+batch) feed only the IS correction and OPSM of :mod:`jrl.losses` (docs/algorithms/grpo.md §2.4). With
+``beta > 0`` the reference log-probs come from the base weights with LoRA disabled, or from a frozen copy of
+the initial weights for a full fine-tune.
 """
 
 from __future__ import annotations
@@ -181,27 +182,38 @@ def _grpo_reduction(name: str) -> str:
     return "sum" if name == "loss" else metric_reduction(name)
 
 
+def batch_rows(batch: StepBatch, sl: slice) -> StepBatch:
+    """Rows ``sl`` of every array of ``batch``."""
+    return StepBatch(*(None if x is None else x[sl] for x in batch))
+
+
 class PolicyUpdate:
     """The GRPO-family update of a :class:`StepBatch`: reference and old log-probs when needed, then
-    ``num_iterations`` learner steps on the GRPO loss plus any ``extra_terms`` (e.g. EBFT's cross-entropy)."""
+    ``num_iterations`` passes over the batch, each one learner step per ``docs_per_step`` rows (None: the whole
+    batch) on the GRPO loss plus any ``extra_terms`` (e.g. EBFT's cross-entropy; whole batches only)."""
 
     def __init__(self, algo: GRPOConfig, learner, *, temperature: float, num_iterations: int, impl: str,
-                 loss_head: str = "auto"):
-        self.algo, self.mu = algo, int(num_iterations)
+                 loss_head: str = "auto", docs_per_step: int | None = None):
+        self.algo, self.mu, self.docs = algo, int(num_iterations), docs_per_step
         fused = loss_head == "fused" or (loss_head == "auto" and kernel_backend() != "cpu")
         self.loss = GRPOLoss(algo, float(temperature), impl, fused and fused_head_supported(algo))
         self.logprobs = CompletionLogprobs(float(temperature), impl)
         # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
         self.ref_params = learner.snapshot() if algo.beta != 0.0 and not learner.lora else None
 
+    def parts(self, n: int) -> list[slice]:
+        """The rows of each optimizer update of one pass over a batch of ``n`` rows."""
+        size = self.docs or n
+        return [slice(i, i + size) for i in range(0, n, size)]
+
     def prepare(self, learner, batch: StepBatch) -> StepBatch:
-        """``batch`` with the reference log-probs (``beta > 0``) and the old log-probs (``num_iterations > 1``)
-        of the current weights filled in."""
+        """``batch`` with the reference log-probs (``beta > 0``) and the old log-probs (more than one update per
+        batch) of the current weights filled in."""
         scoring = batch._replace(has_signal=None)
         if self.algo.beta != 0.0 and batch.ref_logprobs is None:
             batch = batch._replace(ref_logprobs=learner.evaluate(self.logprobs, scoring, disable_lora=learner.lora,
                                                                  params=self.ref_params))
-        if self.mu > 1 and batch.old_logprobs is None:
+        if self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None:
             batch = batch._replace(old_logprobs=learner.evaluate(self.logprobs, scoring))
         return batch
 
@@ -220,11 +232,19 @@ class PolicyUpdate:
 
     def __call__(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
                  reduction: Callable[[str], str] = _grpo_reduction) -> dict[str, float]:
-        term = self.policy_term(learner, self.prepare(learner, batch))
+        batch = self.prepare(learner, batch)
+        parts = self.parts(batch.completion_ids.shape[0])
+        if extra_terms and len(parts) > 1:
+            raise ValueError("docs_per_step splits the policy term only; an update with extra loss terms takes the "
+                             "whole batch")
+        terms = [self.policy_term(learner, batch_rows(batch, sl)) for sl in parts]
         updates, skipped = [], 0
         for _ in range(self.mu):
-            collected, skipped = learner.step([term, *extra_terms])
-            updates.append(collected)
+            skipped = 0  # micro-batches skipped in one pass over the batch
+            for term in terms:
+                collected, n = learner.step([term, *extra_terms])
+                updates.append(collected)
+                skipped += n
         out = reduce_metrics(updates, reduction)
         out["skipped_zero_adv_batches"] = float(skipped)
         return out
@@ -270,7 +290,7 @@ def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, Pol
     eos = policy.tokenizer.eos_token_id
     sampling = cfg.rollout.sampling_params(() if eos is None else (int(eos),))
     update = PolicyUpdate(algo, learner, temperature=sampling.temperature, num_iterations=cfg.num_iterations,
-                          impl=cfg.logprobs_impl, loss_head=cfg.loss_head)
+                          impl=cfg.logprobs_impl, loss_head=cfg.loss_head, docs_per_step=cfg.docs_per_step)
     return algo, sampling, update
 
 

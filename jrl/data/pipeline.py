@@ -496,6 +496,11 @@ class PromptBatch:
         """``(ids, mask)`` of the prompts, left-padded (see :func:`left_pad`)."""
         return left_pad(self.prompt_ids, pad_id, length=length, multiple_of=multiple_of)
 
+    def rows(self, sl: slice) -> PromptBatch:
+        """The prompts ``sl`` of this batch."""
+        return PromptBatch(prompt_ids=self.prompt_ids[sl], prompt_texts=self.prompt_texts[sl], prompts=self.prompts[sl],
+                           columns={k: v[sl] for k, v in self.columns.items()}, indices=self.indices[sl])
+
     def with_last(self, other: PromptBatch) -> PromptBatch:
         """This batch with its last ``len(other)`` prompts replaced by ``other``'s (e.g. re-rolled prompts)."""
         n = len(other)

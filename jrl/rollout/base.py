@@ -107,3 +107,26 @@ def check_generate_args(prompt_ids: list[list[int]], num_generations: int) -> No
     empty = [i for i, ids in enumerate(prompt_ids) if len(ids) == 0]
     if empty:
         raise ValueError(f"generate: prompts {empty[:10]} are empty; every prompt needs at least one token")
+
+
+def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch of the rows of ``parts`` (in order, all of one policy version): prompts left-padded to the
+    longest, completions right-padded (``pad_id``, mask 0, NaN log-probs) to the longest."""
+    versions = {p.policy_version for p in parts}
+    if len(versions) != 1:
+        raise ValueError(f"cannot join rollout batches of different policy versions {sorted(versions)}")
+    lp = max(p.prompt_ids.shape[1] for p in parts)
+    t = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(x, width, value, left=False):
+        extra = width - x.shape[1]
+        return np.pad(x, ((0, 0), (extra, 0) if left else (0, extra)), constant_values=value)
+
+    return RolloutBatch(
+        prompt_ids=np.concatenate([pad(p.prompt_ids, lp, pad_id, left=True) for p in parts]),
+        prompt_mask=np.concatenate([pad(p.prompt_mask, lp, 0, left=True) for p in parts]),
+        completion_ids=np.concatenate([pad(p.completion_ids, t, pad_id) for p in parts]),
+        completion_mask=np.concatenate([pad(p.completion_mask, t, 0) for p in parts]),
+        sampling_logprobs=np.concatenate([pad(np.asarray(p.sampling_logprobs, np.float32), t, np.nan) for p in parts]),
+        truncated=np.concatenate([np.asarray(p.truncated, bool) for p in parts]),
+        policy_version=versions.pop())

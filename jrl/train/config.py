@@ -123,11 +123,21 @@ class ScoringConfig:
     max_failed_steps: int = 3
     """Stop the run with an error once a reward function has failed (raised, crashed, timed out or returned
     something other than one number per completion) on every call of this many consecutive steps."""
+    stream_groups: int = 0
+    """Score while generating: the step's prompts are generated in chunks of this many, and each chunk's reward
+    calls go to the workers as soon as it is generated, so they run while the next chunk is generated; the
+    advantages wait for every chunk (the same as unchunked for the same completions). Pays off with slow rewards
+    (verifiers, sandboxes) and an engine that samples a chunk about as fast as a batch (a vLLM server). Needs
+    ``num_workers`` >= 1 and must divide ``data.prompts_per_batch``; 0 = generate the whole batch, then score it."""
 
     def __post_init__(self):
         check_int(self, "num_workers", lo=0, fix="use an int >= 0 (0 = in the trainer's process)")
         check_real(self, "timeout_s", gt=0, fix="use a number of seconds > 0")
         check_int(self, "max_failed_steps", lo=1)
+        check_int(self, "stream_groups", lo=0, fix="use an int >= 0 (0 = score after the whole batch is generated)")
+        if self.stream_groups and self.num_workers == 0:
+            raise invalid("ScoringConfig", "stream_groups", self.stream_groups,
+                          "scoring while generating needs worker processes: set num_workers >= 1")
         if self.num_workers == 0 and self.timeout_s != ScoringConfig.timeout_s:
             raise invalid("ScoringConfig", "timeout_s", self.timeout_s,
                           "a timeout needs worker processes: set num_workers >= 1, or leave timeout_s at its default")
@@ -266,6 +276,10 @@ class TrainConfig:
                           f"use a divisor of the {rows} rows of a step that is a multiple of "
                           f"{algorithm.samples_field}={_value_at(self, algorithm.samples_field)} (whole groups) and of "
                           f"optim.micro_batch_size={mb}")
+        stream = self.scoring.stream_groups
+        if stream and self.data.prompts_per_batch % stream:
+            raise invalid("TrainConfig", "scoring.stream_groups", stream,
+                          f"use a divisor of data.prompts_per_batch={self.data.prompts_per_batch}")
         check_int(self, "eval_every", lo=0, fix="use an int >= 0 (0 = no evaluation)")
         if self.eval_every == 0:
             reject_unused(self, ("eval",), "eval_every=0")

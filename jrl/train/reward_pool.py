@@ -13,7 +13,11 @@ and stops the run with :class:`~jrl.train.rewards.RewardError` once a function h
 Workers are started with ``spawn`` (no forked JAX state), load the functions once (by import path), and
 ignore SIGINT and SIGTERM: a Ctrl-C or a scheduler's signal reaches the trainer, which finishes the step
 with its rewards. A worker exits when the trainer's end of its pipe closes, also when the trainer dies.
-In asynchronous runs the next step's generation runs in the rollout thread while this one is scored.
+In asynchronous runs the next step's generation runs in the rollout thread while this one is scored. With
+``scoring.stream_groups`` the calls of each generated chunk of a batch are sent (:meth:`RewardScorer.start`) while
+the next chunk is generated, and collected once the batch is done (:meth:`RewardScorer.finish`); the pool's
+:meth:`RewardPool.submit` / :meth:`RewardPool.collect` take a lock, as the rollout thread and the trainer thread
+(evaluation) may both score.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -89,6 +94,12 @@ class RewardPool:
         self._what = ", ".join(describe(n, f) for n, f in zip(unique_names(fns), fns))
         self._workers: list[_Worker | None] = [None] * num_workers
         self._ctx = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()  # the rollout thread (streaming) and the trainer thread share the pool
+        self._issued = 0  # tickets handed out
+        self._calls: dict[int, tuple[int, RewardCall]] = {}  # queued calls by ticket
+        self._pending: collections.deque[int] = collections.deque()  # tickets not sent to a worker yet
+        self._busy: dict[int, tuple[int, float]] = {}  # slot -> (ticket, deadline)
+        self._results: dict[int, CallResult] = {}  # answers not collected yet
 
     @property
     def num_workers(self) -> int:
@@ -135,51 +146,75 @@ class RewardPool:
 
     def run(self, calls: Sequence[tuple[int, RewardCall]]) -> list[CallResult]:
         """Run ``(function index, call)`` pairs, as many at once as there are workers; the results in order."""
-        results: list[CallResult | None] = [None] * len(calls)
-        pending = collections.deque(range(len(calls)))
-        busy: dict[int, tuple[int, float]] = {}  # slot -> (call index, deadline)
-        try:
-            self._dispatch(calls, results, pending, busy)
-        except BaseException:  # e.g. a worker that cannot start, a second Ctrl-C: no answer may reach a later call
-            for slot in busy:
-                self._discard(slot)
-            raise
-        return results
+        return self.collect(self.submit(calls))
 
-    def _dispatch(self, calls, results: list, pending: collections.deque, busy: dict) -> None:
-        """:meth:`run`'s loop: keep every worker busy, collect answers, kill calls past their deadline."""
-        while pending or busy:
-            if pending:
-                self._start_missing()
-            for slot in range(self.num_workers):
-                if pending and slot not in busy:
-                    i = pending.popleft()
-                    try:
-                        self._workers[slot].conn.send(calls[i])
-                    except OSError:  # the idle worker died (killed from outside): start another, send again
-                        self._discard(slot)
-                        pending.appendleft(i)
-                        break
-                    busy[slot] = (i, time.monotonic() + self.timeout_s)
-            if not busy:
-                continue
-            wait_s = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
-            ready = set(multiprocessing.connection.wait([self._workers[s].conn for s in busy], timeout=wait_s))
-            for slot, (i, deadline) in list(busy.items()):
-                conn = self._workers[slot].conn
-                if conn in ready:
-                    try:
-                        results[i] = conn.recv()
-                    except (EOFError, OSError):
-                        code = self._discard(slot)
-                        results[i] = CallResult(None, f"crashed its worker process (exit code {code})")
-                elif time.monotonic() >= deadline:
+    def submit(self, calls: Sequence[tuple[int, RewardCall]]) -> list[int]:
+        """Queue ``(function index, call)`` pairs and send as many as there are idle workers, without waiting for
+        any answer; their ticket numbers, for :meth:`collect`. A call's timeout runs from when a worker gets it."""
+        with self._lock:
+            tickets = list(range(self._issued, self._issued + len(calls)))
+            self._issued += len(calls)
+            self._calls.update(zip(tickets, calls))
+            self._pending.extend(tickets)
+            self._guarded(block=False)
+        return tickets
+
+    def collect(self, tickets: Sequence[int]) -> list[CallResult]:
+        """The results of :meth:`submit`'s ``tickets``, in order (waiting for them, and running queued calls)."""
+        with self._lock:
+            while any(t not in self._results for t in tickets):
+                if not self._pending and not self._busy:
+                    raise RuntimeError(f"reward calls {sorted(set(tickets) - set(self._results))} were dropped "
+                                       "(an earlier call on the pool failed); they have no result")
+                self._guarded(block=True)
+            return [self._results.pop(t) for t in tickets]
+
+    def _guarded(self, *, block: bool) -> None:
+        try:
+            self._pump(block)
+        except BaseException:  # e.g. a worker that cannot start, a second Ctrl-C: no answer may reach a later call
+            for slot in self._busy:
+                self._discard(slot)
+            self._busy.clear()
+            self._pending.clear()
+            self._calls.clear()
+            raise
+
+    def _pump(self, block: bool) -> None:
+        """Give queued calls to idle workers, then take the answers that are in (``block``: wait for at least one
+        answer or deadline), killing calls past their deadline."""
+        if self._pending:
+            self._start_missing()
+        for slot in range(self.num_workers):
+            if self._pending and slot not in self._busy:
+                t = self._pending[0]
+                try:
+                    self._workers[slot].conn.send(self._calls[t])
+                except OSError:  # the idle worker died (killed from outside): start another, send again next time
                     self._discard(slot)
-                    results[i] = CallResult(None, f"timed out after {self.timeout_s:g} s (its worker was killed)",
-                                            timed_out=True)
-                else:
-                    continue
-                del busy[slot]
+                    return
+                self._pending.popleft()
+                del self._calls[t]
+                self._busy[slot] = (t, time.monotonic() + self.timeout_s)
+        if not self._busy:
+            return
+        wait_s = max(0.0, min(d for _, d in self._busy.values()) - time.monotonic()) if block else 0.0
+        ready = set(multiprocessing.connection.wait([self._workers[s].conn for s in self._busy], timeout=wait_s))
+        for slot, (t, deadline) in list(self._busy.items()):
+            conn = self._workers[slot].conn
+            if conn in ready:
+                try:
+                    self._results[t] = conn.recv()
+                except (EOFError, OSError):
+                    code = self._discard(slot)
+                    self._results[t] = CallResult(None, f"crashed its worker process (exit code {code})")
+            elif time.monotonic() >= deadline:
+                self._discard(slot)
+                self._results[t] = CallResult(None, f"timed out after {self.timeout_s:g} s (its worker was killed)",
+                                              timed_out=True)
+            else:
+                continue
+            del self._busy[slot]
 
     def close(self) -> None:
         """Stop every worker: close its pipe (it exits), kill it if it does not within 5 s."""
@@ -197,6 +232,17 @@ def group_blocks(n: int, group_size: int, parts: int) -> list[tuple[int, int]]:
     groups = n // group_size
     per = max(1, -(-groups // parts))
     return [(a * group_size, min(groups, a + per) * group_size) for a in range(0, groups, per)]
+
+
+@dataclasses.dataclass
+class StartedScoring:
+    """Reward calls of some completions, sent (``tickets`` in the pool) or already run (``results``)."""
+
+    rows: int
+    blocks: list[tuple[int, int]]
+    """The row blocks of each function's calls."""
+    tickets: list[int] | None = None
+    results: list[CallResult] | None = None
 
 
 class RewardScorer:
@@ -222,26 +268,46 @@ class RewardScorer:
         """``(rewards [N, F] float32 with NaN for no reward, the functions' names, failure metrics)`` of one
         step; raises :class:`RewardError` when a function has now failed for ``max_failed_steps`` steps (only
         calls with ``count_failures`` count: an evaluation's do not)."""
+        started = self.start(prompts, completions, completion_ids, columns, group_size=group_size)
+        return self.finish([started], step=step, count_failures=count_failures)
+
+    def start(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None,
+              columns: Mapping[str, Sequence[Any]] | None, *, group_size: int) -> StartedScoring:
+        """Send the calls that score these completions to the workers and return without waiting (in this process,
+        with ``num_workers=0``: run them now); :meth:`finish` collects them."""
         n, kwargs = check_inputs(prompts, completions, completion_ids, columns)
         blocks = group_blocks(n, group_size, self.pool.num_workers if self.pool else 1)
         calls = [(j, split_call(prompts, completions, completion_ids, kwargs, a, b))
                  for j in range(len(self.fns)) for a, b in blocks]
         if self.pool is not None:
-            results = self.pool.run(calls)
-        else:
-            results = [run_call(self.fns[j], call) for j, call in calls]
-        rewards = np.full((n, len(self.fns)), np.nan, np.float32)
+            return StartedScoring(n, blocks, tickets=self.pool.submit(calls))
+        return StartedScoring(n, blocks, results=[run_call(self.fns[j], call) for j, call in calls])
+
+    def finish(self, parts: Sequence[StartedScoring], *, step: int,
+               count_failures: bool = True) -> tuple[np.ndarray, list[str], dict[str, float]]:
+        """What :meth:`score` returns, for the rows of ``parts`` (started scorings, their rows in this order)."""
+        rows = [0]
+        for part in parts:
+            rows.append(rows[-1] + part.rows)
+        rewards = np.full((rows[-1], len(self.fns)), np.nan, np.float32)
+        done = []  # (function index, row block in the whole batch, result)
+        for part, offset in zip(parts, rows):
+            got = part.results if part.tickets is None else self.pool.collect(part.tickets)
+            k = len(part.blocks)
+            for j in range(len(self.fns)):
+                for (a, b), res in zip(part.blocks, got[j * k: (j + 1) * k]):
+                    done.append((j, (offset + a, offset + b), res))
         metrics: dict[str, float] = {}
-        for j, (fn, name) in enumerate(zip(self.fns, self.names)):
-            mine = results[j * len(blocks): (j + 1) * len(blocks)]
-            for (a, b), res in zip(blocks, mine):
+        for j, name in enumerate(self.names):
+            mine = [(blk, res) for fj, blk, res in done if fj == j]
+            for (a, b), res in mine:
                 if res.values is not None:
                     rewards[a:b, j] = res.values
-            failed = [(blk, res) for blk, res in zip(blocks, mine) if res.error is not None]
+            failed = [(blk, res) for blk, res in mine if res.error is not None]
             timeouts = sum(res.timed_out for _, res in failed)
             metrics[f"reward/{name}/errors"] = float(len(failed) - timeouts)
             metrics[f"reward/{name}/timeouts"] = float(timeouts)
-            self._account(j, step, failed, len(blocks), count_failures)
+            self._account(j, step, failed, len(mine), count_failures)
         return rewards, self.names, metrics
 
     def _account(self, j: int, step: int, failed: list, calls: int, count: bool) -> None:

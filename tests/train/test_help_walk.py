@@ -25,7 +25,7 @@ from jrl.models.lora import LoraConfig
 from jrl.rollout.config import RolloutConfig
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.train.algorithms import ALGORITHMS
-from jrl.train.config import ModelSpec, OptimConfig, TrainConfig
+from jrl.train.config import ModelSpec, OptimConfig, ScoringConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
 from jrl.train.observability import WandbConfig
@@ -94,7 +94,8 @@ def traced_reads():
 
 def _runs(model_dir: Path, tmp: Path) -> list[TrainConfig]:
     """Short real runs that together exercise every section: GRPO with LoRA, a KL term, two updates per
-    rollout, prefetching, eval, W&B, replay and re-roll; EBFT structured with its CE term; EBFT strided."""
+    rollout, prefetching, eval, W&B, replay, re-roll and streaming scoring; EBFT structured with its CE term;
+    EBFT strided."""
     reward = write_reward_file(tmp, "walk_reward")
     data = DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=1, arithmetic=ArithmeticConfig(num_examples=16))
     base = TrainConfig(model=ModelSpec(path=str(model_dir)), lora=LoraConfig(rank=2, alpha=4.0), data=data,
@@ -106,7 +107,7 @@ def _runs(model_dir: Path, tmp: Path) -> list[TrainConfig]:
         rollout=RolloutConfig(max_new_tokens=6, prefetch_depth=1, stop_token_ids=(10,)), eval_every=2,
         eval=EvalConfig(holdout=2, batch_size=1, decodings=("greedy", "sampled"), num_samples=1),
         wandb=WandbConfig(project="jrl-help-walk"), replay=ReplayConfig(buffer_size=2),
-        reroll=RerollConfig(start_fraction=0.5))
+        reroll=RerollConfig(start_fraction=0.5), scoring=ScoringConfig(stream_groups=1))
     structured = dataclasses.replace(
         base, algorithm="ebft_structured", output_dir=str(tmp / "structured"), algo=GRPOConfig(num_generations=2),
         ebft=EBFTConfig(feature_layers=(0.5, 1.0), ce_coef=0.1, adaptive_min_tokens=4, embed_method="concat"),

@@ -166,6 +166,29 @@ def test_only_steps_where_every_call_failed_count_toward_the_stop(functions):
         scorer2.close()
 
 
+def test_scoring_started_in_parts_finishes_like_one_call(functions):
+    fns = functions("length", "boom")
+    b = _batch()
+    scorer = RewardScorer(fns, num_workers=2, timeout_s=60, max_failed_steps=3)
+    try:
+        whole, names, metrics = scorer.score(**b, step=1, group_size=2)
+
+        def part(a, z):
+            return scorer.start(b["prompts"][a:z], b["completions"][a:z], b["completion_ids"][a:z],
+                                {"fail": b["columns"]["fail"][a:z]}, group_size=2)
+
+        # three parts in flight at once; the pool hands each call its own answer
+        parts = [part(0, 2), part(2, 6), part(6, 8)]
+        rewards, _, parted = scorer.finish(parts, step=2)
+        np.testing.assert_array_equal(rewards, whole)
+        assert parted["reward/boom/errors"] == 4 and metrics["reward/boom/errors"] == 2  # one call per block
+        # the streak counts steps, not parts: this is the third step in a row on which boom failed every call
+        with pytest.raises(RewardError, match=r"steps 1-3"):
+            scorer.finish([part(0, 4), part(4, 8)], step=3)
+    finally:
+        scorer.close()
+
+
 def test_a_worker_that_cannot_load_the_functions_is_a_clear_error(tmp_path):
     path = tmp_path / "gone.py"
     path.write_text("def f(prompts, completions, completion_ids, **kw):\n    return [1.0] * len(completions)\n")

@@ -42,14 +42,15 @@ from jrl.losses import (
     sequence_has_signal,
     step_normalizers,
 )
-from jrl.rollout.base import RolloutBatch, SamplingParams
+from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics
 from jrl.train.replay import ReplayBuffer
 from jrl.train.reroll import RerollBuffer, all_fail_groups
-from jrl.train.reward_pool import RewardScorer
+from jrl.train.reward_pool import RewardScorer, StartedScoring
 from jrl.train.rewards import load_reward_functions
+from jrl.train.rollout_source import step_seed
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +295,19 @@ def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, Pol
     return algo, sampling, update
 
 
+@dataclasses.dataclass
+class StreamedRollout:
+    """A rollout generated chunk by chunk with each chunk's reward calls already sent (``scoring.stream_groups``)."""
+
+    rollout: RolloutBatch
+    scoring: list[StartedScoring]
+    """The started scoring of each chunk, in row order."""
+
+    @property
+    def policy_version(self) -> int:
+        return self.rollout.policy_version
+
+
 FLAT_REWARD_STEPS = 5
 """Consecutive steps whose groups all got equal rewards (every advantage zero: nothing learned) before a
 warning."""
@@ -315,21 +329,39 @@ class GRPO:
         self.scorer = RewardScorer(self.reward_fns, num_workers=cfg.scoring.num_workers,
                                    timeout_s=cfg.scoring.timeout_s, max_failed_steps=cfg.scoring.max_failed_steps)
         self._flat_steps = 0  # consecutive steps without a learning signal
+        self.stream = cfg.scoring.stream_groups
         g = self.algo.num_generations
         self.replay = ReplayBuffer(cfg.replay, group_size=g, seed=cfg.seed) if cfg.replay.buffer_size else None
         self.reroll = (RerollBuffer(cfg.reroll, max_steps=cfg.max_steps, lag=cfg.rollout.prefetch_depth)
                        if cfg.reroll.start_fraction < 1 else None)
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch:
-        return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=self.algo.num_generations,
-                               seed=seed)
+    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout:
+        """The batch's completions; with ``scoring.stream_groups``, generated in chunks of that many prompts (chunk
+        ``k`` sampled with a seed derived from ``seed`` and ``k``), each chunk's rewards started once it is out."""
+        g = self.algo.num_generations
+        if not self.stream:
+            return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=g, seed=seed)
+        parts, started = [], []
+        for k, start in enumerate(range(0, len(prompt_batch), self.stream)):
+            chunk = prompt_batch.rows(slice(start, start + self.stream))
+            parts.append(engine.generate(chunk.prompt_ids, self.sampling, num_generations=g, seed=step_seed(seed, k)))
+            started.append(self._start_scoring(parts[-1], chunk))
+        return StreamedRollout(concat_rollouts(parts, self.pad_id), started)
 
-    def make_experience(self, rollout: RolloutBatch, prompt_batch, learner, step: int):
+    def _start_scoring(self, rollout: RolloutBatch, prompt_batch) -> StartedScoring:
         g = self.algo.num_generations
         ids = completion_token_lists(rollout)
         rep = prompt_batch.repeat(g)
         texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-        rewards, names, failures = self.scorer.score(rep.prompts, texts, ids, rep.columns, step=step + 1, group_size=g)
+        return self.scorer.start(rep.prompts, texts, ids, rep.columns, group_size=g)
+
+    def make_experience(self, rollout: RolloutBatch | StreamedRollout, prompt_batch, learner, step: int):
+        g = self.algo.num_generations
+        if isinstance(rollout, StreamedRollout):
+            started, rollout = rollout.scoring, rollout.rollout
+        else:
+            started = [self._start_scoring(rollout, prompt_batch)]
+        rewards, names, failures = self.scorer.finish(started, step=step + 1)
         for name, column in zip(names, np.asarray(rewards).T):
             if np.all(np.isnan(column)):
                 logger.warning("step %d: reward function %r gave no reward (None/NaN, or a failed call) for any "
@@ -382,7 +414,9 @@ class GRPO:
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)
 
-    def generated_tokens(self, rollout: RolloutBatch) -> int:
+    def generated_tokens(self, rollout: RolloutBatch | StreamedRollout) -> int:
+        if isinstance(rollout, StreamedRollout):
+            rollout = rollout.rollout
         return int(np.asarray(rollout.completion_mask).sum())
 
     def progress_postfix(self, metrics: dict[str, float]) -> dict[str, str]:

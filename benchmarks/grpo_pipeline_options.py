@@ -1,5 +1,6 @@
-"""Do replay, re-roll and docs_per_step change learning on the built-in task, and in which direction? Runs
-``configs/grpo.py`` with and without each option for several seeds, each as its own ``scripts/train.py`` process.
+"""Do replay, re-roll, docs_per_step and streaming change learning on the built-in task, and in which direction?
+Runs ``configs/grpo.py`` with and without each option for several seeds, each as its own ``scripts/train.py``
+process.
 
     python benchmarks/grpo_pipeline_options.py [--seeds 0 1 2] [--max-steps 300] [--out runs/bench_options]
 
@@ -7,6 +8,7 @@ Pairs (the second of each differs from the first only by the option):
 
 - ``default`` / ``replay``: the shipped run, and the same with ``--replay.buffer-size 16``;
 - ``default`` / ``docs``: the same with ``--docs-per-step 32`` (two optimizer updates per 64-sequence rollout);
+- ``default`` / ``stream``: the same with ``--scoring.stream-groups 2`` (generated and scored in 4 chunks);
 - ``exact`` / ``reroll``: the exact-match reward alone (so that groups where every completion fails get
   reward 0 and count for re-roll), and the same with ``--reroll.start-fraction 0``.
 
@@ -33,6 +35,7 @@ VARIANTS = {
     "default": (),
     "replay": ("--replay.buffer-size", "16"),
     "docs": ("--docs-per-step", "32"),
+    "stream": ("--scoring.stream-groups", "2"),
     "exact": EXACT,
     "reroll": (*EXACT, "--reroll.start-fraction", "0"),
 }

@@ -10,7 +10,8 @@ Pairs (the second of each differs from the first only by the option):
 - ``default`` / ``docs``: the same with ``--docs-per-step 32`` (two optimizer updates per 64-sequence rollout);
 - ``default`` / ``stream``: the same with ``--scoring.stream-groups 2`` (generated and scored in 4 chunks);
 - ``exact`` / ``reroll``: the exact-match reward alone (so that groups where every completion fails get
-  reward 0 and count for re-roll), and the same with ``--reroll.start-fraction 0``.
+  reward 0 and count for re-roll), and the same with ``--reroll.start-fraction 0`` (``reroll``) or ``0.5``
+  (``reroll_late``: from step 150 of 300).
 
 Per run: the mean training reward of the first and last 10 steps and over the whole run, the fraction of
 generated groups without learning signal (``frac_reward_zero_std``), the groups the option moved
@@ -38,9 +39,10 @@ VARIANTS = {
     "stream": ("--scoring.stream-groups", "2"),
     "exact": EXACT,
     "reroll": (*EXACT, "--reroll.start-fraction", "0"),
+    "reroll_late": (*EXACT, "--reroll.start-fraction", "0.5"),
 }
 #: What each variant's "moved" column sums.
-MOVED = {"replay": "replay_buffer_replacements", "reroll": "reroll_groups"}
+MOVED = {"replay": "replay_buffer_replacements", "reroll": "reroll_groups", "reroll_late": "reroll_groups"}
 
 
 def held_out_accuracy(run_dir: Path) -> float:

@@ -62,6 +62,10 @@ class RolloutBatch:
     policy_version: int = 0
     """Version of the weights that generated the batch (for staleness and IS bookkeeping)."""
 
+    def prompt_lists(self) -> list[list[int]]:
+        """Each row's prompt tokens without the padding."""
+        return [list(np.asarray(ids)[np.asarray(m) > 0]) for ids, m in zip(self.prompt_ids, self.prompt_mask)]
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):
@@ -109,6 +113,15 @@ def check_generate_args(prompt_ids: list[list[int]], num_generations: int) -> No
         raise ValueError(f"generate: prompts {empty[:10]} are empty; every prompt needs at least one token")
 
 
+def pad_columns(x, width: int, value, *, left: bool = False) -> np.ndarray:
+    """``x`` [N, T] padded with ``value`` to ``width`` columns (on the left with ``left``)."""
+    x = np.asarray(x)
+    extra = width - x.shape[1]
+    if extra < 0:
+        raise ValueError(f"rows of {x.shape[1]} columns do not fit in {width}")
+    return np.pad(x, ((0, 0), (extra, 0) if left else (0, extra)), constant_values=value)
+
+
 def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """One batch of the rows of ``parts`` (in order, all of one policy version): prompts left-padded to the
     longest, completions right-padded (``pad_id``, mask 0, NaN log-probs) to the longest."""
@@ -117,16 +130,12 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         raise ValueError(f"cannot join rollout batches of different policy versions {sorted(versions)}")
     lp = max(p.prompt_ids.shape[1] for p in parts)
     t = max(p.completion_ids.shape[1] for p in parts)
-
-    def pad(x, width, value, left=False):
-        extra = width - x.shape[1]
-        return np.pad(x, ((0, 0), (extra, 0) if left else (0, extra)), constant_values=value)
-
     return RolloutBatch(
-        prompt_ids=np.concatenate([pad(p.prompt_ids, lp, pad_id, left=True) for p in parts]),
-        prompt_mask=np.concatenate([pad(p.prompt_mask, lp, 0, left=True) for p in parts]),
-        completion_ids=np.concatenate([pad(p.completion_ids, t, pad_id) for p in parts]),
-        completion_mask=np.concatenate([pad(p.completion_mask, t, 0) for p in parts]),
-        sampling_logprobs=np.concatenate([pad(np.asarray(p.sampling_logprobs, np.float32), t, np.nan) for p in parts]),
+        prompt_ids=np.concatenate([pad_columns(p.prompt_ids, lp, pad_id, left=True) for p in parts]),
+        prompt_mask=np.concatenate([pad_columns(p.prompt_mask, lp, 0, left=True) for p in parts]),
+        completion_ids=np.concatenate([pad_columns(p.completion_ids, t, pad_id) for p in parts]),
+        completion_mask=np.concatenate([pad_columns(p.completion_mask, t, 0) for p in parts]),
+        sampling_logprobs=np.concatenate([pad_columns(np.asarray(p.sampling_logprobs, np.float32), t, np.nan)
+                                          for p in parts]),
         truncated=np.concatenate([np.asarray(p.truncated, bool) for p in parts]),
         policy_version=versions.pop())

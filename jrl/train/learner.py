@@ -117,7 +117,8 @@ def _replicated(tree):
     return jax.tree.map(jnp.asarray, tree)
 
 
-def _rows(tree, sl: slice):
+def take_rows(tree, sl: slice):
+    """Rows ``sl`` of every array of a pytree of arrays with a leading row axis (``None`` leaves stay)."""
     return jax.tree.map(lambda x: x[sl], tree)
 
 
@@ -178,7 +179,7 @@ class Learner:
         trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
         params = self.params if params is None else params
         aux = _replicated(aux)
-        parts = [np.asarray(_evaluate(params, self.frozen, self.put(_rows(rows, sl)), aux, graphdef=self.graphdef,
+        parts = [np.asarray(_evaluate(params, self.frozen, self.put(take_rows(rows, sl)), aux, graphdef=self.graphdef,
                                       fn=fn, disable_lora=disable_lora))
                  for sl in self.chunks(_num_rows(rows))]
         return np.concatenate(parts, axis=0)
@@ -201,7 +202,7 @@ class Learner:
         acc = _zeros_like(self.params)
         collected: dict[str, list] = {"loss": []}
         for term, aux, sl in plan:
-            acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(_rows(term.rows, sl)), aux,
+            acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(take_rows(term.rows, sl)), aux,
                                          graphdef=self.graphdef, loss=term.loss)
             _collect(collected, value, metrics)
         return acc, collected
@@ -229,7 +230,7 @@ class Learner:
             (term, aux, sl), = plan
             collected: dict[str, list] = {"loss": []}
             self.params, self.opt_state, value, metrics, gnorm = _micro_and_apply(
-                self.params, self.opt_state, self.frozen, self.put(_rows(term.rows, sl)), aux,
+                self.params, self.opt_state, self.frozen, self.put(take_rows(term.rows, sl)), aux,
                 graphdef=self.graphdef, loss=term.loss, tx=self.tx)
             self.num_updates += 1
             _collect(collected, value, metrics)

@@ -30,7 +30,7 @@ import warnings
 import numpy as np
 
 from jrl.data.pipeline import left_pad
-from jrl.rollout.base import RolloutBatch
+from jrl.rollout.base import RolloutBatch, pad_columns
 from jrl.validation import check_int
 
 #: Floor of a group's sampling weight (a zero score would never be drawn).
@@ -113,12 +113,12 @@ class ReplayBuffer:
         self.groups = [x for x in self.groups if step - x.step <= self.cfg.max_age]
         empty = np.flatnonzero(~np.asarray(has_signal, bool))
         drawn = self._draw(min(len(empty), len(self.groups)), step)
-        own = self._groups_of(rollout, rewards, advantages, has_signal, step=step, width=width)
-        rollout, rewards = splice_groups(rollout, rewards, {int(s) * g: x for s, x in zip(empty, drawn)},
+        rollout, spliced = splice_groups(rollout, rewards, {int(s) * g: x for s, x in zip(empty, drawn)},
                                          pad_id=pad_id, width=width)
-        for group in own:
+        # the groups with signal are not spliced over: kept from the padded rollout, scored with this step's values
+        for group in self._groups_of(rollout, rewards, advantages, has_signal, step=step):
             self._keep(group)
-        return rollout, rewards, len(drawn)
+        return rollout, spliced, len(drawn)
 
     def _draw(self, n: int, step: int) -> list[ReplayGroup]:
         if n == 0:
@@ -128,18 +128,16 @@ class ReplayBuffer:
         picked = rng.choice(len(self.groups), size=n, replace=False, p=p / p.sum())
         return [self.groups[i] for i in picked]
 
-    def _groups_of(self, rollout: RolloutBatch, rewards, advantages, has_signal, *, step: int, width: int):
+    def _groups_of(self, rollout: RolloutBatch, rewards, advantages, has_signal, *, step: int):
         g = self.group_size
         scores = group_scores(rewards, advantages, g)
-        ids = _pad_to(np.asarray(rollout.completion_ids, np.int32), width, 0)
-        mask = _pad_to(np.asarray(rollout.completion_mask, np.int32), width, 0)
-        logp = _pad_to(np.asarray(rollout.sampling_logprobs, np.float32), width, np.nan)
+        prompts = rollout.prompt_lists()
         out = []
         for k in np.flatnonzero(np.asarray(has_signal, bool)):
             rows = slice(int(k) * g, int(k) * g + g)
-            prompt = np.asarray(rollout.prompt_ids[rows.start])[np.asarray(rollout.prompt_mask[rows.start]) > 0]
-            out.append(ReplayGroup(float(scores[k]), int(step), [int(t) for t in prompt], ids[rows].copy(),
-                                   mask[rows].copy(), logp[rows].copy(), np.asarray(rollout.truncated[rows], bool),
+            out.append(ReplayGroup(float(scores[k]), int(step), [int(t) for t in prompts[rows.start]],
+                                   rollout.completion_ids[rows].copy(), rollout.completion_mask[rows].copy(),
+                                   rollout.sampling_logprobs[rows].copy(), rollout.truncated[rows].copy(),
                                    np.asarray(rewards[rows], np.float32).copy()))
         return out
 
@@ -165,21 +163,14 @@ class ReplayBuffer:
 _ARRAY_FIELDS = ("completion_ids", "completion_mask", "sampling_logprobs", "truncated", "rewards")
 
 
-def _pad_to(x: np.ndarray, width: int, value) -> np.ndarray:
-    """``x`` [N, T] right-padded with ``value`` to ``width`` columns."""
-    if x.shape[1] > width:
-        raise ValueError(f"completions of {x.shape[1]} tokens do not fit max_new_tokens={width}")
-    return np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)
-
-
 def splice_groups(rollout: RolloutBatch, rewards: np.ndarray, at: dict[int, ReplayGroup], *, pad_id: int,
                   width: int) -> tuple[RolloutBatch, np.ndarray]:
     """(rollout, rewards) with the rows from each key of ``at`` on taken by that group; completions padded to
     ``width`` tokens, prompts left-padded to the longest."""
-    prompts = [list(np.asarray(ids)[np.asarray(m) > 0]) for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
-    ids = _pad_to(np.asarray(rollout.completion_ids, np.int32), width, pad_id)
-    mask = _pad_to(np.asarray(rollout.completion_mask, np.int32), width, 0)
-    logp = _pad_to(np.asarray(rollout.sampling_logprobs, np.float32), width, np.nan)
+    prompts = rollout.prompt_lists()
+    ids = pad_columns(np.asarray(rollout.completion_ids, np.int32), width, pad_id)
+    mask = pad_columns(np.asarray(rollout.completion_mask, np.int32), width, 0)
+    logp = pad_columns(np.asarray(rollout.sampling_logprobs, np.float32), width, np.nan)
     truncated = np.array(rollout.truncated, bool)
     rewards = np.array(rewards, np.float32)
     for start, group in at.items():

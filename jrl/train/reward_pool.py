@@ -290,16 +290,14 @@ class RewardScorer:
         for part in parts:
             rows.append(rows[-1] + part.rows)
         rewards = np.full((rows[-1], len(self.fns)), np.nan, np.float32)
-        done = []  # (function index, row block in the whole batch, result)
+        done: list[list] = [[] for _ in self.fns]  # per function: (row block in the whole batch, result)
         for part, offset in zip(parts, rows):
             got = part.results if part.tickets is None else self.pool.collect(part.tickets)
             k = len(part.blocks)
-            for j in range(len(self.fns)):
-                for (a, b), res in zip(part.blocks, got[j * k: (j + 1) * k]):
-                    done.append((j, (offset + a, offset + b), res))
+            for j, mine in enumerate(done):
+                mine += [((offset + a, offset + b), res) for (a, b), res in zip(part.blocks, got[j * k: (j + 1) * k])]
         metrics: dict[str, float] = {}
-        for j, name in enumerate(self.names):
-            mine = [(blk, res) for fj, blk, res in done if fj == j]
+        for j, (name, mine) in enumerate(zip(self.names, done)):
             for (a, b), res in mine:
                 if res.values is not None:
                     rewards[a:b, j] = res.values

@@ -13,7 +13,7 @@ from flax import nnx
 from train_testlib import grpo_learner, max_rel_err, random_step_batch, tiny_model
 
 from jrl.losses import GRPOConfig, LossInputs, grpo_loss
-from jrl.train.algorithms.grpo import batch_rows
+from jrl.train.learner import take_rows
 from jrl.train.config import OptimConfig
 from jrl.train.learner import make_optimizer
 
@@ -166,7 +166,7 @@ def test_docs_per_step_makes_one_update_per_part_against_the_rollouts_old_logpro
     # against the log-probs of the weights before the first.
     ref, ref_update = make(tiny_model(seed=10), algo, optim, total_updates=4)
     for sl in (slice(0, 4), slice(4, 8)):
-        ref.step([ref_update.policy_term(ref, batch_rows(batch._replace(old_logprobs=old), sl))])
+        ref.step([ref_update.policy_term(ref, take_rows(batch._replace(old_logprobs=old), sl))])
     assert max_rel_err(learner.params, ref.params) <= 1e-5
     # One part = the whole batch: the plain update.
     whole, whole_update = make(tiny_model(seed=10), algo, optim, total_updates=4, docs_per_step=8)

@@ -45,7 +45,7 @@ from jrl.losses import (
 from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
-from jrl.train.learner import LossTerm, reduce_metrics
+from jrl.train.learner import LossTerm, reduce_metrics, take_rows
 from jrl.train.replay import ReplayBuffer
 from jrl.train.reroll import RerollBuffer, all_fail_groups
 from jrl.train.reward_pool import RewardScorer, StartedScoring
@@ -90,8 +90,7 @@ def build_step_batch(rollout: RolloutBatch, advantages: np.ndarray, *, pad_id: i
     n, t = rollout.completion_ids.shape
     if t > completion_length:
         raise ValueError(f"the rollout has completions of {t} tokens, more than max_new_tokens={completion_length}")
-    prompts = [list(np.asarray(ids)[np.asarray(m) > 0]) for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
-    p_ids, p_mask = left_pad(prompts, pad_id, multiple_of=prompt_multiple)
+    p_ids, p_mask = left_pad(rollout.prompt_lists(), pad_id, multiple_of=prompt_multiple)
     pad = completion_length - t
     c_ids = np.pad(np.asarray(rollout.completion_ids, np.int32), ((0, 0), (0, pad)), constant_values=pad_id)
     c_mask = np.pad(np.asarray(rollout.completion_mask, np.int32), ((0, 0), (0, pad)))
@@ -183,11 +182,6 @@ def _grpo_reduction(name: str) -> str:
     return "sum" if name == "loss" else metric_reduction(name)
 
 
-def batch_rows(batch: StepBatch, sl: slice) -> StepBatch:
-    """Rows ``sl`` of every array of ``batch``."""
-    return StepBatch(*(None if x is None else x[sl] for x in batch))
-
-
 class PolicyUpdate:
     """The GRPO-family update of a :class:`StepBatch`: reference and old log-probs when needed, then
     ``num_iterations`` passes over the batch, each one learner step per ``docs_per_step`` rows (None: the whole
@@ -238,7 +232,7 @@ class PolicyUpdate:
         if extra_terms and len(parts) > 1:
             raise ValueError("docs_per_step splits the policy term only; an update with extra loss terms takes the "
                              "whole batch")
-        terms = [self.policy_term(learner, batch_rows(batch, sl)) for sl in parts]
+        terms = [self.policy_term(learner, take_rows(batch, sl)) for sl in parts]
         updates, skipped = [], 0
         for _ in range(self.mu):
             skipped = 0  # micro-batches skipped in one pass over the batch

@@ -11,8 +11,8 @@ prompts buffered by steps ``<= j - 1 - rollout.prefetch_depth`` (the producer ge
 ``j - 1 - prefetch_depth`` is done), so prefetching runs and resumed runs re-roll exactly what the
 uninterrupted run does. The producer thread takes, the trainer thread buffers: one lock.
 
-Metrics: ``reroll_buffered`` (groups the step buffered), ``reroll_buffer_size`` (prompts waiting after the
-step), ``reroll_groups`` (groups of the step's batch that were re-rolls). The buffer is part of the
+Metrics: ``reroll_buffered`` (groups the step buffered), ``reroll_buffer_size`` (prompts that no batch up to this
+step re-rolled), ``reroll_groups`` (groups of the step's batch that were re-rolls). The buffer is part of the
 checkpoint (:meth:`RerollBuffer.state`).
 """
 
@@ -87,7 +87,9 @@ class RerollBuffer:
             rerolled = sum(e.taken_by == step for e in self._entries)
             self._entries = [e for e in self._entries if e.taken_by is None or e.taken_by > step]
             self._entries += [_Entry(step, int(i)) for i in indices]
-            waiting = sum(e.taken_by is None for e in self._entries)
+            # Not "not taken yet": the producer may already have taken prompts for the next batch, or not, by
+            # thread timing; prompts no trained batch re-rolled are a function of the steps.
+            waiting = len(self._entries)
         return {"reroll_buffered": float(len(indices)), "reroll_buffer_size": float(waiting),
                 "reroll_groups": float(rerolled)}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 #: Metrics of the last logged step that the closing summary prints, per kind of run.
@@ -48,18 +49,48 @@ def summary(cfg, history: list[dict]) -> str:
             + (f"last {values}; " if values else "") + f"plot {cfg.output_dir}/curves.png")
 
 
+def exit_if_peers_lost(watch, error: Exception) -> None:
+    """When ``error`` came from a process of the run that died (the collective this one waited in failed), say
+    which one and exit 1 at once, instead of a traceback and a wait for the dead process at shutdown."""
+    lost = watch.lost()
+    if not lost:
+        return
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    logging.getLogger("jrl").error(
+        "lost process %s of %d (it stopped answering: killed, out of memory, or its host is gone), so this run "
+        "cannot go on; restart every process with --resume to continue from the last checkpoint. (%s: %s)",
+        ", ".join(map(str, lost)), watch.count, type(error).__name__, first)
+    logging.shutdown()
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
-    from jrl.sharding import initialize
+    from jrl.sharding import initialize, is_main_process
 
-    initialize()  # joins a multi-host run (TPU pod, JRL_* variables); a no-op for one process
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("jrl").setLevel(logging.INFO)
+    multi = initialize()  # joins a multi-host run (TPU pod, JRL_* variables); a no-op for one process
+    import jax
+
+    main_process = is_main_process()
+    prefix = f"[process {jax.process_index()}] " if multi else ""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {prefix}%(name)s: %(message)s")
+    logging.getLogger("jrl").setLevel(logging.INFO if main_process else logging.WARNING)
     from jrl.train.trainer import train
 
-    history = train(cfg)
-    if history:
+    if not multi:
+        history = train(cfg)
+    else:
+        from jrl.sharding.liveness import PeerWatch
+
+        watch = PeerWatch()
+        try:
+            history = train(cfg)
+        except Exception as e:  # noqa: BLE001 - a dead peer is told apart from any other error
+            exit_if_peers_lost(watch, e)
+            raise
+        watch.close()
+    if history and main_process:
         print(summary(cfg, history))
     return 0
 

@@ -28,6 +28,7 @@ from jrl.models.lora import decoding_view
 from jrl.models.strided import DOC, allowed
 from jrl.rollout.base import SamplingParams
 from jrl.rollout.sampling import sample_tokens
+from jrl.sharding import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,4 +137,4 @@ def generate_blocks(model, doc_ids, anchor, *, context_length: int, generate_len
     graphdef, state = nnx.split(model)
     tokens, logprobs = _sample(graphdef, state, jnp.asarray(doc_ids), jnp.asarray(anchor), jax.random.key(int(seed)),
                                np.float32(params.temperature), np.float32(params.top_p), program=program)
-    return StridedSamples(tokens=np.asarray(tokens, np.int32), logprobs=np.asarray(logprobs, np.float32))
+    return StridedSamples(tokens=to_host(tokens).astype(np.int32), logprobs=to_host(logprobs).astype(np.float32))

@@ -14,7 +14,10 @@ logical axis names (``logical_axes`` metadata) that the rules map to mesh axes. 
 """
 
 from jrl.sharding.distributed import (
+    any_process,
+    barrier,
     batch_sharding,
+    host_allgather,
     initialize,
     is_main_process,
     make_global_batch,
@@ -51,10 +54,13 @@ __all__ = [
     "MeshAxes",
     "MeshConfig",
     "abstract_mesh",
+    "any_process",
+    "barrier",
     "batch_sharding",
     "device_bytes",
     "device_grid",
     "gather_to_host",
+    "host_allgather",
     "init_sharded",
     "initialize",
     "is_main_process",

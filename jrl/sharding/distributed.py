@@ -68,13 +68,17 @@ def initialize(
     *,
     local_device_ids: Sequence[int] | None = None,
     initialization_timeout: int = 300,
+    heartbeat_timeout: int = 30,
 ) -> bool:
     """Join the multi-process JAX runtime; returns ``True`` when running multi-process.
 
     Arguments win over the ``JRL_*`` environment variables; with neither, JAX's own cluster
     detection is used (TPU pod slices, SLURM, Open MPI, Kubernetes). A single process
     (``num_processes == 1``, or nothing configured and no cluster detected) is a no-op. Calling it
-    again is a no-op too. It must run before anything touches a JAX device."""
+    again is a no-op too. It must run before anything touches a JAX device.
+
+    ``heartbeat_timeout``: seconds after which the coordination service declares a silent process dead; every other
+    process then stops with an error naming it (JAX's default, 100 s, is long for a run that waits on its peers)."""
     if _distributed_is_initialized():
         _state["initialized"] = True
         return jax.process_count() > 1
@@ -123,6 +127,7 @@ def initialize(
             process_id=process_id,
             local_device_ids=local_device_ids,
             initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout,
         )
     except RuntimeError as e:
         if "before" in str(e) or "already" in str(e):
@@ -140,6 +145,31 @@ def initialize(
 def is_main_process() -> bool:
     """True on process 0 (the one that logs, writes checkpoints' metadata, exports)."""
     return jax.process_index() == 0
+
+
+def host_allgather(x: Any) -> np.ndarray:
+    """``[process_count, *x.shape]``: every process's host value ``x`` (same shape and dtype everywhere), in
+    process order. A collective (every process must call it, in the same order as its other collectives); one
+    process: ``x[None]`` without touching a device."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=False)).reshape((jax.process_count(),) + x.shape)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (a collective; one process: ``flag``)."""
+    return bool(host_allgather(np.asarray(bool(flag))).any())
+
+
+def barrier(name: str) -> None:
+    """Wait until every process has reached the barrier called ``name`` (one process: returns at once)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def process_shard(num_items: int, process_index: int | None = None, process_count: int | None = None) -> slice:

@@ -8,6 +8,11 @@ Atomicity: orbax writes each step into a temporary directory and renames it into
 complete, and :meth:`CheckpointManager.latest_step` only lists finalised steps; a crash mid-save
 leaves the previous checkpoint as the latest. A finalised checkpoint damaged later (a truncated file) is
 caught when it is restored: :meth:`TrainCheckpointer.restore` then falls back to the next older one.
+
+Several processes save and restore together (every process calls :meth:`TrainCheckpointer.save` and
+:meth:`TrainCheckpointer.restore`; orbax writes each array's shards from the process that holds them, and process 0
+the metadata); the directory must be one they all see (a shared file system or a bucket). A checkpoint is a set of
+global arrays, so a run of another process count or mesh restores it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from jrl.sharding import barrier, is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +94,9 @@ class TrainCheckpointer:
         n = 1
         while target.exists():
             target, n = self.directory / f"damaged-{step}-{n}", n + 1
-        (self.directory / str(step)).rename(target)
+        if is_main_process():
+            (self.directory / str(step)).rename(target)
+        barrier(f"jrl-checkpoint-moved-{step}")
         self.manager.reload()
         return target
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from jrl.data.pipeline import DataConfig, PromptDataset, build_prompt_dataset
 from jrl.rollout.base import SamplingParams
+from jrl.sharding import is_main_process
 from jrl.validation import check_int, invalid
 
 DECODINGS = ("greedy", "sampled")
@@ -101,7 +102,8 @@ class Evaluator:
             metrics = {**metrics, "completions/mean_length": float(lengths.mean()),
                        "completions/truncated_fraction": float(np.mean(done.truncated))}
             out.update({f"eval/{decoding}/{k}": v for k, v in metrics.items()})
-            self._write_samples(step, decoding, done.texts, rewards, names, writer)
+            if is_main_process():  # the same samples on every process
+                self._write_samples(step, decoding, done.texts, rewards, names, writer)
         return out
 
     def _write_samples(self, step: int, decoding: str, texts, rewards: np.ndarray, names, writer) -> None:

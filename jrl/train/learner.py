@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from jrl.models.lora import LoRAParam, has_lora, lora_disabled
-from jrl.sharding import batch_sharding, opt_state_shardings
+from jrl.sharding import batch_sharding, opt_state_shardings, to_host
 from jrl.train.config import OptimConfig
 
 
@@ -112,11 +112,6 @@ _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
-def _replicated(tree):
-    """Step-global values (``aux``) as device arrays, not split over the batch axes."""
-    return jax.tree.map(jnp.asarray, tree)
-
-
 def take_rows(tree, sl: slice):
     """Rows ``sl`` of every array of a pytree of arrays with a leading row axis (``None`` leaves stay)."""
     return jax.tree.map(lambda x: x[sl], tree)
@@ -151,12 +146,27 @@ class Learner:
         return _copy(self.params)
 
     def put(self, tree):
-        """Host arrays of ``tree`` on the devices, rows sharded over the mesh's batch axes."""
+        """Host arrays of ``tree`` on the devices, rows sharded over the mesh's batch axes. Every process holds
+        the whole host array and places only the rows of its own devices (so it works on a multi-process
+        mesh)."""
         def one(x):
             x = np.asarray(x)
             if self.mesh is None:
                 return jnp.asarray(x)
-            return jax.device_put(x, batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
+            sharding = batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        return jax.tree.map(one, tree)
+
+    def _replicated(self, tree):
+        """Step-global host values (``aux``) on every device, not split over the batch axes."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        everywhere = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+        def one(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, everywhere, lambda index: x[index])
 
         return jax.tree.map(one, tree)
 
@@ -178,8 +188,8 @@ class Learner:
         micro-batch by micro-batch (the last may be shorter), concatenated on the host. ``params``: other
         trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
         params = self.params if params is None else params
-        aux = _replicated(aux)
-        parts = [np.asarray(_evaluate(params, self.frozen, self.put(take_rows(rows, sl)), aux, graphdef=self.graphdef,
+        aux = self._replicated(aux)
+        parts = [to_host(_evaluate(params, self.frozen, self.put(take_rows(rows, sl)), aux, graphdef=self.graphdef,
                                       fn=fn, disable_lora=disable_lora))
                  for sl in self.chunks(_num_rows(rows))]
         return np.concatenate(parts, axis=0)
@@ -190,7 +200,7 @@ class Learner:
         it skips."""
         plan, skipped = [], 0
         for term in terms:
-            aux = _replicated(term.aux)
+            aux = self._replicated(term.aux)
             for sl in self.chunks(_num_rows(term.rows)):
                 if term.keep is not None and not np.any(term.keep[sl]):
                     skipped += 1

@@ -1,5 +1,9 @@
 """Run observability: ``metrics.jsonl``, TensorBoard events (tensorboardX), optional Weights & Biases logging and
-the final reward/loss plot."""
+the final reward/loss plot.
+
+In a run of several processes every process computes the same metrics and only the main one (process 0) writes
+files: a :class:`MetricsWriter` built elsewhere keeps its records in memory.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+from jrl.sharding import is_main_process
 from jrl.validation import check_choice, invalid
 
 RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "tensorboard", "wandb", "curves.png",
@@ -98,15 +103,19 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
 class MetricsWriter:
     """Append one JSON object per step to ``<dir>/<name>.jsonl`` and the same scalars to TensorBoard
     (``<dir>/tensorboard``, a ``name`` other than ``metrics`` in its own subdirectory, a run of its own there) and
-    to ``wandb`` when given (the caller closes it)."""
+    to ``wandb`` when given (the caller closes it). On a process other than the main one it writes nothing and
+    :meth:`history` holds the records written since it was built."""
 
     def __init__(self, output_dir: str | Path, *, name: str = "metrics", tensorboard: bool = True,
                  wandb: WandbSink | None = None):
         self.wandb = wandb
         self.dir = Path(output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"{name}.jsonl"
         self._tb = None
+        self._records: list[dict] | None = None if is_main_process() else []
+        if self._records is not None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -114,7 +123,8 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps > ``step`` (written after the checkpoint a resumed run restarts from)."""
-        truncate_jsonl_after(self.path, step)
+        if self._records is None:
+            truncate_jsonl_after(self.path, step)
 
     def write_text(self, tag: str, text: str, step: int) -> None:
         """A Markdown text (e.g. a table of sample completions) to TensorBoard's text tab."""
@@ -128,6 +138,9 @@ class MetricsWriter:
         """One line of strict JSON (a NaN or infinite value is written as null) and the finite scalars to
         TensorBoard."""
         record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
+        if self._records is not None:
+            self._records.append(record)
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         if self._tb is not None:
@@ -139,6 +152,8 @@ class MetricsWriter:
             self.wandb.log(metrics, step)
 
     def history(self) -> list[dict]:
+        if self._records is not None:
+            return list(self._records)
         if not self.path.exists():
             return []
         return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]

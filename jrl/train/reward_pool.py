@@ -18,6 +18,13 @@ In asynchronous runs the next step's generation runs in the rollout thread while
 the next chunk is generated, and collected once the batch is done (:meth:`RewardScorer.finish`); the pool's
 :meth:`RewardPool.submit` / :meth:`RewardPool.collect` take a lock, as the rollout thread and the trainer thread
 (evaluation) may both score.
+
+With several trainer processes (:func:`jrl.sharding.initialize`) every process holds the whole batch's completions
+(the rollout is gathered to every host) and scores only its share: a contiguous block of whole groups, the
+``process_index``-th of :func:`group_blocks` over ``process_count`` parts. :meth:`RewardScorer.finish` then gathers
+the rows and the failure counts of every process (:func:`jrl.sharding.host_allgather`), so each process returns the
+same rewards and metrics and a function that fails everywhere stops every process at the same step. A reward
+function is thus called once per completion, not once per process.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from jrl.sharding import host_allgather
 from jrl.train.rewards import (
     CallResult,
     RewardCall,
@@ -234,13 +243,21 @@ def group_blocks(n: int, group_size: int, parts: int) -> list[tuple[int, int]]:
     return [(a * group_size, min(groups, a + per) * group_size) for a in range(0, groups, per)]
 
 
+def process_rows(n: int, group_size: int) -> tuple[int, int]:
+    """``(start, stop)`` of the rows of ``n`` completions this process scores: its block of whole groups (all of
+    them with one process; an empty block when there are fewer groups than processes)."""
+    blocks = group_blocks(n, group_size, jax.process_count())
+    index = jax.process_index()
+    return blocks[index] if index < len(blocks) else (n, n)
+
+
 @dataclasses.dataclass
 class StartedScoring:
     """Reward calls of some completions, sent (``tickets`` in the pool) or already run (``results``)."""
 
     rows: int
     blocks: list[tuple[int, int]]
-    """The row blocks of each function's calls."""
+    """The row blocks of each function's calls (within this process's rows)."""
     tickets: list[int] | None = None
     results: list[CallResult] | None = None
 
@@ -276,7 +293,9 @@ class RewardScorer:
         """Send the calls that score these completions to the workers and return without waiting (in this process,
         with ``num_workers=0``: run them now); :meth:`finish` collects them."""
         n, kwargs = check_inputs(prompts, completions, completion_ids, columns)
-        blocks = group_blocks(n, group_size, self.pool.num_workers if self.pool else 1)
+        lo, hi = process_rows(n, group_size)
+        workers = self.pool.num_workers if self.pool else 1
+        blocks = [(lo + a, lo + b) for a, b in group_blocks(hi - lo, group_size, workers)]
         calls = [(j, split_call(prompts, completions, completion_ids, kwargs, a, b))
                  for j in range(len(self.fns)) for a, b in blocks]
         if self.pool is not None:
@@ -290,27 +309,45 @@ class RewardScorer:
         for part in parts:
             rows.append(rows[-1] + part.rows)
         rewards = np.full((rows[-1], len(self.fns)), np.nan, np.float32)
+        scored = np.zeros(rows[-1], bool)  # the rows this process scored
         done: list[list] = [[] for _ in self.fns]  # per function: (row block in the whole batch, result)
         for part, offset in zip(parts, rows):
             got = part.results if part.tickets is None else self.pool.collect(part.tickets)
             k = len(part.blocks)
+            for a, b in part.blocks:
+                scored[offset + a: offset + b] = True
             for j, mine in enumerate(done):
                 mine += [((offset + a, offset + b), res) for (a, b), res in zip(part.blocks, got[j * k: (j + 1) * k])]
+                for (a, b), res in mine[len(mine) - k:]:
+                    if res.values is not None:
+                        rewards[a:b, j] = res.values
+        failed = [[(blk, res) for blk, res in mine if res.error is not None] for mine in done]
+        # per function: calls, failed calls, timed-out calls (of every process)
+        counts = np.asarray([[len(mine), len(bad), sum(res.timed_out for _, res in bad)]
+                             for mine, bad in zip(done, failed)], np.int64).reshape(len(self.fns), 3)
+        if jax.process_count() > 1:
+            rewards, counts = self._gather(rewards, scored, counts)
         metrics: dict[str, float] = {}
-        for j, (name, mine) in enumerate(zip(self.names, done)):
-            for (a, b), res in mine:
-                if res.values is not None:
-                    rewards[a:b, j] = res.values
-            failed = [(blk, res) for blk, res in mine if res.error is not None]
-            timeouts = sum(res.timed_out for _, res in failed)
-            metrics[f"reward/{name}/errors"] = float(len(failed) - timeouts)
+        for j, name in enumerate(self.names):
+            calls, bad, timeouts = (int(c) for c in counts[j])
+            metrics[f"reward/{name}/errors"] = float(bad - timeouts)
             metrics[f"reward/{name}/timeouts"] = float(timeouts)
-            self._account(j, step, failed, len(mine), count_failures)
+            self._account(j, step, failed[j], len(done[j]), calls > 0 and bad == calls, count_failures)
         return rewards, self.names, metrics
 
-    def _account(self, j: int, step: int, failed: list, calls: int, count: bool) -> None:
-        """Log step ``step``'s failed calls of function ``j``; when they ``count`` (training, not an evaluation),
-        stop the run after ``max_failed_steps`` consecutive steps in which every call failed."""
+    @staticmethod
+    def _gather(rewards: np.ndarray, scored: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every process's rewards (each row from the process that scored it) and summed failure counts."""
+        all_rewards, all_scored = host_allgather(rewards), host_allgather(scored)
+        if not np.all(all_scored.sum(0) == 1):
+            raise RuntimeError("reward scoring: the processes' shares of the batch overlap or leave rows out; every "
+                               "process must score the same completions")
+        return all_rewards[all_scored.argmax(0), np.arange(len(scored))], host_allgather(counts).sum(0)
+
+    def _account(self, j: int, step: int, failed: list, calls: int, every_call_failed: bool, count: bool) -> None:
+        """Log this process's failed calls (of its ``calls``) of function ``j`` at step ``step``; when failures
+        ``count`` (training, not an evaluation), stop the run after ``max_failed_steps`` consecutive steps in which
+        ``every_call_failed`` (on every process)."""
         what = describe(self.names[j], self.fns[j])
         if failed:
             logger.warning("step %d%s: %s failed on %d of %d calls (%d completions got no reward): %s", step,
@@ -318,11 +355,12 @@ class RewardScorer:
                            failed[0][1].error)
         if not count:
             return
-        self._failed_steps[j] = self._failed_steps[j] + 1 if len(failed) == calls else 0
+        self._failed_steps[j] = self._failed_steps[j] + 1 if every_call_failed else 0
         if self._failed_steps[j] >= self.max_failed_steps:
+            last = failed[0][1].error if failed else "(on another process)"
             raise RewardError(f"{what} failed on every call of {self._failed_steps[j]} consecutive steps "
                               f"(steps {step + 1 - self._failed_steps[j]}-{step}); the last error: "
-                              f"{failed[0][1].error}. Fix the function, or raise scoring.timeout_s if it is only slow "
+                              f"{last}. Fix the function, or raise scoring.timeout_s if it is only slow "
                               "(scoring.max_failed_steps sets how many failed steps stop a run)",
                               function=self.names[j], batch=f"step {step}")
 

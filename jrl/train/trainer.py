@@ -22,6 +22,12 @@ call), ``time/wait_rollout`` (time this thread waited for generation), ``time/re
 SIGTERM / SIGINT (:mod:`jrl.train.preemption`): the running step finishes, a checkpoint is written at that
 boundary and :meth:`Trainer.train` returns (the script exits 0); ``--resume`` continues exactly.
 
+Several processes (:func:`jrl.sharding.initialize`, docs/multihost.md) run the same loop on one global mesh: each
+builds the same prompt batches and places only its devices' rows, the sampler's completions are gathered to every
+host, each process scores its share of them (:mod:`jrl.train.reward_pool`), and every host-side decision is then
+the same everywhere. Only process 0 writes the output directory's logs, plots and samples; checkpoints are written
+by all of them together (orbax). A stop signal that reaches any process stops all of them after the same step.
+
 Checkpoint ``meta`` (see :mod:`jrl.train.checkpoint`): ``step``, ``num_updates``, ``seed``,
 ``data_state`` (the loader state after the last consumed batch), ``model`` (``path``, ``dtype``,
 ``param_dtype``) and ``lora`` (the :class:`~jrl.models.lora.LoraConfig` fields or None), which let
@@ -37,9 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 
 from jrl.data.pipeline import PromptLoader, build_prompt_dataset
 from jrl.rollout.base import RolloutEngine
+from jrl.sharding import any_process, barrier, is_main_process
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import TrainConfig
@@ -69,10 +77,12 @@ class Trainer:
                                mesh=policy.mesh, rules=policy.rules)
         self.algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, policy, self.learner)
         self.out_dir = Path(cfg.output_dir)
+        check_processes(cfg)
         self.evaluator = (self.algorithm.evaluator(cfg.eval, eval_prompts, output_dir=self.out_dir, seed=cfg.seed)
                           if cfg.eval_every else None)
-        if not cfg.resuming:
+        if not cfg.resuming and is_main_process():
             claim_output_dir(self.out_dir, overwrite=cfg.overwrite)
+        barrier("jrl-output-dir")  # no process writes to output_dir before it is claimed
         self.source = RolloutSource(
             cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
             make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
@@ -168,23 +178,25 @@ class Trainer:
         cfg, algorithm = self.cfg, self.algorithm
         if cfg.resuming:
             self.restore()
-        sink = WandbSink(cfg.wandb, self.out_dir, dataclasses.asdict(cfg)) if cfg.wandb.project else None
+        main = is_main_process()
+        sink = WandbSink(cfg.wandb, self.out_dir, dataclasses.asdict(cfg)) if cfg.wandb.project and main else None
         writer = MetricsWriter(self.out_dir, wandb=sink)
         eval_writer = MetricsWriter(self.out_dir, name="eval", wandb=sink) if self.evaluator else None
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc, disable=not self.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc,
+                   disable=not (self.progress and main), dynamic_ncols=True)
         try:
             if cfg.resuming:  # lines written after the restored checkpoint
                 writer.truncate_after(self.step)
-                if eval_writer:
+                if eval_writer and main:
                     eval_writer.truncate_after(self.step)
                     truncate_jsonl_after(self.evaluator.samples_path, self.step)
             with stop_requests() as stop:
                 if eval_writer and self.step == 0:
                     self.evaluate(eval_writer)
-                while self.step < cfg.max_steps and stop.signal is None:
+                stopping = False
+                while self.step < cfg.max_steps and not stopping:
                     metrics = self.train_step()
                     writer.write(self.step, metrics)
                     if eval_writer and self.step % cfg.eval_every == 0:
@@ -195,11 +207,13 @@ class Trainer:
                         logger.info("step %d: %s loss %.5f", self.step, algorithm.log_summary(metrics), metrics["loss"])
                     if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                         self.save()
+                    stopping = any_process(stop.signal is not None)  # every process stops after the same step
                 if self.checkpointer.latest_step() != self.step:
                     self.save()
-                if stop.signal is not None:
-                    logger.warning("%s received: stopped after step %d of %d with a checkpoint in %s; continue "
-                                   "with --resume", stop.name, self.step, cfg.max_steps, self.checkpointer.directory)
+                if stopping:
+                    why = f"{stop.name} received" if stop.signal is not None else "another process was asked to stop"
+                    logger.warning("%s: stopped after step %d of %d with a checkpoint in %s; continue with --resume",
+                                   why, self.step, cfg.max_steps, self.checkpointer.directory)
         finally:
             self.source.stop()
             bar.close()
@@ -209,13 +223,27 @@ class Trainer:
             if sink:
                 sink.close()
         history = writer.history()
-        plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys)
+        if main:
+            plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys)
         return history
 
     def close(self) -> None:
         self.source.close()
         self.algorithm.close()
         self.checkpointer.close()
+
+
+def check_processes(cfg: TrainConfig) -> None:
+    """Refuse, naming the setting, what a run of several processes does not support."""
+    if jax.process_count() == 1:
+        return
+    if cfg.rollout.backend != "jax":
+        raise ValueError(f"rollout.backend={cfg.rollout.backend!r} runs with one trainer process; a run of "
+                         f"{jax.process_count()} processes samples with the embedded sampler (--rollout.backend jax)")
+    if cfg.rollout.prefetch_depth > 0:
+        raise ValueError(f"rollout.prefetch_depth={cfg.rollout.prefetch_depth}: with {jax.process_count()} processes "
+                         "the embedded sampler generates in the trainer's thread (the processes must launch their "
+                         "programs in one order); use --rollout.prefetch-depth 0")
 
 
 def train(cfg: TrainConfig, **kwargs) -> list[dict[str, Any]]:

@@ -298,7 +298,7 @@ def test_resume_with_prefetch_reproduces_the_uninterrupted_run(tiny_model_dir, t
     assert _log(tmp_path / "b") == _log(tmp_path / "a")
 
 
-@pytest.mark.slow  # ~23 s on 2 CPU cores; the 2-device run without prefetch stays in the default suite
+@pytest.mark.slow  # ~23 s on 2 CPU cores; test_multiprocess_train keeps a multi-device run (no prefetch) by default
 def test_two_device_prefetch_takes_turns_on_the_devices(tiny_model_dir, tmp_path):
     reward = write_reward_file(tmp_path, "reward_mesh")
     out = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "run", reward)

@@ -106,17 +106,17 @@ def main(argv: list[str] | None = None) -> int:
             b = layer.lora_b.get_value()
             layer.lora_b.set_value(0.01 * jax.random.normal(jax.random.key(version * 1000 + i), b.shape, b.dtype))
 
-    vcfg = VLLMConfig(base_url=f"http://127.0.0.1:{args.port}", device=args.device, python=args.vllm_python,
+    vcfg = VLLMConfig(base_urls=(f"http://127.0.0.1:{args.port}",), device=args.device, python=args.vllm_python,
                       dtype=args.server_dtype, max_model_len=256, cpu_kvcache_gib=1, startup_timeout=1200.0,
                       read_timeout=600.0)
     argv_server, env = server_command(vcfg, model=model_dir, lora_rank=args.rank, max_loras=2)
     print("server: " + " ".join([f"{k}={v}" for k, v in sorted(env.items())] + argv_server))
-    server = VLLMServer(argv_server, env, base_url=vcfg.base_url, log_file=work / "server.log",
+    server = VLLMServer(argv_server, env, base_url=vcfg.base_urls[0], log_file=work / "server.log",
                         startup_timeout=vcfg.startup_timeout)
     t0 = time.perf_counter()
     try:
         with server:
-            print(f"server up in {time.perf_counter() - t0:.0f} s; vLLM {server_version(vcfg.base_url)}")
+            print(f"server up in {time.perf_counter() - t0:.0f} s; vLLM {server_version(vcfg.base_urls[0])}")
             engine = VLLMRolloutEngine(model, config=vcfg, sync="lora", sync_dir=work / "sync", keep_versions=2,
                                        pad_id=PAD_ID)
             export_s, load_s, sync_s = [], [], []

@@ -1,10 +1,11 @@
 """Start the vLLM server a jrl config's ``vllm`` rollout backend talks to, with the flags it needs.
 
     python scripts/serve_vllm.py --config configs/grpo.py --device cpu [--rollout.vllm.python PY]
-        [lora:lora-config --lora.rank 16] [--dry-run]
+        [lora:lora-config --lora.rank 16] [--server-index I] [--dry-run]
 
 Prints the command (and the environment it adds) first. The server serves ``model.path`` on the host and
-port of ``rollout.vllm.base_url`` with: ``--enable-lora --max-lora-rank R --max-loras K`` and
+port of ``rollout.vllm.base_urls[I]`` (``--server-index``, default 0; start one per listed server) with:
+``--enable-lora --max-lora-rank R --max-loras K`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` for a LoRA run (K = ``rollout.vllm.keep_versions`` or
 ``rollout.max_staleness + 1``), ``VLLM_SERVER_DEV_MODE=1`` (the prefix-cache reset and full-weight reload
 routes exist only in that mode: keep the port private), ``--logprobs-mode
@@ -33,6 +34,8 @@ def parse(argv: list[str]):
     pre.add_argument("--config", default=None)
     pre.add_argument("--device", choices=("cpu", "gpu"), default=None,
                      help="where the server runs (default: rollout.vllm.device)")
+    pre.add_argument("--server-index", type=int, default=0,
+                     help="serve on the address of rollout.vllm.base_urls[I] (default 0)")
     pre.add_argument("--dry-run", action="store_true", help="print the command and exit")
     pre.add_argument("--log-file", default=None, help="write the server's output there (default: this terminal)")
     opts, rest = pre.parse_known_args(argv)
@@ -48,7 +51,7 @@ def parse(argv: list[str]):
     return cfg, opts
 
 
-def command_for(cfg) -> tuple[list[str], dict[str, str]]:
+def command_for(cfg, index: int = 0) -> tuple[list[str], dict[str, str]]:
     """The server command of a TrainConfig (see the module docstring)."""
     from jrl.rollout.vllm_server import server_command
 
@@ -58,19 +61,20 @@ def command_for(cfg) -> tuple[list[str], dict[str, str]]:
     if r.sync == "lora" and cfg.lora is None:
         raise ValueError("rollout.sync='lora' needs a LoRA run: set --lora.rank (or use --rollout.sync filesystem)")
     return server_command(r.vllm, model=cfg.model.path, lora_rank=cfg.lora.rank if lora else None,
-                          max_loras=keep)
+                          max_loras=keep, index=index)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, opts = parse(sys.argv[1:] if argv is None else argv)
-    argv_server, env = command_for(cfg)
+    argv_server, env = command_for(cfg, opts.server_index)
+    url = cfg.rollout.vllm.base_urls[opts.server_index]
     print(" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())] + [shlex.quote(a) for a in argv_server]),
           flush=True)
     if opts.dry_run:
         return 0
     from jrl.rollout.vllm_server import VLLMServer
 
-    server = VLLMServer(argv_server, env, base_url=cfg.rollout.vllm.base_url, log_file=opts.log_file,
+    server = VLLMServer(argv_server, env, base_url=url, log_file=opts.log_file,
                         startup_timeout=cfg.rollout.vllm.startup_timeout)
 
     def interrupt(signum, frame):
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, interrupt)
     try:
         server.start()
-        print(f"vLLM server ready at {cfg.rollout.vllm.base_url} (pid {server.pid}); Ctrl-C stops it", flush=True)
+        print(f"vLLM server ready at {url} (pid {server.pid}); Ctrl-C stops it", flush=True)
         server.process.wait()
         print(f"the vLLM server exited with code {server.process.returncode}", flush=True)
         return 1

@@ -15,8 +15,11 @@ from jrl.validation import invalid
 class VLLMConfig:
     """An external vLLM server (OpenAI-compatible API) used as the rollout engine."""
 
-    base_url: str = "http://127.0.0.1:8000"
-    """Root URL of the server (no ``/v1``); ``scripts/serve_vllm.py`` serves on ``host``:``port`` of this URL."""
+    base_urls: tuple[str, ...] = ("http://127.0.0.1:8000",)
+    """Root URLs of the servers (no ``/v1``). Several servers serve data-parallel: each request goes to the least
+    busy one that answers, every weight sync goes to all, a server that stops answering is skipped (its requests
+    go to the others) and gets the current weights when it answers again. ``scripts/serve_vllm.py`` serves on
+    ``host``:``port`` of one of them (``--server-index``)."""
     api_key: str | None = None
     """Bearer token sent with every request (the server's ``--api-key``); None = no authentication."""
     served_model_name: str | None = None
@@ -72,11 +75,17 @@ class VLLMConfig:
                 raise invalid("VLLMConfig", field, getattr(self, field),
                               f"a server on device={device!r} does not use it; leave it at {defaults[field]!r} "
                               "or set device to the one it configures")
-        parts = urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise invalid("VLLMConfig", "base_url", self.base_url, "use an http(s) URL such as http://127.0.0.1:8000")
-        if parts.path.rstrip("/") not in ("",):
-            raise invalid("VLLMConfig", "base_url", self.base_url, "give the server root without a path (no /v1)")
+        if isinstance(self.base_urls, str) or not self.base_urls:
+            raise invalid("VLLMConfig", "base_urls", self.base_urls, "give one or more URLs, e.g. "
+                          "('http://127.0.0.1:8000',) (on the command line: --rollout.vllm.base-urls URL [URL ...])")
+        for url in self.base_urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise invalid("VLLMConfig", "base_urls", url, "use http(s) URLs such as http://127.0.0.1:8000")
+            if parts.path.rstrip("/") not in ("",):
+                raise invalid("VLLMConfig", "base_urls", url, "give each server's root without a path (no /v1)")
+        if len({u.rstrip("/") for u in self.base_urls}) != len(self.base_urls):
+            raise invalid("VLLMConfig", "base_urls", self.base_urls, "list each server once")
         for name in ("connect_timeout", "read_timeout", "startup_timeout", "restart_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -102,11 +111,10 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise invalid("VLLMConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "use a fraction in (0, 1]")
 
-    @property
-    def host(self) -> str:
-        return urlsplit(self.base_url).hostname
-
-    @property
-    def port(self) -> int:
-        parts = urlsplit(self.base_url)
-        return parts.port or (443 if parts.scheme == "https" else 80)
+    def address(self, index: int = 0) -> tuple[str, int]:
+        """``(host, port)`` of server ``index`` of :attr:`base_urls`."""
+        if not 0 <= index < len(self.base_urls):
+            raise invalid("VLLMConfig", "base_urls", self.base_urls, f"there is no server {index}: it lists "
+                          f"{len(self.base_urls)} (server indices 0..{len(self.base_urls) - 1})")
+        parts = urlsplit(self.base_urls[index])
+        return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)

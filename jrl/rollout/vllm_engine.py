@@ -15,10 +15,19 @@ returns once that version is served.
 If the server goes away mid-run (connection refused) the engine waits for ``/health`` (at most
 ``restart_timeout``), restores the current weights on it (reloads the adapter, or the full checkpoint)
 and retries the request, so no step is lost.
+
+Several servers (``rollout.vllm.base_urls``): :class:`MultiServerEngine` keeps one :class:`VLLMRolloutEngine` per
+server (each with its own weight transport, writing under ``<sync_dir>/server-<k>``) and sends each prompt's request
+to the server with the fewest requests in flight. A server that stops answering is not waited for: its requests go
+to the others and it is skipped; before each generation and sync the engine asks the skipped servers for
+``/health`` and gives one that answers the current weights (a host copy of a version it missed is kept while any
+server is down). Sampling seeds depend on the prompt's index, not the server, so which server answered does not
+change what was sampled from.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -26,13 +35,18 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
 
 from jrl.data.pipeline import left_pad
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.vllm_config import VLLMConfig
-from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError
+from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError, VLLMUnavailableError
 from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, reset_prefix_cache, resolve_transport
+
+logger = logging.getLogger(__name__)
+
 
 def prompt_seed(seed: int, index: int) -> int:
     """Sampling seed of prompt ``index`` of a call with ``seed`` (independent streams per prompt)."""
@@ -78,6 +92,28 @@ def parse_choices(response: dict, *, n: int, url: str) -> list[tuple[list[int], 
     return out
 
 
+def assemble_rollout(answers: list[dict], prompt_ids: list[list[int]], params: SamplingParams, *, n: int, pad_id: int,
+                     version: int, url: str) -> RolloutBatch:
+    """The :class:`RolloutBatch` of the completions answers of ``prompt_ids`` (``n`` choices each, in prompt order)."""
+    rows = [row for answer in answers for row in parse_choices(answer, n=n, url=url)]
+    t = max(max((len(ids) for ids, _, _ in rows), default=0), 1)
+    if t > params.max_new_tokens:
+        raise VLLMError(f"{url} returned {t} tokens, more than max_tokens={params.max_new_tokens}")
+    completion_ids = np.full((len(rows), t), pad_id, np.int32)
+    completion_mask = np.zeros((len(rows), t), np.int32)
+    logprobs = np.zeros((len(rows), t), np.float32)
+    truncated = np.zeros((len(rows),), bool)
+    for r, (ids, lps, stopped) in enumerate(rows):
+        completion_ids[r, :len(ids)] = ids
+        completion_mask[r, :len(ids)] = 1
+        logprobs[r, :len(ids)] = lps
+        truncated[r] = not stopped
+    p_ids, p_mask = left_pad([list(p) for p in prompt_ids for _ in range(n)], pad_id)
+    return RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=completion_ids,
+                        completion_mask=completion_mask, sampling_logprobs=logprobs, truncated=truncated,
+                        policy_version=version)
+
+
 class VLLMRolloutEngine:
     """:class:`~jrl.rollout.base.RolloutEngine` over a running vLLM server.
 
@@ -85,23 +121,27 @@ class VLLMRolloutEngine:
     delivers them once as version 0). ``config``: server address, timeouts, retries (:class:`VLLMConfig`).
     ``sync``: a :data:`~jrl.rollout.weight_sync.WEIGHT_TRANSPORTS` name or ``auto``. ``sync_dir``: where
     adapters/checkpoints are written (the server must be able to read it). ``keep_versions``: adapter
-    versions kept loaded. ``pad_id``: the id filling prompt and completion padding.
+    versions kept loaded. ``pad_id``: the id filling prompt and completion padding. ``base_url``: the server (default:
+    the first of ``config.base_urls``). ``wait_for_restart=False`` fails a request to a server that stops answering
+    after its retries instead of waiting ``restart_timeout`` for it (:class:`MultiServerEngine` sends it elsewhere).
 
     The constructor waits for ``/health`` (``startup_timeout``) and checks that ``/v1/models`` serves the
     trained base model; both fail with errors naming the URL and the fix.
     """
 
     def __init__(self, model, *, config: VLLMConfig, sync: str = "auto", sync_dir: str | os.PathLike,
-                 keep_versions: int = 2, pad_id: int):
+                 keep_versions: int = 2, pad_id: int, base_url: str | None = None, wait_for_restart: bool = True):
         self.config = config
+        self.base_url = base_url if base_url is not None else config.base_urls[0]
         self.sync_mode = resolve_transport(sync, model)
         if keep_versions < 1:
             raise ValueError(f"VLLMRolloutEngine keep_versions={keep_versions} must be >= 1")
         self.pad_id = int(pad_id)
-        self.client = VLLMClient(config.base_url, api_key=config.api_key, connect_timeout=config.connect_timeout,
+        restart_timeout = config.restart_timeout if wait_for_restart else config.connect_timeout
+        self.client = VLLMClient(self.base_url, api_key=config.api_key, connect_timeout=config.connect_timeout,
                                  read_timeout=config.read_timeout, max_retries=config.max_retries,
-                                 backoff_seconds=config.backoff_seconds, restart_timeout=config.restart_timeout,
-                                 on_reconnect=self._restore)
+                                 backoff_seconds=config.backoff_seconds, restart_timeout=restart_timeout,
+                                 on_reconnect=self.restore)
         # _sync_lock serialises syncs; _state_lock guards the served name and version and is never held across a
         # request, so a restore triggered from any thread cannot deadlock.
         self._sync_lock = threading.Lock()
@@ -124,7 +164,7 @@ class VLLMRolloutEngine:
         """The name the server serves the trained base model under (an error if it serves another)."""
         served = self.client.get("/v1/models").get("data") or []
         bases = [m for m in served if not m.get("parent")]
-        url = f"{self.config.base_url}/v1/models"
+        url = f"{self.base_url}/v1/models"
         listing = ", ".join(f"{m.get('id')!r} (root {m.get('root')!r})" for m in bases) or "nothing"
         want = self.config.served_model_name
         if want is not None:
@@ -179,21 +219,29 @@ class VLLMRolloutEngine:
         """The name version ``version`` of this engine's adapter is served under (``lora`` transport)."""
         return self.transport.adapter_name(version)
 
-    def _restore(self) -> None:
+    def restore(self) -> None:
         """Put the current weights back on a server that restarted (called after a reconnect)."""
         self.transport.restore()
         reset_prefix_cache(self.client, retry=False)
 
     # ------------------------------------------------------------------ generation
-    def _complete(self, body: dict) -> dict:
+    def complete(self, body: dict) -> dict:
+        """The answer of one ``/v1/completions`` request (an adapter the server lost is restored first)."""
         try:
             return self.client.post("/v1/completions", body)
         except VLLMRequestError as e:
             if e.status != 404 or body["model"] == self.base_name:
                 raise
         # The adapter is not served (a server restarted between requests): restore it, then retry once.
-        self._restore()
+        self.restore()
         return self.client.post("/v1/completions", body)
+
+    def serving(self) -> tuple[str, int]:
+        """(the name requests ask for, its version) once a pending sync is served."""
+        with self._sync_lock:
+            self._finish_sync()
+        with self._state_lock:
+            return self.current_name, self.version
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
                  seed: int) -> RolloutBatch:
@@ -201,31 +249,11 @@ class VLLMRolloutEngine:
         logprobs; reproducible for a ``seed`` on the same server and weights."""
         check_generate_args(prompt_ids, num_generations)
         g = int(num_generations)
-        with self._sync_lock:
-            self._finish_sync()
-        with self._state_lock:
-            name, version = self.current_name, self.version
+        name, version = self.serving()
         bodies = [completion_request(name, p, params, n=g, seed=prompt_seed(seed, i)) for i, p in enumerate(prompt_ids)]
-        url = f"{self.config.base_url}/v1/completions"
-        answers = list(self._pool.map(self._complete, bodies))
-        rows = [row for answer in answers for row in parse_choices(answer, n=g, url=url)]
-        t = max(max((len(ids) for ids, _, _ in rows), default=0), 1)
-        if t > params.max_new_tokens:
-            raise VLLMError(f"{url} returned {t} tokens, more than max_tokens={params.max_new_tokens}")
-        n = len(rows)
-        completion_ids = np.full((n, t), self.pad_id, np.int32)
-        completion_mask = np.zeros((n, t), np.int32)
-        logprobs = np.zeros((n, t), np.float32)
-        truncated = np.zeros((n,), bool)
-        for r, (ids, lps, stopped) in enumerate(rows):
-            completion_ids[r, :len(ids)] = ids
-            completion_mask[r, :len(ids)] = 1
-            logprobs[r, :len(ids)] = lps
-            truncated[r] = not stopped
-        p_ids, p_mask = left_pad([list(p) for p in prompt_ids for _ in range(g)], self.pad_id)
-        return RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=completion_ids,
-                            completion_mask=completion_mask, sampling_logprobs=logprobs, truncated=truncated,
-                            policy_version=version)
+        answers = list(self._pool.map(self.complete, bodies))
+        return assemble_rollout(answers, prompt_ids, params, n=g, pad_id=self.pad_id, version=version,
+                                url=f"{self.base_url}/v1/completions")
 
     def close(self) -> None:
         """Finish a pending sync and stop the request threads (the server keeps running; it is not this
@@ -237,6 +265,122 @@ class VLLMRolloutEngine:
         self.client.close()
 
 
+class MultiServerEngine:
+    """:class:`~jrl.rollout.base.RolloutEngine` over several vLLM servers (see the module docstring): ``servers``
+    are their engines (built with ``wait_for_restart=False``), each already holding version 0."""
+
+    def __init__(self, servers: list[VLLMRolloutEngine], *, max_concurrent_requests: int, pad_id: int):
+        self.servers, self.pad_id = list(servers), int(pad_id)
+        self.up = [True] * len(self.servers)
+        self.requests = [0] * len(self.servers)  # requests each server answered
+        self._in_flight = [0] * len(self.servers)
+        self._lock = threading.Lock()  # guards up / requests / in-flight counts; never held across a request
+        self._pool = ThreadPoolExecutor(max_concurrent_requests * len(self.servers), thread_name_prefix="jrl-vllm")
+        self.version = 0
+        self._missed = None  # host copy of the current weights while a server is down (it missed a sync)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.base_url for s in self.servers]
+
+    def _down(self, k: int, error: Exception) -> None:
+        with self._lock:
+            was_up, self.up[k] = self.up[k], False
+        if was_up:
+            logger.warning("vLLM server %s stopped answering (%s); its requests go to the other servers until it "
+                           "answers again", self.servers[k].base_url, error)
+
+    def _use_again(self, k: int) -> None:
+        with self._lock:
+            self.up[k] = True
+        logger.info("vLLM server %s answers again: synced to version %d", self.servers[k].base_url, self.version)
+
+    def _revive(self) -> None:
+        """Give every down server that answers ``/health`` again the current weights (those it still holds, or the
+        host copy of a version it missed), and use it again."""
+        for k, server in enumerate(self.servers):
+            if self.up[k] or (server.version != self.version and self._missed is None) or not server.client.healthy():
+                continue
+            try:
+                if server.version != self.version:
+                    server.sync_weights(self._missed, self.version)
+                    server.serving()
+                else:
+                    server.restore()
+            except VLLMUnavailableError:
+                continue
+            self._use_again(k)
+        if all(self.up):
+            self._missed = None
+
+    def sync_weights(self, model, version: int) -> None:
+        """Deliver ``model`` as ``version`` to every server that answers (see the module docstring)."""
+        self.version = int(version)
+        for k, server in enumerate(self.servers):
+            if not self.up[k] and not server.client.healthy():
+                continue
+            try:
+                server.sync_weights(model, version)
+            except VLLMUnavailableError as e:
+                self._down(k, e)
+                continue
+            if not self.up[k]:
+                self._use_again(k)
+        self._missed = None
+        if not all(self.up):  # a server that comes back before the next sync needs this version
+            graphdef, state = nnx.split(model)
+            self._missed = nnx.merge(graphdef, jax.device_get(state))  # the model's arrays may change
+
+    def _pick(self, tried: set[int]) -> int:
+        with self._lock:
+            live = [k for k in range(len(self.servers)) if self.up[k] and k not in tried]
+            if not live:
+                raise VLLMUnavailableError(
+                    f"no vLLM server of rollout.vllm.base_urls answers ({', '.join(self.urls)}); start them "
+                    "(scripts/serve_vllm.py --server-index K) or check the addresses")
+            k = min(live, key=lambda i: self._in_flight[i])
+            self._in_flight[k] += 1
+        return k
+
+    def _request(self, prompt: list[int], params: SamplingParams, n: int, seed: int) -> dict:
+        tried: set[int] = set()
+        while True:
+            k = self._pick(tried)
+            server = self.servers[k]
+            try:
+                name, version = server.serving()
+                if version != self.version:
+                    raise VLLMError(f"{server.base_url} serves version {version}, the engine is at {self.version}")
+                answer = server.complete(completion_request(name, prompt, params, n=n, seed=seed))
+            except VLLMUnavailableError as e:
+                self._down(k, e)
+                tried.add(k)
+                continue
+            finally:
+                with self._lock:
+                    self._in_flight[k] -= 1
+            with self._lock:
+                self.requests[k] += 1
+            return answer
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
+                 seed: int) -> RolloutBatch:
+        """As :meth:`VLLMRolloutEngine.generate`, each prompt's request on the least busy server that answers."""
+        check_generate_args(prompt_ids, num_generations)
+        g = int(num_generations)
+        self._revive()
+        version = self.version
+        answers = list(self._pool.map(lambda ip: self._request(ip[1], params, g, prompt_seed(seed, ip[0])),
+                                      enumerate(prompt_ids)))
+        return assemble_rollout(answers, prompt_ids, params, n=g, pad_id=self.pad_id, version=version,
+                                url="rollout.vllm.base_urls")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for server in self.servers:
+            server.close()
+
+
 @ROLLOUT_ENGINES.register("vllm")
 def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir) -> VLLMRolloutEngine:
     """The ``vllm`` backend: an engine for the run's ``rollout`` section (a
@@ -245,6 +389,17 @@ def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir) ->
     del mesh, rules  # the server has its own devices
     cfg: VLLMConfig = rollout.vllm
     keep = cfg.keep_versions if cfg.keep_versions is not None else rollout.max_staleness + 1
-    sync_dir = cfg.sync_dir if cfg.sync_dir is not None else Path(output_dir) / "vllm_sync"
-    return VLLMRolloutEngine(model, config=cfg, sync=rollout.sync, sync_dir=sync_dir, keep_versions=keep,
-                             pad_id=pad_id)
+    sync_dir = Path(cfg.sync_dir if cfg.sync_dir is not None else Path(output_dir) / "vllm_sync")
+    if len(cfg.base_urls) == 1:
+        return VLLMRolloutEngine(model, config=cfg, sync=rollout.sync, sync_dir=sync_dir, keep_versions=keep,
+                                 pad_id=pad_id)
+    servers: list[VLLMRolloutEngine] = []
+    try:
+        for k, url in enumerate(cfg.base_urls):
+            servers.append(VLLMRolloutEngine(model, config=cfg, sync=rollout.sync, sync_dir=sync_dir / f"server-{k}",
+                                             keep_versions=keep, pad_id=pad_id, base_url=url, wait_for_restart=False))
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return MultiServerEngine(servers, max_concurrent_requests=cfg.max_concurrent_requests, pad_id=pad_id)

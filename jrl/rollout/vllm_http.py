@@ -167,7 +167,7 @@ class VLLMClient:
                 raise VLLMUnavailableError(
                     f"no healthy vLLM server at {self.base_url} (GET {self.base_url}/health) after {timeout:g} s; "
                     f"start one for this config with `python scripts/serve_vllm.py --config CONFIG` (or check "
-                    f"rollout.vllm.base_url), or raise rollout.vllm.startup_timeout / restart_timeout")
+                    f"rollout.vllm.base_urls), or raise rollout.vllm.startup_timeout / restart_timeout")
             self._sleep(poll)
 
     def _recover(self, epoch: int) -> None:

@@ -29,8 +29,9 @@ def vllm_lora_rank(rank: int) -> int:
 
 
 def server_command(cfg: VLLMConfig, *, model: str | os.PathLike, lora_rank: int | None,
-                   max_loras: int = 2) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) of a vLLM OpenAI server for ``model`` as ``cfg`` describes it.
+                   max_loras: int = 2, index: int = 0) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) of a vLLM OpenAI server for ``model`` as ``cfg`` describes it, serving on the
+    address of ``cfg.base_urls[index]``.
 
     ``lora_rank``: the run's LoRA rank (None = no LoRA: no adapter flags). ``max_loras``: adapters held at
     once, at least ``max_staleness + 1``. ``VLLM_SERVER_DEV_MODE=1`` is always set: vLLM 0.32 serves
@@ -39,8 +40,9 @@ def server_command(cfg: VLLMConfig, *, model: str | os.PathLike, lora_rank: int 
     taken after temperature/top-k/top-p (``--logprobs-mode processed_logprobs``), the quantity the
     trainer's importance ratios need.
     """
+    host, port = cfg.address(index)
     argv = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", cfg.host, "--port", str(cfg.port), "--dtype", cfg.dtype,
+            "--host", host, "--port", str(port), "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_model_len), "--logprobs-mode", "processed_logprobs"]
     if cfg.served_model_name is not None:
         argv += ["--served-model-name", cfg.served_model_name]

@@ -165,7 +165,7 @@ def test_engine_start_without_server_fails_within_startup_timeout():
     from rollout_testlib import tiny_model
 
     model = apply_lora(tiny_model(), LoraConfig(rank=2))
-    cfg = VLLMConfig(base_url=f"http://127.0.0.1:{_closed_port()}", startup_timeout=1.0, connect_timeout=0.5)
+    cfg = VLLMConfig(base_urls=(f"http://127.0.0.1:{_closed_port()}",), startup_timeout=1.0, connect_timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(VLLMUnavailableError, match="no healthy vLLM server at http://127.0.0.1"):
         VLLMRolloutEngine(model, config=cfg, sync="lora", sync_dir="unused", pad_id=0)
@@ -199,7 +199,7 @@ def test_a_server_that_comes_back_triggers_one_reconnect_hook():
 
 
 def test_server_command_for_lora_and_full_runs():
-    cfg = VLLMConfig(base_url="http://0.0.0.0:8123", device="cpu", python="/venv/bin/python", dtype="bfloat16",
+    cfg = VLLMConfig(base_urls=("http://0.0.0.0:8123",), device="cpu", python="/venv/bin/python", dtype="bfloat16",
                      max_model_len=512, cpu_kvcache_gib=2, extra_args=("--enforce-eager",))
     argv, env = server_command(cfg, model="models/m", lora_rank=12, max_loras=3)
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -217,10 +217,17 @@ def test_server_command_for_lora_and_full_runs():
     with pytest.raises(ValueError, match="max_lora_rank=8 is smaller than the run's lora.rank=16"):
         server_command(VLLMConfig(max_lora_rank=8), model="m", lora_rank=16)
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 64, 300)] == [1, 8, 8, 16, 64, 320]
+    # Several servers: each is started on its own entry of base_urls.
+    two = VLLMConfig(base_urls=("http://10.0.0.1:8000", "http://10.0.0.2:8001"))
+    argv, _ = server_command(two, model="m", lora_rank=None, index=1)
+    assert argv[argv.index("--host") + 1] == "10.0.0.2" and argv[argv.index("--port") + 1] == "8001"
+    with pytest.raises(ValueError, match="there is no server 2"):
+        server_command(two, model="m", lora_rank=None, index=2)
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("base_url", "localhost:8000", "http"), ("base_url", "http://h:1/v1", "without a path"),
+    ("base_urls", ("localhost:8000",), "http"), ("base_urls", ("http://h:1/v1",), "without a path"),
+    ("base_urls", (), "one or more"), ("base_urls", ("http://h:1", "http://h:1/"), "each server once"),
     ("read_timeout", 0, "seconds > 0"), ("max_retries", -1, ">= 0"), ("keep_versions", 0, ">= 1"),
     ("adapter_dtype", "int8", "bfloat16"), ("device", "tpu", "'cpu' or 'gpu'"),
 ])
@@ -233,7 +240,7 @@ def test_rollout_config_sync_field():
     from jrl.rollout.config import RolloutConfig
 
     for sync in ("auto", "lora", "filesystem", "shared_memory", "async_filesystem"):
-        assert RolloutConfig(backend="vllm", sync=sync).vllm.base_url.startswith("http")
+        assert RolloutConfig(backend="vllm", sync=sync).vllm.base_urls[0].startswith("http")
     with pytest.raises(ValueError, match="RolloutConfig.sync='full'.*'async_filesystem', 'filesystem', 'lora', "
                                          "'shared_memory'.*'full' is now 'filesystem'"):
         RolloutConfig(sync="full")

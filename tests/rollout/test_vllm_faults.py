@@ -29,7 +29,7 @@ def test_server_with_another_base_model_is_refused(vllm_server, tmp_path):
     with pytest.raises(VLLMError) as e:
         VLLMRolloutEngine(model, config=vllm_server.config, sync="lora", sync_dir=tmp_path / "sync", pad_id=PAD_ID)
     msg = str(e.value)
-    assert f"{vllm_server.config.base_url}/v1/models" in msg and str(TINY_MODEL) in msg and "other-model" in msg
+    assert f"{vllm_server.config.base_urls[0]}/v1/models" in msg and str(TINY_MODEL) in msg and "other-model" in msg
     assert "--model" in msg and "served_model_name" in msg
 
 

@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 def server_config(port: int, **overrides) -> VLLMConfig:
-    fields = dict(base_url=f"http://127.0.0.1:{port}", device="cpu", python=os.environ["JRL_VLLM_PYTHON"],
+    fields = dict(base_urls=(f"http://127.0.0.1:{port}",), device="cpu", python=os.environ["JRL_VLLM_PYTHON"],
                   dtype=server_dtype(), max_model_len=256, cpu_kvcache_gib=1, startup_timeout=240.0,
                   adapter_dtype="bfloat16" if server_dtype() == "bfloat16" else "float32",
                   connect_timeout=2.0, read_timeout=120.0, restart_timeout=240.0, backoff_seconds=0.2)
@@ -55,7 +55,7 @@ def server_config(port: int, **overrides) -> VLLMConfig:
 def make_server(cfg: VLLMConfig, log_file: Path) -> VLLMServer:
     """A server for the tiny model with LoRA (rank <= 8, 3 adapters) and full-reload (dev mode) enabled."""
     argv, env = server_command(cfg, model=TINY_MODEL, lora_rank=LORA_RANK, max_loras=MAX_LORAS)
-    return VLLMServer(argv, env, base_url=cfg.base_url, log_file=log_file, startup_timeout=cfg.startup_timeout)
+    return VLLMServer(argv, env, base_url=cfg.base_urls[0], log_file=log_file, startup_timeout=cfg.startup_timeout)
 
 
 def trainer_logprobs(model, batch, temperature: float) -> np.ndarray:

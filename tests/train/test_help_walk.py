@@ -138,7 +138,7 @@ def _vllm_backend_reads(cfg: TrainConfig, tmp: Path) -> None:
     with pytest.raises(VLLMError):
         make_vllm_engine(model, pad_id=0, mesh=None, rules=None, rollout=cfg.rollout, output_dir=tmp)
     v = cfg.rollout.vllm
-    client = VLLMClient(v.base_url, max_retries=0, restart_timeout=0.1)
+    client = VLLMClient(v.base_urls[0], max_retries=0, restart_timeout=0.1)
     for transport in (LoRAAdapterTransport, FilesystemTransport):
         with pytest.raises(VLLMError):
             transport(client, v, sync_dir=tmp / transport.__name__, base_name="m", tag="t", keep_versions=1).send(model, 1)
@@ -206,7 +206,7 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         for cfg in runs:
             train(cfg, progress=False)
         _vllm_backend_reads(dataclasses.replace(runs[0], rollout=RolloutConfig(
-            backend="vllm", vllm=VLLMConfig(base_url="http://127.0.0.1:9", startup_timeout=0.2, max_retries=0))),
+            backend="vllm", vllm=VLLMConfig(base_urls=("http://127.0.0.1:9",), startup_timeout=0.2, max_retries=0))),
             tmp_path)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub

@@ -322,7 +322,7 @@ class RewardScorer:
                     if res.values is not None:
                         rewards[a:b, j] = res.values
         failed = [[(blk, res) for blk, res in mine if res.error is not None] for mine in done]
-        # per function: calls, failed calls, timed-out calls (of every process)
+        # per function: calls, failed calls, timed-out calls (this process's; summed over the processes below)
         counts = np.asarray([[len(mine), len(bad), sum(res.timed_out for _, res in bad)]
                              for mine, bad in zip(done, failed)], np.int64).reshape(len(self.fns), 3)
         if jax.process_count() > 1:

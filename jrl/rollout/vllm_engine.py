@@ -275,6 +275,7 @@ class MultiServerEngine:
         self.requests = [0] * len(self.servers)  # requests each server answered
         self._in_flight = [0] * len(self.servers)
         self._lock = threading.Lock()  # guards up / requests / in-flight counts; never held across a request
+        self._sync_lock = threading.Lock()  # a sync and the start of a generate (revival, names) do not interleave
         self._pool = ThreadPoolExecutor(max_concurrent_requests * len(self.servers), thread_name_prefix="jrl-vllm")
         self.version = 0
         self._missed = None  # host copy of the current weights while a server is down (it missed a sync)
@@ -314,8 +315,13 @@ class MultiServerEngine:
             self._missed = None
 
     def sync_weights(self, model, version: int) -> None:
-        """Deliver ``model`` as ``version`` to every server that answers (see the module docstring)."""
-        self.version = int(version)
+        """Deliver ``model`` as ``version`` to every server that answers (see the module docstring); a generate call
+        already running keeps the names it started with."""
+        with self._sync_lock:
+            self._sync(model, int(version))
+
+    def _sync(self, model, version: int) -> None:
+        self.version = version
         for k, server in enumerate(self.servers):
             if not self.up[k] and not server.client.healthy():
                 continue
@@ -331,9 +337,9 @@ class MultiServerEngine:
             graphdef, state = nnx.split(model)
             self._missed = nnx.merge(graphdef, jax.device_get(state))  # the model's arrays may change
 
-    def _pick(self, tried: set[int]) -> int:
+    def _pick(self, names: dict[int, str], tried: set[int]) -> int:
         with self._lock:
-            live = [k for k in range(len(self.servers)) if self.up[k] and k not in tried]
+            live = [k for k in names if self.up[k] and k not in tried]
             if not live:
                 raise VLLMUnavailableError(
                     f"no vLLM server of rollout.vllm.base_urls answers ({', '.join(self.urls)}); start them "
@@ -342,16 +348,13 @@ class MultiServerEngine:
             self._in_flight[k] += 1
         return k
 
-    def _request(self, prompt: list[int], params: SamplingParams, n: int, seed: int) -> dict:
+    def _request(self, names: dict[int, str], prompt: list[int], params: SamplingParams, n: int, seed: int) -> dict:
+        """One prompt's answer from a server of ``names`` (server → the name its version is served under)."""
         tried: set[int] = set()
         while True:
-            k = self._pick(tried)
-            server = self.servers[k]
+            k = self._pick(names, tried)
             try:
-                name, version = server.serving()
-                if version != self.version:
-                    raise VLLMError(f"{server.base_url} serves version {version}, the engine is at {self.version}")
-                answer = server.complete(completion_request(name, prompt, params, n=n, seed=seed))
+                answer = self.servers[k].complete(completion_request(names[k], prompt, params, n=n, seed=seed))
             except VLLMUnavailableError as e:
                 self._down(k, e)
                 tried.add(k)
@@ -368,9 +371,19 @@ class MultiServerEngine:
         """As :meth:`VLLMRolloutEngine.generate`, each prompt's request on the least busy server that answers."""
         check_generate_args(prompt_ids, num_generations)
         g = int(num_generations)
-        self._revive()
-        version = self.version
-        answers = list(self._pool.map(lambda ip: self._request(ip[1], params, g, prompt_seed(seed, ip[0])),
+        with self._sync_lock:
+            self._revive()
+            version, names = self.version, {}
+            for k, server in enumerate(self.servers):
+                if self.up[k]:
+                    try:
+                        names[k], served = server.serving()
+                    except VLLMUnavailableError as e:
+                        self._down(k, e)
+                        continue
+                    if served != version:
+                        raise VLLMError(f"{server.base_url} serves version {served}, the engine is at {version}")
+        answers = list(self._pool.map(lambda ip: self._request(names, ip[1], params, g, prompt_seed(seed, ip[0])),
                                       enumerate(prompt_ids)))
         return assemble_rollout(answers, prompt_ids, params, n=g, pad_id=self.pad_id, version=version,
                                 url="rollout.vllm.base_urls")

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
     from jrl.sharding import initialize, is_main_process
+    from jrl.sharding.liveness import PeerWatch
 
     multi = initialize()  # joins a multi-host run (TPU pod, JRL_* variables); a no-op for one process
     import jax
@@ -78,18 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jrl").setLevel(logging.INFO if main_process else logging.WARNING)
     from jrl.train.trainer import train
 
-    if not multi:
+    watch = PeerWatch()  # does nothing with one process
+    try:
         history = train(cfg)
-    else:
-        from jrl.sharding.liveness import PeerWatch
-
-        watch = PeerWatch()
-        try:
-            history = train(cfg)
-        except Exception as e:  # noqa: BLE001 - a dead peer is told apart from any other error
-            exit_if_peers_lost(watch, e)
-            raise
-        watch.close()
+    except Exception as e:  # noqa: BLE001 - a dead peer is told apart from any other error
+        exit_if_peers_lost(watch, e)
+        raise
+    watch.close()
     if history and main_process:
         print(summary(cfg, history))
     return 0

@@ -26,6 +26,7 @@ from jrl.models.layers import (
     positions_from_segments,
 )
 from jrl.models.remat import remat
+from jrl.sharding.placement import from_host
 from jrl.sharding.rules import logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
@@ -316,7 +317,7 @@ def place(host: np.ndarray, logical_axes, mesh=None, rules: Mapping | None = Non
     if mesh is None:
         return jax.device_put(host)
     sharding = logical_sharding(logical_axes, mesh, rules, host.shape)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return from_host(host, sharding)
 
 
 def _stack_on_devices(layers: Sequence[jax.Array], logical_axes, mesh, rules) -> jax.Array:

@@ -27,6 +27,7 @@ from jrl.sharding.distributed import (
 from jrl.sharding.memory import MemoryReport, device_bytes, memory_report
 from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, make_mesh
 from jrl.sharding.placement import (
+    from_host,
     gather_to_host,
     init_sharded,
     iter_to_host,
@@ -59,6 +60,7 @@ __all__ = [
     "batch_sharding",
     "device_bytes",
     "device_grid",
+    "from_host",
     "gather_to_host",
     "host_allgather",
     "init_sharded",

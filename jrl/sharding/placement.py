@@ -186,6 +186,12 @@ def _match(path: tuple, shape: tuple, by_path: dict, longest: int) -> NamedShard
     return None
 
 
+def from_host(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global array of ``sharding`` holding ``host``, a host array every process has whole: each process puts
+    only its own devices' shards there (so it works on a multi-process mesh)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def to_host(x: Any) -> Any:
     """One (possibly sharded, possibly multi-host) ``jax.Array`` as a full host numpy array; other values
     pass through. Multi-host it is a collective (``process_allgather``): every process must call it."""

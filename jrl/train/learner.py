@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from jrl.models.lora import LoRAParam, has_lora, lora_disabled
-from jrl.sharding import batch_sharding, opt_state_shardings, to_host
+from jrl.sharding import batch_sharding, from_host, opt_state_shardings, to_host
 from jrl.train.config import OptimConfig
 
 
@@ -153,8 +153,7 @@ class Learner:
             x = np.asarray(x)
             if self.mesh is None:
                 return jnp.asarray(x)
-            sharding = batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape)
-            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+            return from_host(x, batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
 
         return jax.tree.map(one, tree)
 
@@ -163,12 +162,7 @@ class Learner:
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, tree)
         everywhere = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-
-        def one(x):
-            x = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, everywhere, lambda index: x[index])
-
-        return jax.tree.map(one, tree)
+        return jax.tree.map(lambda x: from_host(np.asarray(x), everywhere), tree)
 
     def chunks(self, n: int) -> list[slice]:
         """Row slices of ``optim.micro_batch_size`` rows covering ``n`` rows (the last may be shorter)."""

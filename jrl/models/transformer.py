@@ -97,6 +97,16 @@ def _relabel(module: nnx.Module, fn: Callable) -> nnx.Module:
     return module
 
 
+def on_mesh(model: nnx.Module, mesh, rules: Mapping | None = None) -> nnx.Module:
+    """``model`` (in place) with its activation sharding constraints on ``mesh`` / ``rules``: what a copy of the
+    weights placed on another mesh (a rollout mesh, :func:`jrl.sharding.split_devices`) runs with."""
+    frozen = _freeze_rules(rules)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and hasattr(node, "mesh"):
+            node.mesh, node.rules = mesh, frozen
+    return model
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: embed → layers → final RMSNorm → logits (tied or separate ``lm_head``).
 

@@ -76,9 +76,10 @@ class RolloutEngine(Protocol):
     while a batch that needs the previous weights is still to be generated, but an engine must still
     be safe for the two calls overlapping: a ``generate`` call samples from the weights of one sync
     (the latest when it starts) and tags the batch with that sync's ``version``. An engine that runs
-    programs on the trainer's own devices sets the class attribute ``shares_trainer_devices = True``
-    (absent means False, e.g. a remote server); on a multi-device mesh the trainer then never runs its
-    update while it generates.
+    programs on the trainer's own devices, from the arrays it was synced with, sets the attribute
+    ``shares_trainer_devices = True`` (absent means False: a remote server, or a sampler on a mesh of its own,
+    which copy what they keep); on a multi-device mesh the trainer then never runs its update while it
+    generates, and it syncs such an engine a copy of the weights when it may generate after the next update.
     """
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,

@@ -8,6 +8,7 @@ import dataclasses
 from jrl.rollout.base import ROLLOUT_ENGINES, SamplingParams
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.weight_sync import AUTO, WEIGHT_TRANSPORTS
+from jrl.sharding.mesh import MeshConfig
 from jrl.validation import check_int, invalid
 
 
@@ -26,6 +27,13 @@ class RolloutConfig:
     ``jax`` backend shares the weights in memory and takes only ``auto``."""
     vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
     """Server address, timeouts, retries and launch flags of the ``vllm`` backend."""
+    devices: int = 0
+    """Devices that only generate (``jax`` backend): 0 = the sampler runs on the learner's mesh and the two take
+    turns; N > 0 = the last N / process_count devices of every process form a rollout mesh laid out by ``mesh``,
+    the learner keeps the rest (the top-level ``mesh`` lays them out), the weights are copied across at each sync,
+    and with ``prefetch_depth > 0`` generation runs while the learner trains."""
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    """Layout of the rollout devices when ``devices > 0`` (default: FSDP over all of them)."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0
@@ -68,6 +76,7 @@ class RolloutConfig:
                           f"use one of {(AUTO,) + WEIGHT_TRANSPORTS.names()} ('full' is now 'filesystem')")
         check_int(self, "sync_interval", lo=1, fix="use an int >= 1 (1 = sync after every step)")
         check_int(self, "prefetch_depth", lo=0)
+        check_int(self, "devices", lo=0, fix="use 0 (sample on the learner's devices) or a device count")
         check_int(self, "max_staleness", lo=0)
         if self.max_staleness < self.sync_interval - 1:
             raise invalid("RolloutConfig", "max_staleness", self.max_staleness,

@@ -31,11 +31,11 @@ from flax import nnx
 from jrl.data.pipeline import left_pad
 from jrl.models.layers import constrain, positions_from_mask
 from jrl.models.lora import decoding_view
-from jrl.models.transformer import place
+from jrl.models.transformer import on_mesh, place
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.sampling import sample_tokens
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
-from jrl.sharding.placement import gather_to_host
+from jrl.sharding.placement import gather_to_host, reshard, state_shardings
 from jrl.sharding.rules import logical_to_spec
 
 _ROWS = ("batch", None)
@@ -137,7 +137,9 @@ class JaxRolloutEngine:
     keeps a reference to its current arrays, never a copy; :meth:`sync_weights` re-points it at a model's
     arrays (call it after every update: a train step that donates its buffers invalidates the old ones).
     ``mesh`` / ``rules``: rows are sharded over the mesh's batch axes (default: the model's own mesh and
-    rules); the row count is padded to a multiple of the batch shards with throw-away rows.
+    rules); the row count is padded to a multiple of the batch shards with throw-away rows. A mesh other than the
+    model's (a rollout mesh, :func:`jrl.sharding.split_devices`) gets a copy of the weights, placed there by their
+    logical axes at each :meth:`sync_weights`, so generation and training can run at the same time.
     ``pad_id``: the id filling prompt padding and completion slots after a stop (the policy's, see
     :func:`jrl.train.policy.load_policy`). ``prompt_bucket``: prompts are left-padded to
     a multiple of this many tokens, so the program compiles once per bucket.
@@ -149,25 +151,38 @@ class JaxRolloutEngine:
     updates (and donates) its weights during generation syncs a copy (:class:`jrl.train.rollout_source.RolloutSource` does when prefetching).
     """
 
-    #: Generation runs on the trainer's own devices (a prefetching trainer on a multi-device mesh takes
-    #: turns with it, see :mod:`jrl.train.rollout_source`).
-    shares_trainer_devices = True
-
     def __init__(self, model, *, pad_id: int, mesh=None, rules=None, prompt_bucket: int = 32):
         if prompt_bucket < 1:
             raise ValueError(f"JaxRolloutEngine prompt_bucket={prompt_bucket} must be >= 1")
-        self.mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+        model_mesh = getattr(model, "mesh", None)
+        self.mesh = mesh if mesh is not None else model_mesh
+        #: Generation runs on the trainer's own devices, from its arrays (a prefetching trainer on a multi-device
+        #: mesh takes turns with it, see :mod:`jrl.train.rollout_source`); False with a mesh of its own.
+        self.shares_trainer_devices = self.mesh == model_mesh
         rules = rules if rules is not None else getattr(model, "rules", None)
         self.rules = None if rules is None else tuple(sorted(dict(rules).items()))
         self.pad_id = int(pad_id)
         self.prompt_bucket = int(prompt_bucket)
         self._lock = threading.Lock()
+        self._own_graphdefs: dict = {}  # the model's graphdef -> the same model constrained to this mesh
         self.sync_weights(model, 0)
 
+    def _on_own_mesh(self, graphdef, state):
+        """(graphdef, state) of a copy of the weights placed on this engine's mesh."""
+        rules = dict(self.rules) if self.rules is not None else None
+        placed = reshard(state, state_shardings(state, self.mesh, rules))
+        own = self._own_graphdefs.get(graphdef)
+        if own is None:
+            own = nnx.split(on_mesh(nnx.merge(graphdef, placed), self.mesh, rules))[0]
+            self._own_graphdefs = {graphdef: own}
+        return own, placed
+
     def sync_weights(self, model, version: int) -> None:
-        """Sample from ``model``'s current arrays from now on (no copy), tagged ``version``; a ``generate``
-        call already running keeps the weights it started with."""
+        """Sample from ``model``'s current arrays from now on (no copy; a copy on this engine's own mesh when it
+        has one), tagged ``version``; a ``generate`` call already running keeps the weights it started with."""
         graphdef, state = nnx.split(model)
+        if not self.shares_trainer_devices:
+            graphdef, state = self._on_own_mesh(graphdef, state)
         with self._lock:
             self._graphdef, self._state, self.version = graphdef, state, int(version)
 

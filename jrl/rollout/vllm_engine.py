@@ -23,10 +23,14 @@ to the others and it is skipped; before each generation and sync the engine asks
 ``/health`` and gives one that answers the current weights (a host copy of a version it missed is kept while any
 server is down). Sampling seeds depend on the prompt's index, not the server, so which server answered does not
 change what was sampled from.
+
+A run of several trainer processes: process 0 alone drives the servers and shares each batch
+(:class:`~jrl.rollout.leader.LeaderEngine`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -41,6 +45,7 @@ from flax import nnx
 
 from jrl.data.pipeline import left_pad
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
+from jrl.rollout.leader import LeaderEngine
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError, VLLMUnavailableError
 from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, reset_prefix_cache, resolve_transport
@@ -395,11 +400,16 @@ class MultiServerEngine:
 
 
 @ROLLOUT_ENGINES.register("vllm")
-def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir) -> VLLMRolloutEngine:
+def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir, leader: bool = False):
     """The ``vllm`` backend: an engine for the run's ``rollout`` section (a
     :class:`~jrl.rollout.config.RolloutConfig`), writing syncs under ``rollout.vllm.sync_dir`` or
-    ``<output_dir>/vllm_sync``."""
+    ``<output_dir>/vllm_sync``. In a run of several processes a :class:`~jrl.rollout.leader.LeaderEngine`: process 0
+    builds the engine (``leader``) and drives the servers for all of them."""
     del mesh, rules  # the server has its own devices
+    if jax.process_count() > 1 and not leader:  # process 0 drives the servers and shares the batches
+        build = functools.partial(make_vllm_engine, pad_id=pad_id, mesh=None, rules=None, rollout=rollout,
+                                  output_dir=output_dir, leader=True)
+        return LeaderEngine(build, model, adapters_only=resolve_transport(rollout.sync, model) == "lora")
     cfg: VLLMConfig = rollout.vllm
     keep = cfg.keep_versions if cfg.keep_versions is not None else rollout.max_staleness + 1
     sync_dir = Path(cfg.sync_dir if cfg.sync_dir is not None else Path(output_dir) / "vllm_sync")
@@ -416,3 +426,7 @@ def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir) ->
             server.close()
         raise
     return MultiServerEngine(servers, max_concurrent_requests=cfg.max_concurrent_requests, pad_id=pad_id)
+
+
+#: Config fields the vLLM engine does not read (the servers have their own devices).
+make_vllm_engine.ignores = ("rollout.devices", "rollout.mesh")

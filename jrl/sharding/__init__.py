@@ -32,6 +32,7 @@ from jrl.sharding.placement import (
     init_sharded,
     iter_to_host,
     opt_state_shardings,
+    reshard,
     shard_model,
     state_shardings,
     state_specs,
@@ -39,6 +40,7 @@ from jrl.sharding.placement import (
     unknown_logical_axes,
     variable_spec,
 )
+from jrl.sharding.roles import split_devices
 from jrl.sharding.rules import (
     DEFAULT_RULES,
     MeshAxes,
@@ -76,7 +78,9 @@ __all__ = [
     "opt_state_shardings",
     "process_batch_slice",
     "process_shard",
+    "reshard",
     "shard_model",
+    "split_devices",
     "state_shardings",
     "state_specs",
     "to_host",

@@ -192,6 +192,31 @@ def from_host(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def reshard(tree: Any, shardings: Any) -> Any:
+    """``tree``'s arrays placed as ``shardings`` (a tree of the same structure, e.g. from :func:`state_shardings`
+    on another mesh), also onto other devices than they are on: a copy, leaf by leaf.
+
+    ``jax.device_put`` moves arrays between device sets when one process holds them all; across processes it
+    needs the same device set. Multi-process, an array bound for other devices is first replicated on its own
+    mesh (an all-gather, every process must call this in the same order), then each process copies the blocks
+    its target devices hold from a local replica; one leaf at a time, so the extra memory is one whole tensor
+    per source device."""
+
+    def one(x, sharding):
+        if not isinstance(x, jax.Array) or x.sharding == sharding:
+            return x
+        if (x.is_fully_addressable and sharding.is_fully_addressable) or x.sharding.device_set == sharding.device_set:
+            return jax.device_put(x, sharding)
+        if not x.is_fully_replicated:
+            x = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+        whole = x.addressable_shards[0].data
+        blocks = [jax.device_put(whole[index], device)
+                  for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, blocks)
+
+    return jax.tree_util.tree_map(one, tree, shardings)
+
+
 def to_host(x: Any) -> Any:
     """One (possibly sharded, possibly multi-host) ``jax.Array`` as a full host numpy array; other values
     pass through. Multi-host it is a collective (``process_allgather``): every process must call it."""

@@ -1,15 +1,16 @@
-"""Load the policy a :class:`~jrl.train.TrainConfig` names: tokenizer, device mesh, model (+ LoRA)."""
+"""Load the policy a :class:`~jrl.train.TrainConfig` names: tokenizer, device meshes, model (+ LoRA)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
-
-import jax
 
 from jrl.models import from_pretrained
 from jrl.models.lora import apply_lora
-from jrl.sharding import make_mesh, shard_model
+from jrl.sharding import make_mesh, shard_model, split_devices
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -21,9 +22,13 @@ class Policy:
     pad_id: int
     """The tokenizer's pad id, else its EOS id."""
     mesh: object
-    """The device mesh (None on one device: no placement or sharding constraints at all)."""
+    """The learner's device mesh (None on one device: no placement or sharding constraints at all)."""
     rules: dict
     """Logical-axis rules of ``cfg.mesh``."""
+    rollout_mesh: object
+    """The rollout's own mesh (``cfg.rollout.devices > 0``), else None: the sampler uses ``mesh``."""
+    rollout_rules: dict
+    """Logical-axis rules of ``cfg.rollout.mesh``."""
     model: object
     """The :class:`~jrl.models.Transformer`, with LoRA adapters when ``cfg.lora`` is set."""
 
@@ -32,7 +37,12 @@ def load_policy(cfg) -> Policy:
     """Tokenizer, mesh and model of ``cfg`` (``TrainConfig``), with a clear error for a bad model path."""
     from transformers import AutoTokenizer
 
-    cfg.mesh.axis_sizes(jax.device_count())  # a clear error for a mesh that does not fit the devices
+    learner_devices, rollout_devices = split_devices(cfg.rollout.devices)
+    cfg.mesh.axis_sizes(len(learner_devices))  # a clear error for a mesh that does not fit the devices
+    rollout_mesh = make_mesh(cfg.rollout.mesh, rollout_devices) if rollout_devices else None
+    if rollout_mesh is not None:
+        logger.info("rollout mesh: %d device(s) %s; learner: the other %d", len(rollout_devices),
+                    dict(rollout_mesh.shape), len(learner_devices))
     model_dir = Path(cfg.model.path)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
@@ -40,7 +50,7 @@ def load_policy(cfg) -> Policy:
             "point --model.path at one (the default tiny model is made by scripts/make_default_model.py)")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    mesh = make_mesh(cfg.mesh) if jax.device_count() > 1 else None
+    mesh = make_mesh(cfg.mesh, learner_devices) if len(learner_devices) > 1 else None
     rules = cfg.mesh.logical_rules()
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
                             rules=rules, attention=cfg.model.attention, remat=cfg.model.remat,
@@ -49,4 +59,5 @@ def load_policy(cfg) -> Policy:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:
             shard_model(model, mesh, rules)
-    return Policy(tokenizer=tokenizer, pad_id=pad_id, mesh=mesh, rules=rules, model=model)
+    return Policy(tokenizer=tokenizer, pad_id=pad_id, mesh=mesh, rules=rules, model=model, rollout_mesh=rollout_mesh,
+                  rollout_rules=cfg.rollout.mesh.logical_rules())

@@ -151,14 +151,15 @@ class RolloutSource:
 
     def sync(self, version: int) -> None:
         """Point the engine at the learner's current weights, tagged ``version`` (a copy of the trainable
-        arrays when the engine outlives the next update)."""
-        learner = self.learner
+        arrays when an engine that samples from the learner's own arrays outlives the next update; other engines
+        copy what they keep)."""
+        learner, engine = self.learner, self.engine
         with self.device_lock:
-            if self._engine_outlives_update:
+            if self._engine_outlives_update and getattr(engine, "shares_trainer_devices", False):
                 model = nnx.merge(learner.graphdef, learner.snapshot(), learner.frozen)
             else:
                 model = learner.model
-            self.engine.sync_weights(model, version)
+            engine.sync_weights(model, version)
         self.synced_version = version
 
     def sync_after_step(self, version: int) -> tuple[float, float]:

@@ -85,8 +85,10 @@ class Trainer:
         barrier("jrl-output-dir")  # no process writes to output_dir before it is claimed
         self.source = RolloutSource(
             cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
-            make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
-                                                    mesh=policy.mesh, rules=policy.rules, output_dir=self.out_dir),
+            make_engine=lambda: make_rollout_engine(
+                cfg.rollout, self.learner.model, pad_id=policy.pad_id, output_dir=self.out_dir,
+                **(dict(mesh=policy.rollout_mesh, rules=policy.rollout_rules) if policy.rollout_mesh is not None
+                   else dict(mesh=policy.mesh, rules=policy.rules))),
             seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every,
             multi_device=policy.mesh is not None, rerolled=getattr(self.algorithm, "rerolled_prompts", None))
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
@@ -235,15 +237,10 @@ class Trainer:
 
 def check_processes(cfg: TrainConfig) -> None:
     """Refuse, naming the setting, what a run of several processes does not support."""
-    if jax.process_count() == 1:
-        return
-    if cfg.rollout.backend != "jax":
-        raise ValueError(f"rollout.backend={cfg.rollout.backend!r} runs with one trainer process; a run of "
-                         f"{jax.process_count()} processes samples with the embedded sampler (--rollout.backend jax)")
-    if cfg.rollout.prefetch_depth > 0:
+    if jax.process_count() > 1 and cfg.rollout.prefetch_depth > 0:
         raise ValueError(f"rollout.prefetch_depth={cfg.rollout.prefetch_depth}: with {jax.process_count()} processes "
-                         "the embedded sampler generates in the trainer's thread (the processes must launch their "
-                         "programs in one order); use --rollout.prefetch-depth 0")
+                         "rollouts are generated in the trainer's thread (the processes must launch their programs "
+                         "and collectives in one order); use --rollout.prefetch-depth 0")
 
 
 def train(cfg: TrainConfig, **kwargs) -> list[dict[str, Any]]:

@@ -1,31 +1,48 @@
-"""Child process for test_rollout_mesh.py (fake CPU devices set by the parent): generates on a 2-device mesh
-and prints one JSON line with the tokens and logprobs per mesh layout."""
+"""Child process for test_rollout_mesh.py (4 fake CPU devices set by the parent): generates on a 2-device mesh of
+the model, and on a 2-device mesh of its own, and prints one JSON line with the tokens, logprobs and the devices
+holding the engine's weights per layout."""
 
 import json
 import sys
 
 import jax
 import numpy as np
+from flax import nnx
 from rollout_testlib import PAD, tiny_model
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
-from jrl.sharding import MeshConfig, make_mesh
+from jrl.sharding import MeshConfig, make_mesh, split_devices
+
+
+def _engine(name: str) -> JaxRolloutEngine:
+    """The engine of layout ``name``: on a 2-device mesh of the model, or (``own_mesh``) on 2 devices of its own
+    while the model lives on the other 2."""
+    learner_devices, rollout_devices = split_devices(2)
+    if name == "own_mesh":
+        model = tiny_model("llama", seed=6, mesh=make_mesh(MeshConfig(fsdp=2), learner_devices))
+        return JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=16, mesh=make_mesh(MeshConfig(data=2, fsdp=1),
+                                                                                    rollout_devices))
+    cfg = {"data": MeshConfig(data=2, fsdp=1), "tensor": MeshConfig(fsdp=1, tensor=2)}[name]
+    return JaxRolloutEngine(tiny_model("llama", seed=6, mesh=make_mesh(cfg, learner_devices)), pad_id=PAD,
+                            prompt_bucket=16)
 
 
 def main(prompts_json):
-    assert jax.device_count() == 2, jax.devices()
+    assert jax.device_count() == 4, jax.devices()
     prompts = json.loads(prompts_json)
     out = {}
-    for name, cfg in {"data": MeshConfig(data=2, fsdp=1), "tensor": MeshConfig(fsdp=1, tensor=2)}.items():
-        mesh = make_mesh(cfg)
-        engine = JaxRolloutEngine(tiny_model("llama", seed=6, mesh=mesh), pad_id=PAD, prompt_bucket=16)
+    for name in ("data", "tensor", "own_mesh"):
+        engine = _engine(name)
+        weights = nnx.merge(engine._graphdef, engine._state)
+        devices = {d.id for x in jax.tree.leaves(nnx.state(weights)) for d in x.sharding.device_set}
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
         sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
                                   num_generations=1, seed=1)
         out[name] = dict(greedy=greedy.completion_ids.tolist(), sampled=sampled.completion_ids.tolist(),
                          sampled_mask=sampled.completion_mask.tolist(),
-                         sampled_logprobs=np.asarray(sampled.sampling_logprobs).tolist())
+                         sampled_logprobs=np.asarray(sampled.sampling_logprobs).tolist(),
+                         weight_devices=sorted(devices), shares_trainer_devices=engine.shares_trainer_devices)
     print(json.dumps(out))
 
 

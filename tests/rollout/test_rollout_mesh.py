@@ -1,5 +1,6 @@
 """The engine on a 2-device mesh (fake CPU devices in a child process; batch split over ``data``, or cache
-heads and vocabulary split over ``tensor``) generates what it generates on one device."""
+heads and vocabulary split over ``tensor``, or a rollout mesh of its own beside the model's) generates what it
+generates on one device."""
 
 import importlib.util
 import json
@@ -27,7 +28,7 @@ def _sharding_helpers():
 def test_two_device_mesh_matches_one_device():
     prompts = random_prompts(np.random.default_rng(8), [5, 2, 9])  # 3 rows: padded to 4 on the data mesh
     helpers = _sharding_helpers()
-    env = helpers.worker_env(2)
+    env = helpers.worker_env(4)
     env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, str(HERE / "rollout_mesh_worker.py"), json.dumps(prompts)], env=env,
                           capture_output=True, text=True, timeout=300, cwd=helpers.REPO)
@@ -38,7 +39,11 @@ def test_two_device_mesh_matches_one_device():
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
                               num_generations=1, seed=1)
-    for name in ("data", "tensor"):
+    assert result["data"]["weight_devices"] == result["tensor"]["weight_devices"] == [0, 1]
+    assert result["data"]["shares_trainer_devices"]
+    own = result["own_mesh"]  # the model on devices 0 and 1, the engine's copy of the weights on 2 and 3
+    assert own["weight_devices"] == [2, 3] and not own["shares_trainer_devices"]
+    for name in ("data", "tensor", "own_mesh"):
         got = result[name]
         assert got["greedy"] == greedy.completion_ids.tolist(), name
         assert got["sampled"] == sampled.completion_ids.tolist(), name

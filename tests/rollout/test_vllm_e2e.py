@@ -122,3 +122,65 @@ def test_ebft_structured_with_vllm_lora_sync(e2e_server, tmp_path):
         # log-probs are the trainer's own under the adapter it just trained.
         assert r["async/staleness"] == 0, r
         assert r["sampling/sampling_logp_difference/mean"] <= logprob_tolerance(e2e_server.dtype), r
+
+
+#: A LoRA GRPO run on the vLLM backend as a config file (``scripts/train.py --config``); ``{vllm}`` and ``{reward}``
+#: are filled in by the test.
+MULTIPROCESS_CONFIG = """
+from jrl.data.pipeline import DataConfig
+from jrl.losses import GRPOConfig
+from jrl.models.lora import LoraConfig
+from jrl.rollout.vllm_config import VLLMConfig
+from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+from jrl.train.rewards import RewardSpec
+
+
+def config():
+    return TrainConfig(
+        model=ModelSpec(path={model!r}), lora=LoraConfig(rank=8, alpha=16.0),
+        data=DataConfig(source="builtin:arithmetic", prompts_per_batch=2, max_prompt_length=64, seed=0),
+        rollout=RolloutConfig(backend="vllm", sync="lora", vllm=VLLMConfig(**{vllm!r}), max_new_tokens=12),
+        rewards=(RewardSpec(path={reward!r}),), algo=GRPOConfig(num_generations=4, loss_type="dapo"),
+        optim=OptimConfig(learning_rate=5e-3), max_steps=3, save_every=0, output_dir="unused", seed=0)
+"""
+
+
+def test_two_trainer_processes_share_one_driver_of_the_server(e2e_server, tmp_path):
+    """scripts/train.py as 2 processes x 1 CPU device on the vLLM backend: process 0 drives the server (one adapter
+    per version, written once), both train on the same completions (the sampler-trainer logprob agreement holds for
+    the rows of each process), one metrics.jsonl."""
+    import subprocess
+    import sys
+
+    from test_rollout_mesh import _sharding_helpers
+
+    helpers = _sharding_helpers()
+    reward = tmp_path / "id_hash_reward.py"
+    reward.write_text(REWARD)
+    config = tmp_path / "config.py"
+    config.write_text(MULTIPROCESS_CONFIG.format(model=str(TINY_MODEL), vllm=dataclasses.asdict(e2e_server),
+                                                 reward=f"{reward}:id_hash"))
+    port, out = helpers.free_port(), tmp_path / "run"
+    procs = [subprocess.Popen([sys.executable, "scripts/train.py", "--config", str(config), "--output-dir", str(out)],
+                              env=helpers.worker_env(1, JRL_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                     JRL_NUM_PROCESSES="2", JRL_PROCESS_ID=str(i)),
+                              cwd=helpers.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (stdout, stderr, rc) in enumerate(results):
+        assert rc == 0, f"process {i} exited {rc}\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    tolerance = logprob_tolerance(e2e_server.dtype)
+    for r in rows:
+        assert r["sync/version"] == r["step"]
+        # Process 1's rows are half the batch: wrong tokens or logprobs there would break the agreement.
+        assert abs(r["sampling/sampling_logp_difference/mean"]) <= tolerance, r
+        assert r["sampling/frac_missing_logprobs"] == 0.0 and r["grad_norm"] > 0, r
+    assert sorted(p.name for p in (out / "vllm_sync").iterdir()) == ["lora-v2", "lora-v3"]

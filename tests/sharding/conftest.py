@@ -50,6 +50,25 @@ def run_worker(script: str, *args: str, num_devices: int = 8, timeout: float = 2
     return parse_json_tail(proc.stdout)
 
 
+def json_results(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
+    """The JSON result of each of the started workers ``procs`` (a non-zero exit fails with its output); any still
+    running when this ends is killed."""
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            if p.returncode:
+                raise AssertionError(
+                    f"worker exited {p.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-6000:]}")
+            outs.append(parse_json_tail(stdout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,4 +81,5 @@ def helpers():
     import types
 
     return types.SimpleNamespace(run_worker=run_worker, worker_env=worker_env, parse_json_tail=parse_json_tail,
+                                 json_results=json_results,
                                  free_port=free_port, workers=WORKERS, repo=REPO)

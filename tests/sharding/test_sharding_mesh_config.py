@@ -90,3 +90,14 @@ def test_device_order_is_process_major_on_cpu():
     assert [d.id for d in grid.flat] == list(range(8))
     assert {d.process_index for d in grid[0].flat} == {0}  # the data axis splits processes first
     assert np.asarray(grid).shape == (2, 2, 1, 2)
+
+
+def test_rollout_devices_come_from_every_process_alike():
+    devs = [types.SimpleNamespace(id=i, process_index=i // 4, platform="cpu") for i in range(8)]
+    learner, rollout = S.split_devices(4, devs)
+    assert [d.id for d in learner] == [0, 1, 4, 5] and [d.id for d in rollout] == [2, 3, 6, 7]
+    assert [d.id for d in S.split_devices(2, devs)[1]] == [3, 7]
+    assert S.split_devices(0, devs) == (devs, [])
+    for bad in (3, 8, 10):  # not a multiple of the 2 processes, or nothing left for the learner
+        with pytest.raises(ValueError, match=rf"RolloutConfig.devices={bad}: .* multiple of 2 .* below 8"):
+            S.split_devices(bad, devs)

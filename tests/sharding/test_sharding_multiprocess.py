@@ -31,19 +31,7 @@ def runs(helpers):
         for i in range(NUM_PROCESSES)
     ]
     procs.append(_spawn(helpers, 1))  # the single-process reference, run alongside
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=TIMEOUT)
-            if p.returncode:
-                raise AssertionError(
-                    f"worker exited {p.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-6000:]}")
-            outs.append(helpers.parse_json_tail(stdout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = helpers.json_results(procs, TIMEOUT)
     return outs[:-1], outs[-1]
 
 

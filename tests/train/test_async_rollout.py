@@ -298,10 +298,20 @@ def test_resume_with_prefetch_reproduces_the_uninterrupted_run(tiny_model_dir, t
     assert _log(tmp_path / "b") == _log(tmp_path / "a")
 
 
-@pytest.mark.slow  # ~23 s on 2 CPU cores; test_multiprocess_train keeps a multi-device run (no prefetch) by default
-def test_two_device_prefetch_takes_turns_on_the_devices(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("rollout_devices", [
+    pytest.param(0, marks=pytest.mark.slow),  # ~23 s on 2 CPU cores; the default suite keeps the rollout mesh
+    1])
+def test_two_device_prefetch(tiny_model_dir, tmp_path, rollout_devices):
+    """Prefetching on 2 devices: the sampler and the update take turns on both (rollout.devices 0), or each has a
+    device of its own and nothing waits for the other (rollout.devices 1: the weights are copied to device 1)."""
     reward = write_reward_file(tmp_path, "reward_mesh")
-    out = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "run", reward)
-    assert out["devices"] == 2 and out["device_lock"] == "lock"
+    out = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "run", reward, str(rollout_devices))
+    assert out["devices"] == 2
+    if rollout_devices:
+        assert out["device_lock"] == "nullcontext"
+        assert (out["learner_devices"], out["sampler_devices"]) == ([0], [1])
+    else:
+        assert out["device_lock"] == "lock"
+        assert out["learner_devices"] == out["sampler_devices"] == [0, 1]
     assert [r["async/staleness"] for r in out["history"]] == [0, 1, 1]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward/mean"]) for r in out["history"])

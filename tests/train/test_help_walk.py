@@ -230,3 +230,5 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         dataclasses.replace(runs[0], rollout=RolloutConfig(sync="filesystem"))
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.vllm=.*rollout\.backend='jax' does not use it"):
         dataclasses.replace(runs[0], rollout=RolloutConfig(vllm=VLLMConfig(max_retries=1)))
+    with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.devices=2.*rollout\.backend='vllm' does not use it"):
+        dataclasses.replace(runs[0], rollout=RolloutConfig(backend="vllm", devices=2))

@@ -1,7 +1,8 @@
 """The trainer as several processes: ``scripts/train.py --config configs/grpo.py`` run as 2 processes x 4 CPU devices
 (``jax.distributed`` through the ``JRL_*`` variables, gloo collectives) against 1 process x 8 devices: the same
-metrics, one metrics.jsonl, checkpoints that resume across process counts, a stop signal to one process stopping
-both at one step boundary, and a killed process taking its peer down with an error naming it."""
+metrics, one metrics.jsonl, also with a rollout mesh of its own, checkpoints that resume across process counts, a
+stop signal to one process stopping both at one step boundary, and a killed process taking its peer down with an
+error naming it."""
 
 from __future__ import annotations
 
@@ -125,6 +126,14 @@ def test_two_processes_train_like_one(runs):
     assert "done: 4 steps logged" in main[1] and "done:" not in other[1]
     assert (base / "two" / "curves.png").is_file() and (base / "two" / "tensorboard").is_dir()
     assert sorted(int(p.name) for p in (base / "two" / "checkpoints").iterdir()) == [2, 4]
+
+
+def test_a_rollout_mesh_of_its_own_trains_like_one_shared_mesh(runs, tmp_path):
+    """2 processes x 4 devices, each giving 2 devices to the sampler's own mesh (the learner trains on the other 4,
+    the weights are copied across processes' devices at each sync): the metrics of the 1 x 8 shared-mesh run."""
+    base, _ = runs
+    _wait(_launch(tmp_path / "run", 2, "--rollout.devices", "4"))
+    _assert_close(_metrics(tmp_path / "run"), _metrics(base / "one"))
 
 
 @pytest.mark.slow  # 52 s; the default suite keeps the 2 x 4 = 1 x 8 run and the lost-peer exit

@@ -15,7 +15,6 @@ naming process 0, on every other process in the same call, so no process waits f
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +26,6 @@ from jrl.models.lora import LoRAParam
 from jrl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from jrl.sharding import any_process, is_main_process
 from jrl.sharding.placement import gather_to_host
-
-logger = logging.getLogger(__name__)
 
 
 def host_weights(model, *, adapters_only: bool) -> Any:
@@ -75,9 +72,8 @@ class LeaderEngine:
 
     def __init__(self, make_engine: Callable[[Any], RolloutEngine], model, *, adapters_only: bool):
         self.adapters_only = adapters_only
-        self.inner: RolloutEngine | None = None
         host = host_weights(model, adapters_only=adapters_only)
-        self._on_leader("build its rollout engine", lambda: setattr(self, "inner", make_engine(host)))
+        self.inner: RolloutEngine | None = self._on_leader("build its rollout engine", lambda: make_engine(host))
 
     def _on_leader(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` on process 0, then the same outcome everywhere: its value there (None elsewhere), or its

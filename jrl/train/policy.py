@@ -25,12 +25,12 @@ class Policy:
     """The learner's device mesh (None on one device: no placement or sharding constraints at all)."""
     rules: dict
     """Logical-axis rules of ``cfg.mesh``."""
-    rollout_mesh: object
-    """The rollout's own mesh (``cfg.rollout.devices > 0``), else None: the sampler uses ``mesh``."""
-    rollout_rules: dict
-    """Logical-axis rules of ``cfg.rollout.mesh``."""
     model: object
     """The :class:`~jrl.models.Transformer`, with LoRA adapters when ``cfg.lora`` is set."""
+    rollout_mesh: object = None
+    """The rollout's own mesh (``cfg.rollout.devices > 0``), else None: the sampler uses ``mesh``."""
+    rollout_rules: dict | None = None
+    """Logical-axis rules of ``cfg.rollout.mesh`` (with ``rollout_mesh``)."""
 
 
 def load_policy(cfg) -> Policy:

@@ -20,22 +20,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jrl.models.lora import LoRAParam
 from jrl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from jrl.sharding import any_process, is_main_process
-from jrl.sharding.placement import gather_to_host
-
-
-def host_weights(model, *, adapters_only: bool) -> Any:
-    """``model`` with its LoRA adapters (``adapters_only``) or all its arrays gathered to host memory; a
-    collective: every process calls it, each gets the full values."""
-    if adapters_only:
-        graphdef, adapters, rest = nnx.split(model, LoRAParam, ...)
-        return nnx.merge(graphdef, gather_to_host(adapters), rest)
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, gather_to_host(state))
+from jrl.sharding.placement import host_copy
 
 
 def _broadcast(tree: Any) -> Any:
@@ -72,7 +61,7 @@ class LeaderEngine:
 
     def __init__(self, make_engine: Callable[[Any], RolloutEngine], model, *, adapters_only: bool):
         self.adapters_only = adapters_only
-        host = host_weights(model, adapters_only=adapters_only)
+        host = self._host(model)
         self.inner: RolloutEngine | None = self._on_leader("build its rollout engine", lambda: make_engine(host))
 
     def _on_leader(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -90,8 +79,12 @@ class LeaderEngine:
             raise RuntimeError(f"process 0 could not {what} (its log has the error); this process stops with it")
         return value
 
+    def _host(self, model):
+        """``model`` with the arrays the engine reads gathered to host memory (a collective)."""
+        return host_copy(model, LoRAParam if self.adapters_only else None)
+
     def sync_weights(self, model, version: int) -> None:
-        host = host_weights(model, adapters_only=self.adapters_only)
+        host = self._host(model)
         self._on_leader(f"deliver weight version {version}", lambda: self.inner.sync_weights(host, version))
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,

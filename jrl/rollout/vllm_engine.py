@@ -41,7 +41,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jrl.data.pipeline import left_pad
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
@@ -49,6 +48,7 @@ from jrl.rollout.leader import LeaderEngine
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError, VLLMUnavailableError
 from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, reset_prefix_cache, resolve_transport
+from jrl.sharding.placement import host_copy
 
 logger = logging.getLogger(__name__)
 
@@ -339,8 +339,7 @@ class MultiServerEngine:
                 self._use_again(k)
         self._missed = None
         if not all(self.up):  # a server that comes back before the next sync needs this version
-            graphdef, state = nnx.split(model)
-            self._missed = nnx.merge(graphdef, jax.device_get(state))  # the model's arrays may change
+            self._missed = host_copy(model)  # the model's arrays may change
 
     def _pick(self, names: dict[int, str], tried: set[int]) -> int:
         with self._lock:

@@ -31,14 +31,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-import jax
-from flax import nnx
 
 from jrl.models import save_peft_adapter, save_pretrained
 from jrl.models.lora import has_lora
 from jrl.registry import Registry
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError
+from jrl.sharding.placement import host_copy
 
 #: ``rollout.sync`` values besides the registered transports: ``auto`` picks ``lora`` for a LoRA run,
 #: else ``filesystem``.
@@ -243,8 +242,7 @@ class AsyncFilesystemTransport:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="jrl-weight-writer")  # one version at a time, in order
 
     def send(self, model, version: int) -> Future:
-        graphdef, state = nnx.split(model)
-        host_model = nnx.merge(graphdef, jax.device_get(state))  # the trainer may donate its arrays next
+        host_model = host_copy(model)  # the trainer may donate its arrays next
         return self._writer.submit(self.files.deliver, host_model, version)
 
     def retire_old(self) -> None:

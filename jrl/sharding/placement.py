@@ -207,8 +207,8 @@ def reshard(tree: Any, shardings: Any) -> Any:
             return x
         if (x.is_fully_addressable and sharding.is_fully_addressable) or x.sharding.device_set == sharding.device_set:
             return jax.device_put(x, sharding)
-        if not x.is_fully_replicated:
-            x = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+        if not x.is_fully_replicated:  # same devices, so device_put may cross processes
+            x = jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec()))
         whole = x.addressable_shards[0].data
         blocks = [jax.device_put(whole[index], device)
                   for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
@@ -242,6 +242,17 @@ def gather_to_host(tree: Any) -> Any:
     numpy array, gathered tensor by tensor. Works multi-host (``process_allgather``; every process
     must call it and each receives the full values)."""
     return jax.tree_util.tree_map(to_host, _as_state(tree))
+
+
+def host_copy(model: nnx.Module, only: Any = None) -> nnx.Module:
+    """A copy of ``model`` whose variables (those of the ``nnx`` filter ``only``, default all) are full host numpy
+    arrays, gathered tensor by tensor (:func:`gather_to_host`: multi-host a collective); the others stay as they
+    are. What a weight sync keeps when the trainer may change or donate its arrays next."""
+    if only is None:
+        graphdef, state = nnx.split(model)
+        return nnx.merge(graphdef, gather_to_host(state))
+    graphdef, chosen, rest = nnx.split(model, only, ...)
+    return nnx.merge(graphdef, gather_to_host(chosen), rest)
 
 
 def unknown_logical_axes(tree: Any, rules: Rules | None = None) -> dict[str, tuple]:

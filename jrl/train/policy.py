@@ -28,9 +28,9 @@ class Policy:
     model: object
     """The :class:`~jrl.models.Transformer`, with LoRA adapters when ``cfg.lora`` is set."""
     rollout_mesh: object = None
-    """The rollout's own mesh (``cfg.rollout.devices > 0``), else None: the sampler uses ``mesh``."""
+    """The mesh the sampler runs on: its own with ``cfg.rollout.devices > 0``, else ``mesh`` (None: the model's)."""
     rollout_rules: dict | None = None
-    """Logical-axis rules of ``cfg.rollout.mesh`` (with ``rollout_mesh``)."""
+    """Logical-axis rules of ``rollout_mesh`` (None: the model's)."""
 
 
 def load_policy(cfg) -> Policy:
@@ -39,8 +39,8 @@ def load_policy(cfg) -> Policy:
 
     learner_devices, rollout_devices = split_devices(cfg.rollout.devices)
     cfg.mesh.axis_sizes(len(learner_devices))  # a clear error for a mesh that does not fit the devices
-    rollout_mesh = make_mesh(cfg.rollout.mesh, rollout_devices) if rollout_devices else None
-    if rollout_mesh is not None:
+    if rollout_devices:
+        rollout_mesh = make_mesh(cfg.rollout.mesh, rollout_devices)
         logger.info("rollout mesh: %d device(s) %s; learner: the other %d", len(rollout_devices),
                     dict(rollout_mesh.shape), len(learner_devices))
     model_dir = Path(cfg.model.path)
@@ -59,5 +59,7 @@ def load_policy(cfg) -> Policy:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:
             shard_model(model, mesh, rules)
+    rollout_mesh, rollout_rules = ((rollout_mesh, cfg.rollout.mesh.logical_rules()) if rollout_devices
+                                   else (mesh, rules))
     return Policy(tokenizer=tokenizer, pad_id=pad_id, mesh=mesh, rules=rules, model=model, rollout_mesh=rollout_mesh,
-                  rollout_rules=cfg.rollout.mesh.logical_rules())
+                  rollout_rules=rollout_rules)

@@ -67,6 +67,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, engine: RolloutEngine | None = None, progress: bool = True):
         self.cfg, self.progress = cfg, progress
+        check_processes(cfg)
         policy = load_policy(cfg)
         self.tokenizer, self.pad_id, self.mesh = policy.tokenizer, policy.pad_id, policy.mesh
         prompts = build_prompt_dataset(cfg.data, self.tokenizer)
@@ -77,7 +78,6 @@ class Trainer:
                                mesh=policy.mesh, rules=policy.rules)
         self.algorithm = ALGORITHMS.get(cfg.algorithm)(cfg, policy, self.learner)
         self.out_dir = Path(cfg.output_dir)
-        check_processes(cfg)
         self.evaluator = (self.algorithm.evaluator(cfg.eval, eval_prompts, output_dir=self.out_dir, seed=cfg.seed)
                           if cfg.eval_every else None)
         if not cfg.resuming and is_main_process():
@@ -85,10 +85,9 @@ class Trainer:
         barrier("jrl-output-dir")  # no process writes to output_dir before it is claimed
         self.source = RolloutSource(
             cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
-            make_engine=lambda: make_rollout_engine(
-                cfg.rollout, self.learner.model, pad_id=policy.pad_id, output_dir=self.out_dir,
-                **(dict(mesh=policy.rollout_mesh, rules=policy.rollout_rules) if policy.rollout_mesh is not None
-                   else dict(mesh=policy.mesh, rules=policy.rules))),
+            make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
+                                                    mesh=policy.rollout_mesh, rules=policy.rollout_rules,
+                                                    output_dir=self.out_dir),
             seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every,
             multi_device=policy.mesh is not None, rerolled=getattr(self.algorithm, "rerolled_prompts", None))
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)

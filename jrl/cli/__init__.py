@@ -1,5 +1,5 @@
-"""The ``jrl`` command: ``jrl train``, ``jrl export``, ``jrl convert``, ``jrl serve-vllm`` (the same programs as
-``scripts/<name>.py``; ``jrl <command> --help`` documents each)."""
+"""The ``jrl`` command: ``jrl train``, ``jrl explore``, ``jrl export``, ``jrl convert``, ``jrl serve-vllm`` (the same
+programs as ``scripts/<name>.py``; ``jrl <command> --help`` documents each)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 #: Subcommand → module whose ``main(argv)`` runs it, and what it does.
 COMMANDS = {
     "train": ("jrl.cli.train", "train with GRPO or EBFT from a config file (--config FILE, tyro overrides)"),
+    "explore": ("jrl.cli.explore", "sample and score for a trainer started with --mode train (= train --mode explore)"),
     "export": ("jrl.cli.export", "export a training checkpoint as a Hugging Face directory or a PEFT adapter"),
     "convert": ("jrl.cli.convert", "convert a Hugging Face checkpoint through jrl and back (or --demo)"),
     "serve-vllm": ("jrl.cli.serve_vllm", "start the vLLM server a config's vllm rollout backend talks to"),

@@ -5,6 +5,8 @@
     python scripts/train.py --config configs/ebft.py          # EBFT structured mode
     python scripts/train.py --config configs/ebft_strided.py  # EBFT strided mode
     python scripts/train.py --config configs/grpo.py --help     # every field, with its documentation
+    python scripts/train.py --config configs/grpo.py --mode train    # trainer fed by explorer processes
+    python scripts/train.py --config configs/grpo.py --mode explore  # one explorer (= jrl explore)
 
 ``--config FILE`` names a Python file defining ``config()`` that returns a ``jrl.train.TrainConfig``;
 the remaining arguments override its fields (tyro, dotted names for nested sections). ``--algorithm``
@@ -77,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"[process {jax.process_index()}] " if multi else ""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {prefix}%(name)s: %(message)s")
     logging.getLogger("jrl").setLevel(logging.INFO if main_process else logging.WARNING)
+    if cfg.mode == "explore":
+        from jrl.train.exploration import explore
+
+        explore(cfg)
+        return 0
     from jrl.train.trainer import train
 
     watch = PeerWatch()  # does nothing with one process

@@ -100,6 +100,8 @@ class ProducedRollout:
     """Loader state right after this batch's prompts were taken (checkpointed once it is consumed)."""
     seconds: float
     """Wall time of the ``generate`` call."""
+    metrics: dict = dataclasses.field(default_factory=dict)
+    """What the source logs of the step besides the trainer's metrics."""
 
 
 class RolloutProducerError(RuntimeError):

@@ -23,6 +23,7 @@ from jrl.rollout.config import RolloutConfig
 from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
+from jrl.train.explore_config import ExploreConfig
 from jrl.train.observability import WandbConfig
 from jrl.train.replay import ReplayConfig
 from jrl.train.reroll import RerollConfig
@@ -160,6 +161,11 @@ class TrainConfig:
     ``algo``), ``ebft_structured`` (feature-matching reward against ``ebft.gt_column`` on the GRPO
     pipeline) or ``ebft_strided`` (raw documents, generated blocks, REINFORCE + CE)."""
 
+    mode: Literal["both", "train", "explore"] = "both"
+    """``both``: one process samples, scores and trains. ``train``: this process only trains, on scored groups that
+    explorer processes put in the experience queue, and publishes its weights for them (``explore`` section).
+    ``explore``: this process only samples and scores (``jrl explore`` is ``jrl train --mode explore``); start it
+    with the trainer's config. Several explorers may join and leave while a trainer runs."""
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     """The checkpoint to train."""
     lora: LoraConfig | None = None
@@ -222,6 +228,8 @@ class TrainConfig:
     A multiple of ``rollout.sync_interval`` (the engine must hold the current weights)."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Eval prompts, decodings and logged samples of ``eval_every``."""
+    explore: ExploreConfig = dataclasses.field(default_factory=ExploreConfig)
+    """Experience queue, published weights and explorer settings of ``mode='train'`` / ``'explore'``."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     """Weights & Biases logging (off unless ``wandb.project`` is set; offline by default)."""
     resume: bool = False
@@ -281,6 +289,7 @@ class TrainConfig:
             raise invalid("TrainConfig", "scoring.stream_groups", stream,
                           f"use a divisor of data.prompts_per_batch={self.data.prompts_per_batch}")
         check_int(self, "eval_every", lo=0, fix="use an int >= 0 (0 = no evaluation)")
+        self._check_mode(algorithm)
         if self.eval_every == 0:
             reject_unused(self, ("eval",), "eval_every=0")
         elif self.eval_every % self.rollout.sync_interval:
@@ -294,6 +303,26 @@ class TrainConfig:
         check_int(self, "seed", lo=-2**63, fix="use an int")
         check_int(self, "resume_from", lo=1, optional=True,
                   fix="use the step of a checkpoint in output_dir/checkpoints, or None")
+
+    def _check_mode(self, algorithm) -> None:
+        check_choice(self, "mode", ("both", "train", "explore"))
+        if self.mode == "both":
+            reject_unused(self, ("explore",), "mode='both'", "set mode='train' (trainer) or 'explore' (explorer)")
+            return
+        if not hasattr(algorithm, "explorer"):
+            raise invalid("TrainConfig", "mode", self.mode, f"algorithm={self.algorithm!r} runs in one process only; "
+                          "use mode='both'")
+        split = f"mode={self.mode!r} (trainer and explorers in separate processes)"
+        if self.rollout.prefetch_depth:
+            raise invalid("TrainConfig", "rollout.prefetch_depth", self.rollout.prefetch_depth,
+                          f"{split} already overlaps generation and training; use 0")
+        if self.rollout.devices:
+            raise invalid("TrainConfig", "rollout.devices", self.rollout.devices,
+                          f"with {split} each process has its own devices; use 0")
+        if self.eval_every:
+            raise invalid("TrainConfig", "eval_every", self.eval_every,
+                          f"{split}: the trainer has no sampler to evaluate with; use 0 and evaluate a checkpoint")
+        reject_unused(self, ("reroll",), f"{split} (explorers choose the prompts)", "use mode='both'")
 
     @property
     def resuming(self) -> bool:
@@ -331,13 +360,14 @@ def _value_at(cfg: TrainConfig, path: str):
     return value
 
 
-def reject_unused(cfg: TrainConfig, paths: tuple[str, ...], user: str) -> None:
+def reject_unused(cfg: TrainConfig, paths: tuple[str, ...], user: str,
+                  instead: str = "choose an algorithm / backend that reads it") -> None:
     """An error for the first of ``paths`` (fields ``user`` does not read) that is set to a non-default value."""
     for path in paths:
         value, default = _value_at(cfg, path), _default_at(path)
         if value != default:
             raise invalid("TrainConfig", path, value, f"{user} does not use it; leave it at its default "
-                          f"({default!r}) or choose an algorithm / backend that reads it")
+                          f"({default!r}) or {instead}")
 
 
 def load_config_file(path: str | Path) -> TrainConfig:

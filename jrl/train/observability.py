@@ -19,7 +19,8 @@ from jrl.sharding import is_main_process
 from jrl.validation import check_choice, invalid
 
 RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "tensorboard", "wandb", "curves.png",
-               "checkpoints")
+               "checkpoints", "experience.jsonl", "published", "explorers", "experience.db", "experience.db-wal",
+               "experience.db-shm")
 
 
 @dataclasses.dataclass(frozen=True)

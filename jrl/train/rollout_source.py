@@ -132,8 +132,16 @@ class RolloutSource:
             self.start(index)
         if self._producer is None:
             item = self.produce(index)
-            return item, item.seconds, 0
-        return self._producer.get(index)
+            waited, ready = item.seconds, 0
+        else:
+            item, waited, ready = self._producer.get(index)
+        expected = self.schedule.generating_version(index)
+        if item.rollout.policy_version != expected:
+            raise RuntimeError(
+                f"rollout batch {index} is tagged policy_version={item.rollout.policy_version}, but the engine "
+                f"({type(self.engine).__name__}) was synced to version {expected} when it generated it; "
+                "RolloutEngine.generate must tag each batch with the version of its last sync_weights")
+        return item, waited, ready
 
     def consumed(self, item: ProducedRollout) -> None:
         """The trainer has trained on ``item``: checkpoints now record the loader state after it."""

@@ -1,7 +1,9 @@
 """The training loop: one class composed of parts chosen by name (docs/architecture.md).
 
 - a :class:`~jrl.train.rollout_source.RolloutSource` (``rollout.backend``, ``rollout.sync``): rollouts and
-  weight syncs, synchronous or prefetched in a background thread;
+  weight syncs, synchronous or prefetched in a background thread; with ``mode='train'`` a
+  :class:`~jrl.train.exploration.QueueSource` instead: scored groups that explorer processes put in the experience
+  queue, and weights published for them;
 - an algorithm (``algorithm``, :data:`jrl.train.algorithms.ALGORITHMS`): sampling, rollout → experience,
   loss terms;
 - a :class:`~jrl.train.learner.Learner`: trainable state, optimizer, accumulation.
@@ -52,6 +54,7 @@ from jrl.train.algorithms import ALGORITHMS
 from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import TrainConfig
 from jrl.train.evaluation import split_eval_prompts
+from jrl.train.exploration import QueueSource
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
 from jrl.train.policy import load_policy
@@ -83,13 +86,17 @@ class Trainer:
         if not cfg.resuming and is_main_process():
             claim_output_dir(self.out_dir, overwrite=cfg.overwrite)
         barrier("jrl-output-dir")  # no process writes to output_dir before it is claimed
-        self.source = RolloutSource(
-            cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner, engine=engine,
-            make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
-                                                    mesh=policy.rollout_mesh, rules=policy.rollout_rules,
-                                                    output_dir=self.out_dir),
-            seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every,
-            multi_device=policy.mesh is not None, rerolled=getattr(self.algorithm, "rerolled_prompts", None))
+        if cfg.mode == "train":
+            self.source = QueueSource(cfg, loader=self.loader, learner=self.learner, pad_id=policy.pad_id,
+                                      output_dir=self.out_dir)
+        else:
+            self.source = RolloutSource(
+                cfg.rollout, loader=self.loader, generate=self.algorithm.generate, learner=self.learner,
+                engine=engine, seed=cfg.seed, max_steps=cfg.max_steps, checkpoint_every=cfg.save_every,
+                make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
+                                                        mesh=policy.rollout_mesh, rules=policy.rollout_rules,
+                                                        output_dir=self.out_dir),
+                multi_device=policy.mesh is not None, rerolled=getattr(self.algorithm, "rerolled_prompts", None))
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
         self.step = 0
 
@@ -104,12 +111,6 @@ class Trainer:
         step, source = self.step, self.source
         t0 = time.perf_counter()
         item, waited, ready = source.next(step)
-        expected = source.schedule.generating_version(step)
-        if item.rollout.policy_version != expected:
-            raise RuntimeError(
-                f"rollout batch {step} is tagged policy_version={item.rollout.policy_version}, but the engine "
-                f"({type(self.engine).__name__}) was synced to version {expected} when it generated it; "
-                "RolloutEngine.generate must tag each batch with the version of its last sync_weights")
         t1 = time.perf_counter()
         experience, metrics = self.algorithm.make_experience(item.rollout, item.prompt_batch, self.learner, step)
         t2 = time.perf_counter()
@@ -119,6 +120,7 @@ class Trainer:
         self.step += 1
         source.consumed(item)
         sync_wait, sync_seconds = source.sync_after_step(self.step)
+        metrics.update(item.metrics)
         metrics["async/staleness"] = float(step - item.rollout.policy_version)
         metrics["async/queue_depth"] = float(ready)
         metrics["time/rollout"] = item.seconds
@@ -211,6 +213,8 @@ class Trainer:
                     stopping = any_process(stop.signal is not None)  # every process stops after the same step
                 if self.checkpointer.latest_step() != self.step:
                     self.save()
+                if self.step == cfg.max_steps and hasattr(self.source, "finish"):
+                    self.source.finish(self.step)  # explorers stop once the last checkpoint is written
                 if stopping:
                     why = f"{stop.name} received" if stop.signal is not None else "another process was asked to stop"
                     logger.warning("%s: stopped after step %d of %d with a checkpoint in %s; continue with --resume",
@@ -236,6 +240,9 @@ class Trainer:
 
 def check_processes(cfg: TrainConfig) -> None:
     """Refuse, naming the setting, what a run of several processes does not support."""
+    if jax.process_count() > 1 and cfg.mode != "both":
+        raise ValueError(f"mode={cfg.mode!r} runs in one process per trainer or explorer; start this run as one "
+                         "process (several explorers may feed one trainer)")
     if jax.process_count() > 1 and cfg.rollout.prefetch_depth > 0:
         raise ValueError(f"rollout.prefetch_depth={cfg.rollout.prefetch_depth}: with {jax.process_count()} processes "
                          "rollouts are generated in the trainer's thread (the processes must launch their programs "

@@ -184,3 +184,48 @@ def test_two_trainer_processes_share_one_driver_of_the_server(e2e_server, tmp_pa
         assert abs(r["sampling/sampling_logp_difference/mean"]) <= tolerance, r
         assert r["sampling/frac_missing_logprobs"] == 0.0 and r["grad_norm"] > 0, r
     assert sorted(p.name for p in (out / "vllm_sync").iterdir()) == ["lora-v2", "lora-v3"]
+
+
+def test_an_explorer_samples_with_the_published_adapter_on_its_vllm_server(e2e_server, tmp_path):
+    """``mode='train'`` here, and an explorer (``mode='explore'``, in a thread) whose rollouts come from the vLLM
+    server: with ``max_staleness`` 0 every step trains on groups the server sampled with the adapter the trainer
+    published after the previous step, so the server's log-probs agree with the trainer's own."""
+    import threading
+
+    from jrl.train.exploration import explore
+    from jrl.train.explore_config import ExploreConfig
+    from jrl.train.trainer import Trainer
+
+    reward = tmp_path / "id_hash_reward.py"
+    reward.write_text(REWARD)
+    cfg = TrainConfig(
+        mode="train", model=ModelSpec(path=str(TINY_MODEL)), lora=LoraConfig(rank=8, alpha=16.0),
+        data=DataConfig(source="builtin:arithmetic", prompts_per_batch=2, max_prompt_length=64, seed=0),
+        rollout=RolloutConfig(backend="vllm", sync="lora", vllm=e2e_server, max_new_tokens=12, max_staleness=0),
+        rewards=(RewardSpec(path=f"{reward}:id_hash"),), algo=GRPOConfig(num_generations=4, loss_type="dapo"),
+        optim=OptimConfig(learning_rate=5e-3), max_steps=3, save_every=0, output_dir=str(tmp_path / "run"),
+        explore=ExploreConfig(name="v", timeout_s=120.0))
+    errors = []
+
+    def explorer():
+        try:
+            explore(dataclasses.replace(cfg, mode="explore"))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=explorer)
+    thread.start()
+    trainer = Trainer(cfg, progress=False)
+    try:
+        rows = trainer.train()
+    finally:
+        trainer.close()
+        thread.join(timeout=120)
+    assert not thread.is_alive() and not errors, errors
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["async/staleness"] == 0 and r["explore/v/groups"] == 2, r
+        assert r["sampling/frac_missing_logprobs"] == 0.0 and r["grad_norm"] > 0, r
+        assert abs(r["sampling/sampling_logp_difference/mean"]) <= logprob_tolerance(e2e_server.dtype), r
+    log = [json.loads(x) for x in (tmp_path / "run" / "explorers" / "v" / "metrics.jsonl").read_text().splitlines()]
+    assert {m["explorer/version"] for m in log} >= {0.0, 1.0, 2.0}

@@ -165,7 +165,8 @@ def _reference_synchronous_run(cfg: TrainConfig) -> list[dict]:
             ids = completion_token_lists(rollout)
             rep = pb.repeat(g)
             texts = [tr.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-            rewards, _ = compute_rewards(algo.reward_fns, None, rep.prompts, texts, ids, rep.columns, batch=f"step {k}")
+            rewards, _ = compute_rewards(algo.sampler.scorer.fns, None, rep.prompts, texts, ids, rep.columns,
+                                         batch=f"step {k}")
             signal = sequence_has_signal(group_has_signal(rewards, group_size=g, reward_weights=algo.algo.reward_weights),
                                          g)
             batch = build_step_batch(rollout, np.asarray(advantages_from_config(rewards, algo.algo)), pad_id=tr.pad_id,

@@ -77,13 +77,14 @@ def _group(rng: np.random.Generator, version: int, index: int) -> ExperienceGrou
         sampling_logprobs=-rng.random((g, t)).astype(np.float32),
         truncated=rng.random(g) < 0.5, rewards=np.where(rng.random((g, 2)) < 0.2, np.nan, rng.random((g, 2))
                                                         ).astype(np.float32),
-        policy_version=version, explorer=f"explorer-{index % 2}", prompt_index=index)
+        policy_version=version, explorer=f"explorer-{index % 2}", prompt_index=index, reward_names=("right", "short"))
 
 
 def _same(a: ExperienceGroup, b: ExperienceGroup) -> bool:
     arrays = all(np.array_equal(getattr(a, k), getattr(b, k), equal_nan=k == "rewards")
                  and getattr(a, k).dtype == getattr(b, k).dtype for k in ExperienceGroup._ARRAYS)
-    return arrays and (a.policy_version, a.explorer, a.prompt_index) == (b.policy_version, b.explorer, b.prompt_index)
+    fields = ("policy_version", "explorer", "prompt_index", "reward_names")
+    return arrays and all(getattr(a, k) == getattr(b, k) for k in fields)
 
 
 def test_groups_round_trip_in_order_and_stale_ones_are_skipped(url):
@@ -94,12 +95,17 @@ def test_groups_round_trip_in_order_and_stale_ones_are_skipped(url):
     queue.put(groups[5:])
     first = queue.take(3, step=1)
     assert all(_same(a, b) for a, b in zip(first, groups[:3], strict=True))
+    assert len({g.group_id for g in first}) == 3 and min(g.group_id for g in first) >= 0
     # min_version 2: groups 4.. of versions 0 and 1 (indices 6) are stale, never handed out.
     second = queue.take(3, step=2, min_version=2)
     assert [g.prompt_index for g in second] == [3, 4, 5]
     assert queue.counts() == QueueCounts(available=1, consumed=6, stale=1)
-    with pytest.raises(TimeoutError, match=r"step 3 needs 2 groups of policy version >= 2, 1 arrived"):
-        queue.take(2, step=3, min_version=2, timeout=0.0)
+    with pytest.raises(TimeoutError, match=r"step 3 needs 2 groups of policy version 2\.\.3, 1 arrived"):
+        queue.take(2, step=3, min_version=2, max_version=3, timeout=0.0)
+    # max_version 2: the group of version 3 (index 7) is newer than the trainer: stale too.
+    with pytest.raises(TimeoutError, match=r"1 groups of policy version 2\.\.2, 0 arrived"):
+        queue.take(1, step=3, min_version=2, max_version=2, timeout=0.0)
+    assert queue.counts() == QueueCounts(available=0, consumed=6, stale=2)
     queue.close()
 
 

@@ -1,8 +1,8 @@
 """Every field ``scripts/train.py --help`` documents either reaches the code path it documents or is
 rejected: the fields of ``TrainConfig`` (and its sections) are walked; each must appear in ``--help``, and
-is either read by real runs of the three algorithms (a 2-step run each, LoRA on, every section exercised)
-and by the vLLM backend's own code, or — where the chosen algorithm / backend ignores it — refused at
-config construction with an error naming it."""
+is either read by real runs of the three algorithms (a 2-step run each, LoRA on, every section exercised),
+by the vLLM backend's own code and by a trainer fed by an explorer (``mode='train'`` / ``'explore'``), or —
+where the chosen algorithm / backend ignores it — refused at config construction with an error naming it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import subprocess
 import sys
+import threading
 import types
 import typing
 from pathlib import Path
@@ -146,6 +147,35 @@ def _vllm_backend_reads(cfg: TrainConfig, tmp: Path) -> None:
     assert served is None
 
 
+def _split_run_reads(cfg: TrainConfig, tmp: Path) -> None:
+    """A ``mode='train'`` run of ``cfg`` fed by one explorer (``mode='explore'``) in a thread of this process, every
+    ``explore`` field set."""
+    from jrl.train.exploration import explore
+    from jrl.train.explore_config import ExploreConfig
+    from jrl.train.trainer import train
+
+    section = ExploreConfig(queue=f"sqlite:///{tmp / 'split' / 'q.db'}", weights_dir=str(tmp / "split" / "weights"),
+                            name="walker", max_queued=3, max_batches=50, timeout_s=120.0, keep_versions=2)
+    trainer = dataclasses.replace(cfg, mode="train", explore=section, output_dir=str(tmp / "split"), rollout=
+                                  RolloutConfig(max_new_tokens=6), eval_every=0, eval=EvalConfig(),
+                                  reroll=RerollConfig(), wandb=WandbConfig())
+    errors = []
+
+    def explorer():
+        try:
+            explore(dataclasses.replace(trainer, mode="explore"))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=explorer)
+    thread.start()
+    try:
+        train(trainer, progress=False)
+    finally:
+        thread.join(timeout=120)
+    assert not thread.is_alive() and not errors, errors
+
+
 #: A valid non-default value of the string fields an algorithm may ignore.
 OTHER_STRINGS = {"backend": "vllm", "sync": "filesystem", "loss_head": "fused"}
 #: A set value for fields whose default is None.
@@ -208,6 +238,7 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         _vllm_backend_reads(dataclasses.replace(runs[0], rollout=RolloutConfig(
             backend="vllm", vllm=VLLMConfig(base_urls=("http://127.0.0.1:9",), startup_timeout=0.2, max_retries=0))),
             tmp_path)
+        _split_run_reads(runs[0], tmp_path)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
     # dataset (tests/data reads them); for these runs' built-in source they are refused.

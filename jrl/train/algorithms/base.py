@@ -14,7 +14,10 @@ there, so no flag is silently without effect. An algorithm that reads ``eval_eve
 them in ``ignores``) also has ``evaluator(eval_cfg, prompts, *, output_dir, seed)`` returning a
 :class:`~jrl.train.evaluation.Evaluator`. Optional too: ``state(step) -> dict`` and ``load_state(dict)`` (what the
 algorithm carries across steps, JSON-safe, saved in the checkpoint at ``step``) and ``rerolled_prompts(k) ->
-list[int]`` (dataset indices of prompts rollout batch ``k`` samples in place of its last ones).
+list[int]`` (dataset indices of prompts rollout batch ``k`` samples in place of its last ones), and the class
+attribute ``explorer``: a class ``(cfg, policy)`` with ``generate(engine, prompt_batch, *, seed)``,
+``score(rollout, prompt_batch, step)`` and ``close()``, which is what an explorer process runs (``mode='explore'``,
+:mod:`jrl.train.exploration`); an algorithm without it runs in ``mode='both'`` only.
 """
 
 from __future__ import annotations

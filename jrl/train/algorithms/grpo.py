@@ -278,12 +278,18 @@ def completion_token_lists(rollout: RolloutBatch) -> list[list[int]]:
     return [list(map(int, row[:n])) for row, n in zip(np.asarray(rollout.completion_ids), lengths)]
 
 
-def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, PolicyUpdate]:
-    """What every GRPO-pipeline algorithm builds from the config: ``algo`` with the run's reward weights, the
-    sampling parameters (the ``rollout`` section, stopping at EOS) and the policy update at that temperature."""
+def grpo_sampling(cfg, policy) -> tuple[GRPOConfig, SamplingParams]:
+    """``algo`` with the run's reward weights, and the sampling parameters (the ``rollout`` section, stopping at
+    EOS)."""
     algo = dataclasses.replace(cfg.algo, reward_weights=cfg.reward_weights)
     eos = policy.tokenizer.eos_token_id
-    sampling = cfg.rollout.sampling_params(() if eos is None else (int(eos),))
+    return algo, cfg.rollout.sampling_params(() if eos is None else (int(eos),))
+
+
+def grpo_pipeline(cfg, policy, learner) -> tuple[GRPOConfig, SamplingParams, PolicyUpdate]:
+    """What every GRPO-pipeline algorithm builds from the config: :func:`grpo_sampling` and the policy update at
+    that temperature."""
+    algo, sampling = grpo_sampling(cfg, policy)
     update = PolicyUpdate(algo, learner, temperature=sampling.temperature, num_iterations=cfg.num_iterations,
                           impl=cfg.logprobs_impl, loss_head=cfg.loss_head, docs_per_step=cfg.docs_per_step)
     return algo, sampling, update
@@ -302,32 +308,40 @@ class StreamedRollout:
         return self.rollout.policy_version
 
 
+@dataclasses.dataclass
+class ScoredRollout:
+    """A rollout with its rewards: what :meth:`GroupSampler.score` makes of a generated one, and what the trainer
+    reads from an experience queue (:mod:`jrl.train.exploration`), scored by the explorers."""
+
+    rollout: RolloutBatch
+    rewards: np.ndarray
+    """[N, R] float32, each reward function's value per completion (NaN: no reward)."""
+    reward_names: tuple[str, ...]
+    """The reward functions' names, one per column."""
+    failures: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Failed-call metrics of the scoring (:class:`~jrl.train.reward_pool.RewardScorer`)."""
+
+    @property
+    def policy_version(self) -> int:
+        return self.rollout.policy_version
+
+
 FLAT_REWARD_STEPS = 5
 """Consecutive steps whose groups all got equal rewards (every advantage zero: nothing learned) before a
 warning."""
 
 
-@ALGORITHMS.register("grpo")
-class GRPO:
-    """GRPO-family training with reward functions (see the module docstring)."""
+class GroupSampler:
+    """The rollout side of GRPO: ``num_generations`` completions per prompt at the run's sampling parameters,
+    scored by the reward functions (in worker processes, :class:`~jrl.train.reward_pool.RewardScorer`). The
+    trainer's :class:`GRPO` uses it in one process; an explorer process uses it alone."""
 
-    ignores = ("ebft",)
-    progress_desc = "grpo"
-    plot_keys = ("reward/mean", "loss")
-    samples_field = "algo.num_generations"
-
-    def __init__(self, cfg, policy, learner):
+    def __init__(self, cfg, policy):
         self.tokenizer, self.pad_id = policy.tokenizer, policy.pad_id
-        self.algo, self.sampling, self.update_policy = grpo_pipeline(cfg, policy, learner)
-        self.reward_fns = load_reward_functions(cfg.rewards)
-        self.scorer = RewardScorer(self.reward_fns, num_workers=cfg.scoring.num_workers,
+        self.algo, self.sampling = grpo_sampling(cfg, policy)
+        self.scorer = RewardScorer(load_reward_functions(cfg.rewards), num_workers=cfg.scoring.num_workers,
                                    timeout_s=cfg.scoring.timeout_s, max_failed_steps=cfg.scoring.max_failed_steps)
-        self._flat_steps = 0  # consecutive steps without a learning signal
         self.stream = cfg.scoring.stream_groups
-        g = self.algo.num_generations
-        self.replay = ReplayBuffer(cfg.replay, group_size=g, seed=cfg.seed) if cfg.replay.buffer_size else None
-        self.reroll = (RerollBuffer(cfg.reroll, max_steps=cfg.max_steps, lag=cfg.rollout.prefetch_depth)
-                       if cfg.reroll.start_fraction < 1 else None)
 
     def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout:
         """The batch's completions; with ``scoring.stream_groups``, generated in chunks of that many prompts (chunk
@@ -349,8 +363,9 @@ class GRPO:
         texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         return self.scorer.start(rep.prompts, texts, ids, rep.columns, group_size=g)
 
-    def make_experience(self, rollout: RolloutBatch | StreamedRollout, prompt_batch, learner, step: int):
-        g = self.algo.num_generations
+    def score(self, rollout: RolloutBatch | StreamedRollout, prompt_batch, step: int) -> ScoredRollout:
+        """The rollout of ``prompt_batch`` with its rewards; ``step`` (0-based) names the step in logs and counts
+        consecutive failing steps."""
         if isinstance(rollout, StreamedRollout):
             started, rollout = rollout.scoring, rollout.rollout
         else:
@@ -361,11 +376,47 @@ class GRPO:
                 logger.warning("step %d: reward function %r gave no reward (None/NaN, or a failed call) for any "
                                "completion, so it adds nothing to the advantages; check the function "
                                "(reward/%s/mean is null in metrics.jsonl)", step + 1, name, name)
+        return ScoredRollout(rollout, np.asarray(rewards, np.float32), tuple(names), dict(failures))
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+@ALGORITHMS.register("grpo")
+class GRPO:
+    """GRPO-family training with reward functions (see the module docstring). With ``mode='train'`` the rollouts
+    arrive scored (:class:`ScoredRollout`, from explorer processes) and no sampler is built."""
+
+    ignores = ("ebft",)
+    progress_desc = "grpo"
+    plot_keys = ("reward/mean", "loss")
+    samples_field = "algo.num_generations"
+    explorer = GroupSampler
+    """What an explorer process runs (``mode='explore'``, :mod:`jrl.train.exploration`)."""
+
+    def __init__(self, cfg, policy, learner):
+        self.pad_id = policy.pad_id
+        self.algo, self.sampling, self.update_policy = grpo_pipeline(cfg, policy, learner)
+        self.sampler = GroupSampler(cfg, policy) if cfg.mode == "both" else None
+        self._flat_steps = 0  # consecutive steps without a learning signal
+        g = self.algo.num_generations
+        self.replay = ReplayBuffer(cfg.replay, group_size=g, seed=cfg.seed) if cfg.replay.buffer_size else None
+        self.reroll = (RerollBuffer(cfg.reroll, max_steps=cfg.max_steps, lag=cfg.rollout.prefetch_depth)
+                       if cfg.reroll.start_fraction < 1 else None)
+
+    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout:
+        return self.sampler.generate(engine, prompt_batch, seed=seed)
+
+    def make_experience(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout, prompt_batch, learner,
+                        step: int):
+        g = self.algo.num_generations
+        scored = rollout if isinstance(rollout, ScoredRollout) else self.sampler.score(rollout, prompt_batch, step)
+        rollout, rewards = scored.rollout, scored.rewards
         adv = np.asarray(advantages_from_config(rewards, self.algo))
         has_signal = row_has_signal(rewards, self.algo)
         self._flat_steps = 0 if has_signal.any() else self._flat_steps + 1
         metrics = rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
-                                  reward_names=tuple(names))
+                                  reward_names=scored.reward_names)
         if self.reroll is not None:
             failed = np.flatnonzero(all_fail_groups(rewards, g))
             metrics.update(self.reroll.add(step, [prompt_batch.indices[k] for k in failed]))
@@ -384,7 +435,7 @@ class GRPO:
                            "the rewards", step + 2 - FLAT_REWARD_STEPS, step + 1)
         batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
                                  has_signal=has_signal)
-        return batch, {**metrics, **failures}
+        return batch, {**metrics, **scored.failures}
 
     def rerolled_prompts(self, index: int) -> list[int]:
         """Dataset indices of the prompts rollout batch ``index`` samples again (:mod:`jrl.train.reroll`)."""
@@ -408,8 +459,8 @@ class GRPO:
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)
 
-    def generated_tokens(self, rollout: RolloutBatch | StreamedRollout) -> int:
-        if isinstance(rollout, StreamedRollout):
+    def generated_tokens(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout) -> int:
+        if isinstance(rollout, (StreamedRollout, ScoredRollout)):
             rollout = rollout.rollout
         return int(np.asarray(rollout.completion_mask).sum())
 
@@ -428,15 +479,16 @@ class GRPO:
     def _complete(self, engine, prompt_batch, sampling: SamplingParams, *, seed: int) -> Completions:
         rollout = engine.generate(prompt_batch.prompt_ids, sampling, num_generations=1, seed=seed)
         ids = completion_token_lists(rollout)
-        return Completions([self.tokenizer.decode(x, skip_special_tokens=True) for x in ids], ids,
+        return Completions([self.sampler.tokenizer.decode(x, skip_special_tokens=True) for x in ids], ids,
                            np.asarray(rollout.truncated, bool))
 
     def _score_eval(self, prompt_batch, done: Completions, step: int):
-        rewards, names, _ = self.scorer.score(prompt_batch.prompts, done.texts, done.ids, prompt_batch.columns,
+        rewards, names, _ = self.sampler.scorer.score(prompt_batch.prompts, done.texts, done.ids, prompt_batch.columns,
                                               step=step, group_size=1, count_failures=False)
         rm = reward_metrics(rewards, group_size=1, reward_weights=self.algo.reward_weights, reward_names=tuple(names))
         kept = {k: float(v) for k, v in rm.items() if k == "reward" or k.endswith("/mean")}
         return rewards, names, {reward_log_name(k): v for k, v in kept.items()}
 
     def close(self) -> None:
-        self.scorer.close()
+        if self.sampler is not None:
+            self.sampler.close()

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 #: Metrics of the last logged step that the closing summary prints, per kind of run.
 SUMMARY_METRICS = {"grpo": ("reward/mean",), "ebft_structured": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward"),
@@ -35,7 +36,8 @@ def parse_config(argv: list[str]):
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
     default = load_config_file(known.config) if known.config else None
-    prog = "train.py --config " + known.config if known.config else "train.py"
+    name = Path(sys.argv[0]).name  # train.py, explore.py, or "jrl train" / "jrl explore" (jrl.cli)
+    prog = f"{name} --config {known.config}" if known.config else name
     return tyro.cli(TrainConfig, default=default, args=rest, prog=prog,
                     description="GRPO or EBFT training (--algorithm grpo | ebft_structured | ebft_strided). "
                                 "Pass --config FILE (a Python file with config()) first.")

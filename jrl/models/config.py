@@ -25,7 +25,13 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
+#: Families whose layers (some or all) are mixtures of experts.
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+#: MoE routers (:data:`jrl.models.moe.ROUTERS` implements them).
+ROUTER_NAMES: tuple[str, ...] = ("softmax", "sigmoid_grouped")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -37,6 +43,9 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, head_dim=128),
     "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False),
     "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2),
+    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False),
+    "glm4_moe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=131072, norm_topk_prob=True,
+                     partial_rotary_factor=0.5),
 }
 
 
@@ -70,10 +79,11 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral)."""
+    """Architecture of a decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE,
+    GLM-4-MoE)."""
 
     model_type: str
-    """HF family: one of ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral``."""
+    """HF family: one of ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``glm4_moe``."""
     vocab_size: int
     """Number of token embeddings / logits."""
     hidden_size: int
@@ -94,6 +104,8 @@ class ModelConfig:
     """RoPE base wavelength."""
     rope_scaling: RopeScaling | None = None
     """RoPE frequency scaling; ``None`` for plain RoPE."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of ``head_dim`` that RoPE rotates (the leading dims); the rest passes unrotated (GLM-4-MoE: 0.5)."""
     max_position_embeddings: int = 4096
     """Context length the checkpoint declares (exported; also the llama3 default original length)."""
     tie_word_embeddings: bool = False
@@ -105,7 +117,7 @@ class ModelConfig:
     mlp_bias: bool = False
     """Bias on the dense MLP projections (Llama ``mlp_bias``)."""
     qk_norm: bool = False
-    """RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE)."""
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE; GLM-4-MoE's ``use_qk_norm``)."""
     sliding_window: int | None = None
     """Sliding attention window applied to every layer (Mixtral); ``None`` for full attention."""
     hidden_act: str = "silu"
@@ -121,7 +133,24 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     """Qwen3-MoE: layer i is MoE iff ``(i + 1) % decoder_sparse_step == 0`` and i not in ``mlp_only_layers``."""
     mlp_only_layers: tuple[int, ...] = ()
-    """Qwen3-MoE: layers that use the dense MLP."""
+    """Qwen3-MoE / Qwen2-MoE: layers that use the dense MLP."""
+    first_k_dense_replace: int = 0
+    """GLM-4-MoE: the first k layers use the dense MLP."""
+    router: str = "softmax"
+    """MoE routing (:data:`ROUTER_NAMES`): ``softmax`` (softmax, then top-k; Qwen-MoE, Mixtral) or
+    ``sigmoid_grouped`` (sigmoid scores plus ``e_score_correction_bias`` pick the top-k experts within the best
+    ``topk_group`` of ``n_group`` expert groups, weighted by their sigmoid scores; GLM-4-MoE, DeepSeek-V3)."""
+    n_group: int = 1
+    """``sigmoid_grouped``: groups the experts are split into."""
+    topk_group: int = 1
+    """``sigmoid_grouped``: groups a token's experts may come from."""
+    routed_scaling_factor: float = 1.0
+    """``sigmoid_grouped``: factor on the routing weights (after ``norm_topk_prob``)."""
+    shared_expert_intermediate_size: int | None = None
+    """Width of the shared expert (a SwiGLU MLP every token of an MoE layer also goes through; Qwen2-MoE, and
+    GLM-4-MoE's ``n_shared_experts * moe_intermediate_size``); ``None`` for none."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by ``sigmoid(x · w)`` with a learned ``w`` [H] (Qwen2-MoE)."""
     bos_token_id: int | None = None
     """Begin-of-sequence token id (exported to config.json)."""
     eos_token_id: int | tuple[int, ...] | None = None
@@ -192,7 +221,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act={self.hidden_act!r} is not supported; only 'silu' (SwiGLU) is")
-        moe_family = self.model_type in ("qwen3_moe", "mixtral")
+        moe_family = self.model_type in MOE_MODEL_TYPES
         if moe_family:
             if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -206,12 +235,15 @@ class ModelConfig:
         elif self.num_experts:
             raise ValueError(
                 f"model_type={self.model_type!r} is dense but num_experts={self.num_experts}; "
-                f"use model_type 'qwen3_moe' or 'mixtral' for MoE"
+                f"use one of {', '.join(MOE_MODEL_TYPES)} for MoE"
             )
+        self._check_routing()
         # Family invariants: only combinations that the family's HF config can express.
         mt = self.model_type
         if mt == "qwen2" and not (self.qkv_bias and not self.o_bias):
             raise ValueError("qwen2 always has q/k/v bias and no o_proj bias: set qkv_bias=True, o_bias=False")
+        if mt in ("qwen2_moe", "glm4_moe") and self.o_bias:
+            raise ValueError(f"{mt} has no o_proj bias: set o_bias=False")
         if mt in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
             raise ValueError(
                 f"{mt}: attention_bias covers q/k/v and o_proj together; set qkv_bias == o_bias "
@@ -221,8 +253,12 @@ class ModelConfig:
             raise ValueError("mixtral has no attention bias: set qkv_bias=False, o_bias=False")
         if self.mlp_bias and mt != "llama":
             raise ValueError(f"mlp_bias is a llama option; {mt} has no MLP bias")
-        if self.qk_norm != (mt in ("qwen3", "qwen3_moe")):
+        if mt != "glm4_moe" and self.qk_norm != (mt in ("qwen3", "qwen3_moe")):
             raise ValueError(f"qk_norm must be {mt in ('qwen3', 'qwen3_moe')} for {mt}")
+        rotary = self.rotary_dim
+        if not 0 < rotary <= self.head_dim or rotary % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} gives a rotary width of "
+                             f"{rotary} of head_dim={self.head_dim}; it must be even and in (0, head_dim]")
         if mt == "mixtral" and not self.norm_topk_prob:
             raise ValueError("mixtral always renormalises the top-k probabilities: set norm_topk_prob=True")
         if self.sliding_window is not None and mt != "mixtral":
@@ -230,11 +266,50 @@ class ModelConfig:
                 f"sliding-window attention is only implemented for mixtral (all layers); {mt} "
                 f"with use_sliding_window=True is not supported"
             )
-        if mt == "qwen3_moe" and any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+        if mt in ("qwen3_moe", "qwen2_moe") and any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
             raise ValueError(
                 f"mlp_only_layers={self.mlp_only_layers} has entries outside [0, {self.num_hidden_layers})")
 
+    def _check_routing(self) -> None:
+        """The router and shared-expert fields agree with the family (what its HF config can express)."""
+        mt = self.model_type
+        if self.router not in ROUTER_NAMES:
+            raise ValueError(f"ModelConfig.router={self.router!r} is not a router; use one of "
+                             f"{', '.join(ROUTER_NAMES)}")
+        if not self.is_moe:
+            return
+        want = "sigmoid_grouped" if mt == "glm4_moe" else "softmax"
+        if self.router != want:
+            raise ValueError(f"{mt} routes with router={want!r}; got router={self.router!r}")
+        if self.router == "sigmoid_grouped":
+            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"sigmoid_grouped routing needs num_experts % n_group == 0 and 1 <= topk_group <= "
+                                 f"n_group; got num_experts={self.num_experts}, n_group={self.n_group}, "
+                                 f"topk_group={self.topk_group}")
+            if self.num_experts // self.n_group < 2:
+                raise ValueError(f"sigmoid_grouped routing scores a group by its best 2 experts: n_group="
+                                 f"{self.n_group} leaves fewer than 2 of num_experts={self.num_experts} per group")
+            if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of topk_group="
+                                 f"{self.topk_group} groups")
+        shared = self.shared_expert_intermediate_size
+        if mt in ("qwen3_moe", "mixtral") and (shared is not None or self.shared_expert_gate):
+            raise ValueError(f"{mt} has no shared expert: set shared_expert_intermediate_size=None, "
+                             f"shared_expert_gate=False")
+        if mt == "qwen2_moe" and (shared is None or not self.shared_expert_gate):
+            raise ValueError("qwen2_moe has a gated shared expert: set shared_expert_intermediate_size and "
+                             "shared_expert_gate=True")
+        if mt == "glm4_moe" and self.shared_expert_gate:
+            raise ValueError("glm4_moe's shared experts have no gate: set shared_expert_gate=False")
+        if shared is not None and shared <= 0:
+            raise ValueError(f"ModelConfig.shared_expert_intermediate_size={shared} must be positive (or None)")
+
     # ------------------------------------------------------------------ derived
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates: ``int(head_dim * partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @property
     def is_moe(self) -> bool:
         """Whether any layer is a mixture of experts."""
@@ -247,11 +322,14 @@ class ModelConfig:
         return self.scan_layers and len({self.layer_is_moe(i) for i in range(self.num_hidden_layers)}) == 1
 
     def layer_is_moe(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` uses the MoE block (HF's rule for Qwen3-MoE; every layer for Mixtral)."""
+        """Whether decoder layer ``layer`` uses the MoE block (HF's rule for Qwen3-MoE / Qwen2-MoE and GLM-4-MoE; every
+        layer for Mixtral)."""
         if not self.is_moe:
             return False
         if self.model_type == "mixtral":
             return True
+        if self.model_type == "glm4_moe":
+            return layer >= self.first_k_dense_replace
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     def num_params(self) -> int:
@@ -264,6 +342,8 @@ class ModelConfig:
             total += attn + 2 * h
             if self.layer_is_moe(i):
                 total += h * self.num_experts + 3 * self.num_experts * h * self.moe_intermediate_size
+                total += 3 * h * (self.shared_expert_intermediate_size or 0) + h * self.shared_expert_gate
+                total += self.num_experts * (self.router == "sigmoid_grouped")
             else:
                 total += 3 * h * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + h)
         return total
@@ -287,7 +367,7 @@ class ModelConfig:
             value = hf.get(key)
             return defaults.get(key, default) if value is None else value
 
-        theta, scaling = _rope_from_hf(hf, defaults["rope_theta"])
+        theta, scaling, partial = _rope_from_hf(hf, defaults["rope_theta"], defaults.get("partial_rotary_factor", 1.0))
         n_heads = hf["num_attention_heads"]
         kw: dict[str, Any] = dict(
             model_type=mt,
@@ -301,6 +381,7 @@ class ModelConfig:
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(theta),
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             hidden_act=hf.get("hidden_act", "silu"),
@@ -317,9 +398,14 @@ class ModelConfig:
         elif mt in ("qwen3", "qwen3_moe"):
             bias = bool(hf.get("attention_bias", False))
             kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True)
-        if mt in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        elif mt == "qwen2_moe":
+            kw.update(qkv_bias=bool(hf.get("qkv_bias", True)), o_bias=False)
+        elif mt == "glm4_moe":
+            kw.update(qkv_bias=bool(hf.get("attention_bias", False)), o_bias=False,
+                      qk_norm=bool(hf.get("use_qk_norm", False)))
+        if mt in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
             raise UnsupportedModelError(f"{mt} with use_sliding_window=True is not supported (full attention only)")
-        if mt == "qwen3_moe":
+        if mt in ("qwen3_moe", "qwen2_moe"):
             kw.update(
                 num_experts=hf.get("num_experts") or hf.get("num_local_experts"),
                 num_experts_per_tok=hf["num_experts_per_tok"],
@@ -327,6 +413,23 @@ class ModelConfig:
                 norm_topk_prob=bool(get("norm_topk_prob")),
                 decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
                 mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            )
+            if mt == "qwen2_moe":
+                kw.update(shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                          shared_expert_gate=True)
+        elif mt == "glm4_moe":
+            shared = int(hf.get("n_shared_experts", 1) or 0) * hf["moe_intermediate_size"]
+            kw.update(
+                num_experts=hf.get("n_routed_experts") or hf.get("num_local_experts"),
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                router="sigmoid_grouped",
+                n_group=int(hf.get("n_group") or 1),
+                topk_group=int(hf.get("topk_group") or 1),
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                first_k_dense_replace=int(hf.get("first_k_dense_replace", 1)),
+                shared_expert_intermediate_size=shared or None,
             )
         elif mt == "mixtral":
             kw.update(
@@ -347,6 +450,8 @@ class ModelConfig:
         """
         mt = self.model_type
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.partial_rotary_factor != 1.0:
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
         legacy_scaling = None
         if self.rope_scaling is not None:
             s = self.rope_scaling
@@ -358,7 +463,7 @@ class ModelConfig:
                     original_max_position_embeddings=s.original_max_position_embeddings
                     or self.max_position_embeddings,
                 )
-            rope = {**legacy_scaling, "rope_theta": self.rope_theta}
+            rope = {**rope, **legacy_scaling}
         out: dict[str, Any] = {
             "architectures": [ARCHITECTURES[mt]],
             "model_type": mt,
@@ -383,7 +488,7 @@ class ModelConfig:
             "dtype": dtype or self.param_dtype,
             "use_cache": True,
         }
-        if mt in ("qwen2", "mixtral") and self.head_dim == self.hidden_size // self.num_attention_heads:
+        if mt in ("qwen2", "mixtral", "qwen2_moe") and self.head_dim == self.hidden_size // self.num_attention_heads:
             del out["head_dim"]  # these config classes derive it (and have no / a None head_dim field)
         if mt == "llama":
             out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
@@ -391,7 +496,12 @@ class ModelConfig:
             out.update(use_sliding_window=False)
         elif mt in ("qwen3", "qwen3_moe"):
             out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
-        if mt == "qwen3_moe":
+        elif mt == "qwen2_moe":
+            out.update(qkv_bias=self.qkv_bias, use_sliding_window=False)
+        elif mt == "glm4_moe":
+            out.update(attention_bias=self.qkv_bias, use_qk_norm=self.qk_norm,
+                       partial_rotary_factor=self.partial_rotary_factor)
+        if mt in ("qwen3_moe", "qwen2_moe"):
             out.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -399,6 +509,25 @@ class ModelConfig:
                 norm_topk_prob=self.norm_topk_prob,
                 decoder_sparse_step=self.decoder_sparse_step,
                 mlp_only_layers=list(self.mlp_only_layers),
+            )
+            if mt == "qwen2_moe":
+                out.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+        elif mt == "glm4_moe":
+            n_shared = (self.shared_expert_intermediate_size or 0) // self.moe_intermediate_size
+            if n_shared * self.moe_intermediate_size != (self.shared_expert_intermediate_size or 0):
+                raise ValueError(f"glm4_moe's shared expert width is n_shared_experts * moe_intermediate_size; "
+                                 f"{self.shared_expert_intermediate_size} is not a multiple of "
+                                 f"{self.moe_intermediate_size}")
+            out.update(
+                n_routed_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                n_shared_experts=n_shared,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor,
+                first_k_dense_replace=self.first_k_dense_replace,
             )
         elif mt == "mixtral":
             out.update(
@@ -409,8 +538,10 @@ class ModelConfig:
         return out
 
 
-def _rope_from_hf(hf: Mapping[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from either ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+def _rope_from_hf(hf: Mapping[str, Any], default_theta: float,
+                  default_partial: float = 1.0) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, scaling, partial_rotary_factor) from either ``rope_parameters`` (transformers 5) or
+    ``rope_theta``/``rope_scaling``."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise UnsupportedModelError(f"cannot read rope parameters {params!r}")
@@ -422,10 +553,9 @@ def _rope_from_hf(hf: Mapping[str, Any], default_theta: float) -> tuple[float, R
         raise UnsupportedModelError(
             f"rope_type={rope_type!r} is not supported; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial)))
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, partial
     scaling = RopeScaling(
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
@@ -435,12 +565,12 @@ def _rope_from_hf(hf: Mapping[str, Any], default_theta: float) -> tuple[float, R
             "original_max_position_embeddings", hf.get("max_position_embeddings")
         ) if rope_type == "llama3" else None,
     )
-    return float(theta), scaling
+    return float(theta), scaling, partial
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies [head_dim // 2] (float32), with the config's scaling applied (as transformers)."""
-    d = config.head_dim
+    """RoPE inverse frequencies [rotary_dim // 2] (float32), with the config's scaling applied (as transformers)."""
+    d = config.rotary_dim
     inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)))
     inv = inv.astype(np.float32)
     s = config.rope_scaling

@@ -15,7 +15,9 @@ What transformers 5.23 writes (checked by saving tiny random models): qwen3_moe
 ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`` and ``mlp.gate.weight``; mixtral
 ``model.layers.{l}.block_sparse_moe.experts.{e}.w1|w3|w2.weight`` and ``block_sparse_moe.gate.weight``. Its
 in-memory (runtime) layout is fused ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
-[E, H, I], which jrl also accepts on import.
+[E, H, I], which jrl also accepts on import. qwen2_moe and glm4_moe store experts as qwen3_moe does, plus
+``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight`` (qwen2_moe) and ``mlp.shared_experts.*`` /
+``mlp.gate.e_score_correction_bias`` (glm4_moe).
 """
 
 from __future__ import annotations
@@ -186,6 +188,21 @@ _MIXTRAL_MOE = (
     Rule("model.layers.{layer}.mlp.gate.weight", "layers.{layer}.mlp.router.kernel", LINEAR, export=False),
 ) + _fused_expert_rules("mlp") + _fused_expert_rules("block_sparse_moe")
 
+def _shared_expert_rules(name: str) -> tuple[Rule, ...]:
+    """A shared expert stored as ``mlp.{name}.{gate,up,down}_proj`` (qwen2_moe ``shared_expert``, glm4_moe
+    ``shared_experts``)."""
+    L, j = f"model.layers.{{layer}}.mlp.{name}.", "layers.{layer}.mlp.shared_expert."
+    return tuple(Rule(f"{L}{p}.weight", f"{j}{p}.kernel", LINEAR) for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+_QWEN2_MOE = _QWEN_MOE + _shared_expert_rules("shared_expert") + (
+    Rule("model.layers.{layer}.mlp.shared_expert_gate.weight", "layers.{layer}.mlp.shared_expert_gate.kernel", LINEAR),
+)
+
+_GLM4_MOE = _QWEN_MOE + _shared_expert_rules("shared_experts") + (
+    Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", "layers.{layer}.mlp.router_bias", IDENTITY),
+)
+
 #: Keys some checkpoints carry that hold no weights jrl needs (old Llama exports saved RoPE caches).
 IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq\Z"),)
 
@@ -196,6 +213,8 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "qwen3": _dense_rules(),
     "qwen3_moe": _dense_rules() + _QWEN_MOE,
     "mixtral": _dense_rules() + _MIXTRAL_MOE,
+    "qwen2_moe": _dense_rules() + _QWEN2_MOE,
+    "glm4_moe": _dense_rules() + _GLM4_MOE,
 }
 
 

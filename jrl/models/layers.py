@@ -1,4 +1,5 @@
-"""NNX building blocks shared by every family: Linear, Embed, RMSNorm, RoPE, attention, SwiGLU MLP, MoE.
+"""NNX building blocks shared by every family: Linear, Embed, RMSNorm, RoPE, attention, SwiGLU MLP (the
+mixture of experts is :mod:`jrl.models.moe`).
 
 Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata (one logical name or ``None`` per
 dimension); :mod:`jrl.sharding.rules` maps those names to mesh axes.
@@ -36,14 +37,23 @@ from jax.sharding import PartitionSpec as P
 
 from jrl.kernels.attention import AttentionMask, attention, decode_attention
 from jrl.kernels.attention.reference import attend_dense
-from jrl.kernels.moe import gmm, permute, unpermute
 from jrl.models.config import ModelConfig, rope_inv_freq
 from jrl.sharding.rules import logical_to_spec, with_logical_constraint
 
 Axes = tuple[str | None, ...]
 
 
-def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+class FrozenParam(nnx.Param):
+    """A checkpoint weight that is loaded, sharded and exported like any parameter but never trained (GLM-4-MoE's
+    router ``e_score_correction_bias``: it only shifts which experts are chosen, so it has no gradient, and weight
+    decay must not shrink it)."""
+
+
+#: The parameters a full fine-tune trains: every ``nnx.Param`` but the frozen ones.
+TRAINED = nnx.All(nnx.Param, nnx.Not(FrozenParam))
+
+
+def normal_init(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 
@@ -65,7 +75,7 @@ class Linear(nnx.Module):
                  rngs: nnx.Rngs):
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
         self.dtype = jnp.dtype(dtype)
-        self.kernel = nnx.Param(_normal(rngs, self.in_shape + self.out_shape, init_std, param_dtype),
+        self.kernel = nnx.Param(normal_init(rngs, self.in_shape + self.out_shape, init_std, param_dtype),
                                 logical_axes=tuple(in_axes) + tuple(out_axes))
         self.bias = (nnx.Param(jnp.zeros(self.out_shape, param_dtype), logical_axes=tuple(out_axes))
                      if use_bias else None)
@@ -88,7 +98,7 @@ class Embed(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  init_std: float = 0.02, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(dtype)
-        self.embedding = nnx.Param(_normal(rngs, (vocab_size, hidden_size), init_std, param_dtype),
+        self.embedding = nnx.Param(normal_init(rngs, (vocab_size, hidden_size), init_std, param_dtype),
                                    logical_axes=("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
@@ -146,7 +156,7 @@ def _inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, S, D] (float32) for explicit integer ``positions`` [B, S]."""
+    """cos, sin [B, S, rotary_dim] (float32) for explicit integer ``positions`` [B, S]."""
     inv = jnp.asarray(_inv_freq(config))
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -154,12 +164,15 @@ def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, S, heads, D] (half-split "rotate_half" convention of HF Llama/Qwen), in float32."""
+    """Rotate x [B, S, heads, D] (half-split "rotate_half" convention of HF Llama/Qwen), in float32. With cos/sin
+    narrower than D (partial rotary) only the leading dims rotate and the rest pass through."""
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
+    r = cos.shape[-1]
+    x_rot, x_pass = x32[..., :r], x32[..., r:]
+    x1, x2 = jnp.split(x_rot, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
+    out = x_rot * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return jnp.concatenate([out, x_pass], axis=-1).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -265,54 +278,3 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Experts(nnx.Module):
-    """Stacked expert weights: gate/up ``[E, H, I]``, down ``[E, I, H]``."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        c = config
-        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        std, pd = c.initializer_range, c.param_dtype
-        self.gate_proj = nnx.Param(_normal(rngs, (e, h, i), std, pd), logical_axes=("expert", "embed", "expert_mlp"))
-        self.up_proj = nnx.Param(_normal(rngs, (e, h, i), std, pd), logical_axes=("expert", "embed", "expert_mlp"))
-        self.down_proj = nnx.Param(_normal(rngs, (e, i, h), std, pd), logical_axes=("expert", "expert_mlp", "embed"))
-
-
-def route(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """softmax → top-k routing (qwen*, mixtral): (weights [T, K] float32, expert ids [T, K] int32).
-
-    With ``norm_topk_prob`` the weights are divided by their sum (no epsilon, as transformers).
-    """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, idx = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, idx.astype(jnp.int32)
-
-
-class MoE(nnx.Module):
-    """Softmax top-k mixture of SwiGLU experts; router in float32, experts via ``jrl.kernels.moe``."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        c = config
-        self.config = c
-        self.dtype = jnp.dtype(c.dtype)
-        self.router = Linear((c.hidden_size,), (c.num_experts,), in_axes=("embed",), out_axes=(None,),
-                             dtype=jnp.float32, param_dtype=c.param_dtype, init_std=c.initializer_range, rngs=rngs)
-        self.experts = Experts(c, rngs=rngs)
-
-    def router_logits(self, x: jax.Array) -> jax.Array:
-        """Router logits [..., E] computed in float32."""
-        return self.router(x.astype(jnp.float32))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        shape = x.shape
-        xf = x.reshape(-1, shape[-1]).astype(self.dtype)
-        weights, idx = route(self.router_logits(xf), c.num_experts_per_tok, c.norm_topk_prob)
-        perm = permute(xf, idx, c.num_experts)
-        gate = gmm(perm.sorted_x, self.experts.gate_proj[...].astype(self.dtype), perm.group_sizes)
-        up = gmm(perm.sorted_x, self.experts.up_proj[...].astype(self.dtype), perm.group_sizes)
-        y = gmm(jax.nn.silu(gate) * up, self.experts.down_proj[...].astype(self.dtype), perm.group_sizes)
-        return unpermute(y, perm, weights).reshape(shape)

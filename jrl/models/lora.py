@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrl.models.layers import Linear
+from jrl.models.layers import TRAINED, Linear
 from jrl.models.transformer import Transformer, named_params
 
 #: HF module names of the projections LoRA can target in every supported family.
@@ -164,6 +164,12 @@ def lora_layers(model: nnx.Module) -> dict[str, LoRALinear]:
 
 def has_lora(model: nnx.Module) -> bool:
     return bool(lora_layers(model))
+
+
+def trainable_params(model: nnx.Module):
+    """The ``nnx`` filter of what training updates in ``model``: its LoRA adapters when it has them, else every
+    parameter but the frozen ones (:data:`jrl.models.layers.TRAINED`)."""
+    return LoRAParam if has_lora(model) else TRAINED
 
 
 @contextlib.contextmanager

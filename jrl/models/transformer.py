@@ -18,13 +18,13 @@ from jrl.models.layers import (
     Embed,
     KVCache,
     Linear,
-    MoE,
     RMSNorm,
     cache_attention_mask,
     constrain,
     positions_from_mask,
     positions_from_segments,
 )
+from jrl.models.moe import MoE
 from jrl.models.remat import remat
 from jrl.sharding.placement import from_host
 from jrl.sharding.rules import logical_sharding
@@ -48,7 +48,8 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
         self.attn = Attention(c, rngs=rngs, mesh=mesh, rules=rules)
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
-        self.mlp = MoE(c, rngs=rngs) if c.layer_is_moe(layer) else MLP(c, c.intermediate_size, rngs=rngs)
+        self.mlp = (MoE(c, rngs=rngs, mesh=mesh, rules=rules) if c.layer_is_moe(layer)
+                    else MLP(c, c.intermediate_size, rngs=rngs))
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: AttentionMask | jax.Array,
                  cache: KVCache | None = None, cache_index: jax.Array | int = 0):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jrl.models import from_pretrained, save_pretrained
-from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, merge_lora
+from jrl.models.lora import LoraConfig, apply_lora, merge_lora, trainable_params
 from jrl.models.peft import save_peft_adapter
 from jrl.train.checkpoint import TrainCheckpointer
 
@@ -70,8 +70,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_on
                              f"(no LoRA adapters); export it without --adapter-only")
         if lora is not None:
             apply_lora(model, lora, seed=meta["seed"])
-        wrt = LoRAParam if lora is not None else nnx.Param
-        params = ckpt.restore_params(nnx.state(model, wrt), step)
+        params = ckpt.restore_params(nnx.state(model, trainable_params(model)), step)
         nnx.update(model, params)
     finally:
         ckpt.close()

@@ -12,8 +12,8 @@ every micro-batch of every term are summed into one donated accumulator, then on
 rows is in the term's ``keep`` mask is skipped on the host and counted.
 
 The model is split into ``(graphdef, params, frozen)``: with LoRA the trainable params are the
-:class:`~jrl.models.lora.LoRAParam` variables, else every ``nnx.Param``. After an update ``model`` holds
-the new weights (for the rollout engine's sync and for export).
+:class:`~jrl.models.lora.LoRAParam` variables, else every ``nnx.Param`` but frozen ones. After an update
+``model`` holds the new weights (for the rollout engine's sync and for export).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jrl.models.lora import LoRAParam, has_lora, lora_disabled
+from jrl.models.lora import has_lora, lora_disabled, trainable_params
 from jrl.sharding import batch_sharding, from_host, opt_state_shardings, to_host
 from jrl.train.config import OptimConfig
 
@@ -127,7 +127,7 @@ class Learner:
     def __init__(self, model: nnx.Module, optim: OptimConfig, *, total_updates: int, mesh=None, rules=None):
         self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
-        self.graphdef, self.params, self.frozen = nnx.split(model, LoRAParam if self.lora else nnx.Param, ...)
+        self.graphdef, self.params, self.frozen = nnx.split(model, trainable_params(model), ...)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
             self.opt_state = jax.jit(self.tx.init)(self.params)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jrl.models.lora import LoRAParam, has_lora
+from jrl.models.lora import trainable_params
 from jrl.sharding import is_main_process
 from jrl.sharding.placement import iter_to_host, path_str
 
@@ -57,7 +57,7 @@ def finished_version(root: str | Path) -> int | None:
 def trainable(model: nnx.Module):
     """(graphdef, trainable state, the rest) of ``model``: its LoRA adapters when it has them, else every param
     (the learner's split)."""
-    return nnx.split(model, LoRAParam if has_lora(model) else nnx.Param, ...)
+    return nnx.split(model, trainable_params(model), ...)
 
 
 class WeightPublisher:

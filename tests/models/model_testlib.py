@@ -38,6 +38,18 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "mixtral": ("mixtral", dict(
         hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    # Gated shared expert; MoE layers 0 and 2, dense layer 1; q/k/v bias.
+    "qwen2_moe": ("qwen2_moe", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[1])),
+    # Sigmoid routing with a score-correction bias over 4 groups (top-2 groups), scaled weights; 2 shared experts;
+    # dense first layer; half of head_dim rotated; attention bias and q/k norm.
+    "glm4_moe": ("glm4_moe", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, n_shared_experts=2, attention_bias=True,
+        use_qk_norm=True, partial_rotary_factor=0.5)),
 }
 
 
@@ -66,6 +78,9 @@ def randomize_(model, seed: int = 0) -> None:
             else:  # [out, in] or fused experts [E, out, in]
                 new = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
             p.copy_(new)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the router's choice bias: spread the choices out
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
 
 
 def build_hf(family: str, path, seed: int = 0):

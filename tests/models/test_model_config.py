@@ -28,6 +28,23 @@ QWEN3_MOE = {
     "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
 }
 
+GLM45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5, "rope_theta": 1000000, "attention_bias": True,
+    "use_qk_norm": False, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+QWEN15_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "rope_theta": 1000000.0,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False, "use_sliding_window": False,
+}
+
 
 def test_real_llama31_config():
     c = ModelConfig.from_hf(LLAMA31)
@@ -46,6 +63,19 @@ def test_real_qwen3_moe_config():
     assert ModelConfig.from_hf(c.to_hf()) == c
 
 
+def test_real_moe_configs_with_shared_experts():
+    glm = ModelConfig.from_hf(GLM45_AIR)
+    assert (glm.router, glm.rotary_dim, glm.shared_expert_intermediate_size, glm.qkv_bias, glm.o_bias) == (
+        "sigmoid_grouped", 64, 1408, True, False)
+    assert [glm.layer_is_moe(i) for i in range(3)] == [False, True, True]
+    assert 100e9 < glm.num_params() < 110e9  # GLM-4.5-Air: 106B (this count leaves out the MTP layer)
+    assert ModelConfig.from_hf(glm.to_hf()) == glm
+    qwen = ModelConfig.from_hf(QWEN15_MOE)
+    assert (qwen.router, qwen.shared_expert_intermediate_size, qwen.shared_expert_gate) == ("softmax", 5632, True)
+    assert 14.0e9 < qwen.num_params() < 14.6e9  # Qwen1.5-MoE-A2.7B: 14.3B
+    assert ModelConfig.from_hf(qwen.to_hf()) == qwen
+
+
 def test_every_family_round_trips_through_transformers(family):
     from transformers import AutoConfig
 
@@ -57,7 +87,9 @@ def test_every_family_round_trips_through_transformers(family):
     assert exported.architectures == hf.architectures or hf.architectures is None
     for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "tie_word_embeddings",
                 "rope_parameters", "num_experts", "num_local_experts", "norm_topk_prob", "mlp_only_layers",
-                "sliding_window", "attention_bias", "mlp_bias", "moe_intermediate_size", "intermediate_size"):
+                "sliding_window", "attention_bias", "mlp_bias", "moe_intermediate_size", "intermediate_size",
+                "shared_expert_intermediate_size", "n_routed_experts", "n_shared_experts", "n_group", "topk_group",
+                "routed_scaling_factor", "first_k_dense_replace", "use_qk_norm", "qkv_bias"):
         assert getattr(exported, key, None) == getattr(hf, key, None), key
     json.dumps(c.to_hf())
 
@@ -70,6 +102,9 @@ def test_family_features():
     assert cs["qwen3"].qk_norm and cs["qwen3"].head_dim == 32
     assert [cs["qwen3_moe"].layer_is_moe(i) for i in range(3)] == [True, False, True]
     assert cs["mixtral"].norm_topk_prob and cs["mixtral"].sliding_window == 8 and cs["mixtral"].rope_theta == 1e6
+    assert cs["qwen2_moe"].shared_expert_gate and cs["qwen2_moe"].shared_expert_intermediate_size == 48
+    assert cs["glm4_moe"].n_group == 4 and cs["glm4_moe"].shared_expert_intermediate_size == 64
+    assert cs["glm4_moe"].rotary_dim == 8 and [cs["glm4_moe"].layer_is_moe(i) for i in range(3)] == [False, True, True]
 
 
 def test_llama3_rope_matches_transformers():
@@ -89,6 +124,23 @@ def test_unsupported():
         ModelConfig.from_hf({**LLAMA31, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
         ModelConfig.from_hf({**QWEN3_MOE, "use_sliding_window": True})
+    # Multi-head latent attention is not implemented: DeepSeek-V3 is refused, naming what is supported.
+    with pytest.raises(UnsupportedModelError, match="'deepseek_v3'.*supported model types: .*glm4_moe"):
+        ModelConfig.from_hf({**GLM45_AIR, "model_type": "deepseek_v3"})
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(n_group=3), "num_experts % n_group == 0"),
+    (dict(n_group=4, topk_group=5), "topk_group <= n_group"),
+    (dict(n_group=128), "fewer than 2"),
+    (dict(router="softmax"), "glm4_moe routes with router='sigmoid_grouped'"),
+    (dict(router="top1"), "not a router"),
+    (dict(shared_expert_gate=True), "shared experts have no gate"),
+    (dict(partial_rotary_factor=0.0), "rotary width"),
+])
+def test_moe_validation_names_the_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(GLM45_AIR).replace(**change)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -66,6 +66,8 @@ def _check_loaded_exactly(pm, adapter_dir):
 @pytest.mark.parametrize("family,use_rslora,targets", [
     ("llama_rope3", False, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     ("qwen3", True, ("q_proj", "o_proj", "down_proj")),  # head_dim * heads != hidden: o_proj A is [r, N*D]
+    # MLP targets hit the dense layer's MLP and the MoE layers' shared expert (never the routed experts).
+    ("qwen2_moe", False, ("q_proj", "gate_proj", "up_proj", "down_proj")),
 ])
 def test_peft_loads_adapter_and_matches_jrl_logits(hf_checkpoints, ids, tmp_path, family, use_rslora, targets):
     _, path = hf_checkpoints(family)
@@ -90,7 +92,8 @@ def test_peft_loads_adapter_and_matches_jrl_logits(hf_checkpoints, ids, tmp_path
     assert np.abs(got - want).max() <= TOL, np.abs(got - want).max()
     _check_loaded_exactly(pm, out)
     scaling = [m.scaling["default"] for m in pm.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
-    assert len(scaling) == 2 * len(targets) and scaling == pytest.approx([cfg.scale] * len(scaling))
+    layers = model.config.num_hidden_layers
+    assert len(scaling) == layers * len(targets) and scaling == pytest.approx([cfg.scale] * len(scaling))
 
 
 def test_key_format_and_layouts_match_peft_save(hf_checkpoints, tmp_path):

@@ -1,5 +1,6 @@
 """Sharded == unsharded: logits and gradients of tiny dense and MoE models on 8 fake CPU devices
-(meshes (1), (fsdp=8), (data=2, fsdp=2, tensor=2), (expert=4, fsdp=2) for MoE) match the
+(meshes (1), (fsdp=8), (data=2, fsdp=2, tensor=2), and (expert=4, fsdp=2), (expert=2, fsdp=2, tensor=2)
+for MoE: expert-parallel, tokens exchanged by all-to-all) match the
 single-device result, parameters are placed as the rules say, and per-device memory is what the
 shape-based report predicts. All of it runs in one child process (see workers/mesh_equivalence.py)."""
 
@@ -11,7 +12,8 @@ import pytest
 
 RTOL = 1e-5  # float32
 CASES = ["dense/single", "dense/fsdp8", "dense/data2_fsdp2_tensor2",
-         "moe/single", "moe/fsdp8", "moe/data2_fsdp2_tensor2", "moe/expert4_fsdp2"]
+         "moe/single", "moe/fsdp8", "moe/data2_fsdp2_tensor2", "moe/expert4_fsdp2",
+         "moe/expert2_fsdp2_tensor2"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def test_parameters_placed_as_the_rules_say(result, case):
         down = "layers.mlp.experts.down_proj"  # [1, E, I, H]
         want = {"fsdp8": ([None, None, "fsdp", None], [1, 4, 4, 16]),
                 "data2_fsdp2_tensor2": ([None, None, "fsdp", "tensor"], [1, 4, 16, 8]),
-                "expert4_fsdp2": ([None, "expert", "fsdp", None], [1, 1, 16, 16])}[mesh_name]
+                "expert4_fsdp2": ([None, "expert", "fsdp", None], [1, 1, 16, 16]),
+                "expert2_fsdp2_tensor2": ([None, "expert", "fsdp", "tensor"], [1, 2, 16, 8])}[mesh_name]
         assert specs[gate] == want[0] and shapes[gate] == [want[1]]
         if mesh_name == "expert4_fsdp2":
             assert specs[down] == [None, "expert", None, "fsdp"]
@@ -81,8 +84,18 @@ def test_measured_memory_per_device(result, case):
         assert total / 8 <= measured <= total / 8 + replicated
     elif mesh_name == "data2_fsdp2_tensor2":  # split over fsdp x tensor = 4, replicated over data
         assert total / 4 <= measured <= 1.05 * total / 4 + replicated
-    else:  # expert4_fsdp2: expert weights split 8 ways, the rest over fsdp only
+    else:  # expert4_fsdp2 / expert2_fsdp2_tensor2: expert weights split 8 ways, the rest over fsdp (x tensor)
         assert total / 8 < measured < total / 2
+
+
+def test_expert_parallel_block_exchanges_tokens_by_all_to_all(result):
+    """The MoE block with experts split (expert=4, fsdp=2) sends tokens with all-to-all; nothing gathers the
+    tokens of several devices: every all-gather and all-reduce (expert weights over fsdp, routing counts, weight
+    gradients) is smaller than the batch's tokens, which the partitioner's global sort all-reduces."""
+    r = result["moe_collectives"]
+    found, tokens = r["collectives"], r["token_elements"]
+    assert found.get("all-to-all"), found
+    assert all(n < tokens for op in ("all-gather", "all-reduce") for n in found.get(op, [])), (found, tokens)
 
 
 @pytest.mark.parametrize("mesh_name, shards", [("fsdp8", 8), ("data2_fsdp2_tensor2", 4)])

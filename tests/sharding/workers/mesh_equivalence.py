@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 import sys
 import time
 
@@ -22,9 +24,10 @@ MESHES = {
     "fsdp8": dict(fsdp=8),
     "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
     "expert4_fsdp2": dict(expert=4, fsdp=2),
+    "expert2_fsdp2_tensor2": dict(expert=2, fsdp=2, tensor=2),
 }
 CASES = [("dense", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2")] + [
-    ("moe", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2", "expert4_fsdp2")]
+    ("moe", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2", "expert4_fsdp2", "expert2_fsdp2_tensor2")]
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -165,8 +168,36 @@ def main() -> None:
             "replicated_param_bytes": report.replicated_param_bytes,
         }
     out["timing"]["memory"] = time.time() - t
+    t = time.time()
+    out["moe_collectives"] = moe_block_collectives()
+    out["timing"]["moe_collectives"] = time.time() - t
     out["timing"]["total"] = time.time() - t0
     print(json.dumps(out))
+
+
+def moe_block_collectives() -> dict:
+    """The collectives XLA compiles for one MoE block's forward and backward with the experts split
+    (expert=4, fsdp=2): op -> the element counts of their results; and the element count of the tokens."""
+    from jrl.models.moe import MoE
+
+    cfg = S.MeshConfig(expert=4, fsdp=2)
+    mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
+    config = common.CONFIGS["moe"]
+    block = S.shard_model(MoE(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
+    shape = (common.BATCH, common.SEQ, config.hidden_size)
+    x = jax.device_put(np.random.default_rng(0).normal(size=shape).astype(np.float32),
+                       S.logical_sharding(("batch", "activation_length", "embed"), mesh, rules, shape))
+    step = nnx.jit(nnx.grad(lambda m, x: (m(x) ** 2).sum(), argnums=(0, 1)))
+    hlo = step.lower(block, x).compile().as_text()
+    found: dict[str, list[int]] = {}
+    for line in hlo.splitlines():
+        m = re.search(r"= (\(?[^=]*?\)?) (all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)"
+                      r"(-start)?\(", line)
+        if m:
+            elems = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([\d,]*)\]",
+                                                                                          m.group(1))]
+            found.setdefault(m.group(2), []).append(sum(elems))
+    return dict(collectives=found, token_elements=math.prod(shape))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """One MoE layer, jrl vs PyTorch + transformers, on the same GPU: forward and forward+backward time.
 
     python benchmarks/moe_layer_vs_torch.py [--tokens 8192] [--experts 128] [--top-k 8] [--hidden 2048]
-                                            [--expert-size 768] [--out rows.jsonl]
+                                            [--expert-size 768] [--lora-rank 0] [--out rows.jsonl]
 
 Defaults are Qwen3-30B-A3B's MoE layer. jrl: ``jrl.models.moe.MoE`` (router, expert sort, three grouped
 matmuls by ``jrl.kernels.moe.gmm`` with ``impl="auto"``), jitted; the backward takes gradients of every
 weight and of the input. PyTorch: transformers' ``Qwen3MoeSparseMoeBlock`` with each experts implementation
 of ``--torch-experts`` (``eager``: a loop over the experts; ``grouped_mm``: ``torch._grouped_mm``), eager mode,
 the same shapes and bfloat16 weights, ``loss.backward()`` through weights and input.
+With ``--lora-rank R`` both train LoRA on the experts' gate/up and down weights (rank R, random non-zero A and
+B) and the backward takes gradients of the adapters and the input only: jrl's ``ExpertsLoRA``
+(``jrl.kernels.moe.gmm_lora``, no per-expert delta built) vs peft's ``target_parameters`` on the same block.
 Both draw the router weights at random, so tokens spread over the experts about evenly. Times are medians of
 CUDA-synchronised iterations after warm-up. Prints one JSON line per (framework, pass) and a markdown table.
 """
@@ -35,6 +38,15 @@ def jrl_times(a) -> dict[str, float]:
                          moe_intermediate_size=a.expert_size, norm_topk_prob=True, dtype="bfloat16",
                          param_dtype="bfloat16")
     block = MoE(config, rngs=nnx.Rngs(0))
+    trained = nnx.Param
+    if a.lora_rank:
+        from jrl.models.lora import ExpertsLoRA, LoRAParam
+
+        block.experts = ExpertsLoRA(block.experts, gate_up=True, down=True, rank=a.lora_rank, scale=2.0,
+                                    key=jax.random.key(2))
+        for i, var in enumerate((block.experts.lora_gate_b, block.experts.lora_up_b, block.experts.lora_down_b)):
+            var.set_value(0.01 * jax.random.normal(jax.random.key(10 + i), var.shape, var.dtype))
+        trained = LoRAParam
     x = jax.random.normal(jax.random.key(1), (1, a.tokens, a.hidden), jnp.bfloat16)
     forward = nnx.jit(lambda m, x: m(x))
 
@@ -42,7 +54,7 @@ def jrl_times(a) -> dict[str, float]:
     def forward_backward(m, x):
         def loss(m, x):
             return jnp.sum(m(x).astype(jnp.float32) ** 2)
-        return nnx.grad(loss, argnums=(0, 1))(m, x)
+        return nnx.grad(loss, argnums=(nnx.DiffState(0, trained), 1))(m, x)
 
     return {"forward": C.bench(forward, block, x)["ms"], "forward+backward": C.bench(forward_backward, block, x)["ms"]}
 
@@ -59,6 +71,18 @@ def torch_times(a, experts_implementation: str) -> dict[str, float]:
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, 0.02)
+    if a.lora_rank:
+        import peft
+
+        block = peft.inject_adapter_in_model(peft.LoraConfig(
+            r=a.lora_rank, lora_alpha=2 * a.lora_rank, target_modules=[],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"]), block)
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                p.requires_grad_("lora_" in name)
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.01)
+        block = block.to("cuda", torch.bfloat16)
     x = torch.randn(1, a.tokens, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def forward():
@@ -96,11 +120,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--expert-size", type=int, default=768)
     ap.add_argument("--torch-experts", default="grouped_mm,eager")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA of this rank on the experts (0: full)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     print(C.env_line(), flush=True)
-    shape = dict(tokens=a.tokens, experts=a.experts, top_k=a.top_k, hidden=a.hidden, expert_size=a.expert_size)
+    shape = dict(tokens=a.tokens, experts=a.experts, top_k=a.top_k, hidden=a.hidden, expert_size=a.expert_size,
+                 lora_rank=a.lora_rank)
     # Expert matmul FLOPs: 3 matmuls of 2 * rows * H * I, rows = tokens * top_k (x3 with the backward).
     flops = 3 * 2 * a.tokens * a.top_k * a.hidden * a.expert_size
     results = {"jrl": jrl_times(a)}
@@ -108,7 +134,8 @@ def main() -> None:
         results[f"torch {impl}"] = torch_times(a, impl)
     for framework, times in results.items():
         for name, ms in times.items():
-            tflops = flops * (3 if name == "forward+backward" else 1) / (ms * 1e-3) / 1e12
+            backward = 2 if a.lora_rank else 3  # LoRA: no weight gradient of the experts
+            tflops = flops * (backward if name == "forward+backward" else 1) / (ms * 1e-3) / 1e12
             C.report(dict(shape, framework=framework, pass_=name, ms=ms, expert_tflops=tflops), a.out)
     print("\n| pass | framework | ms | jrl speed-up |")
     print("|---|---|---|---|")

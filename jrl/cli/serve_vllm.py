@@ -54,13 +54,13 @@ def parse(argv: list[str]):
 def command_for(cfg, index: int = 0) -> tuple[list[str], dict[str, str]]:
     """The server command of a TrainConfig (see the module docstring)."""
     from jrl.rollout.vllm_server import server_command
+    from jrl.rollout.weight_sync import resolve_transport
 
     r = cfg.rollout
     keep = r.vllm.keep_versions if r.vllm.keep_versions is not None else r.max_staleness + 1
-    lora = cfg.lora is not None and r.sync in ("auto", "lora")
-    if r.sync == "lora" and cfg.lora is None:
-        raise ValueError("rollout.sync='lora' needs a LoRA run: set --lora.rank (or use --rollout.sync filesystem)")
-    return server_command(r.vllm, model=cfg.model.path, lora_rank=cfg.lora.rank if lora else None,
+    transport = resolve_transport(r.sync, lora=cfg.lora is not None,
+                                  moe_lora=cfg.lora is not None and bool(cfg.lora.target_parameters))
+    return server_command(r.vllm, model=cfg.model.path, lora_rank=cfg.lora.rank if transport == "lora" else None,
                           max_loras=keep, index=index)
 
 

@@ -36,6 +36,7 @@ from flax import nnx
 from jrl.models import hf_mapping
 from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
+from jrl.models.lora import has_lora
 from jrl.models.transformer import Transformer, named_params, param_units, unit_placer
 from jrl.sharding.placement import to_host
 
@@ -442,6 +443,10 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard
     from). Everything is written to a temp directory beside ``out_dir`` and renamed into place, so a crash
     never leaves a half-written ``out_dir``. Only process 0 writes in a multi-host run. Returns ``out_dir``.
     """
+    if has_lora(model):
+        raise ValueError("save_pretrained: the model has LoRA adapters, which a Hugging Face checkpoint does not hold; "
+                         "merge them first (jrl.models.merge_lora) or write them as a PEFT adapter "
+                         "(jrl.models.save_peft_adapter)")
     out_dir = Path(out_dir)
     cfg = model.config
     save_dtype = save_dtype_name(dtype or cfg.param_dtype, "save_pretrained")

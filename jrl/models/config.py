@@ -27,9 +27,10 @@ ARCHITECTURES: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 #: Families whose layers (some or all) are mixtures of experts.
-MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "olmoe")
 #: MoE routers (:data:`jrl.models.moe.ROUTERS` implements them).
 ROUTER_NAMES: tuple[str, ...] = ("softmax", "sigmoid_grouped")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
@@ -46,6 +47,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False),
     "glm4_moe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=131072, norm_topk_prob=True,
                      partial_rotary_factor=0.5),
+    "olmoe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, norm_topk_prob=False),
 }
 
 
@@ -118,6 +120,9 @@ class ModelConfig:
     """Bias on the dense MLP projections (Llama ``mlp_bias``)."""
     qk_norm: bool = False
     """RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE; GLM-4-MoE's ``use_qk_norm``)."""
+    qk_norm_projection: bool = False
+    """With ``qk_norm``: normalise each token's whole q and k projections (all heads at once, one scale of
+    ``heads * head_dim``; OLMoE) instead of each head."""
     sliding_window: int | None = None
     """Sliding attention window applied to every layer (Mixtral); ``None`` for full attention."""
     hidden_act: str = "silu"
@@ -244,7 +249,7 @@ class ModelConfig:
             raise ValueError("qwen2 always has q/k/v bias and no o_proj bias: set qkv_bias=True, o_bias=False")
         if mt in ("qwen2_moe", "glm4_moe") and self.o_bias:
             raise ValueError(f"{mt} has no o_proj bias: set o_bias=False")
-        if mt in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
+        if mt in ("llama", "qwen3", "qwen3_moe", "olmoe") and self.qkv_bias != self.o_bias:
             raise ValueError(
                 f"{mt}: attention_bias covers q/k/v and o_proj together; set qkv_bias == o_bias "
                 f"(got qkv_bias={self.qkv_bias}, o_bias={self.o_bias})"
@@ -253,8 +258,14 @@ class ModelConfig:
             raise ValueError("mixtral has no attention bias: set qkv_bias=False, o_bias=False")
         if self.mlp_bias and mt != "llama":
             raise ValueError(f"mlp_bias is a llama option; {mt} has no MLP bias")
-        if mt != "glm4_moe" and self.qk_norm != (mt in ("qwen3", "qwen3_moe")):
-            raise ValueError(f"qk_norm must be {mt in ('qwen3', 'qwen3_moe')} for {mt}")
+        if mt != "glm4_moe" and self.qk_norm != (mt in ("qwen3", "qwen3_moe", "olmoe")):
+            raise ValueError(f"qk_norm must be {mt in ('qwen3', 'qwen3_moe', 'olmoe')} for {mt}")
+        if mt == "olmoe" and self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"olmoe derives head_dim from hidden_size / num_attention_heads = "
+                             f"{self.hidden_size // self.num_attention_heads}; got head_dim={self.head_dim}")
+        if self.qk_norm_projection != (mt == "olmoe"):
+            raise ValueError(f"qk_norm_projection must be {mt == 'olmoe'} for {mt} (OLMoE normalises whole q/k "
+                             f"projections, the other families each head)")
         rotary = self.rotary_dim
         if not 0 < rotary <= self.head_dim or rotary % 2:
             raise ValueError(f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} gives a rotary width of "
@@ -293,7 +304,7 @@ class ModelConfig:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of topk_group="
                                  f"{self.topk_group} groups")
         shared = self.shared_expert_intermediate_size
-        if mt in ("qwen3_moe", "mixtral") and (shared is not None or self.shared_expert_gate):
+        if mt in ("qwen3_moe", "mixtral", "olmoe") and (shared is not None or self.shared_expert_gate):
             raise ValueError(f"{mt} has no shared expert: set shared_expert_intermediate_size=None, "
                              f"shared_expert_gate=False")
         if mt == "qwen2_moe" and (shared is None or not self.shared_expert_gate):
@@ -326,7 +337,7 @@ class ModelConfig:
         layer for Mixtral)."""
         if not self.is_moe:
             return False
-        if self.model_type == "mixtral":
+        if self.model_type in ("mixtral", "olmoe"):
             return True
         if self.model_type == "glm4_moe":
             return layer >= self.first_k_dense_replace
@@ -336,7 +347,8 @@ class ModelConfig:
         """Parameter count (the exported tensors; tied embeddings counted once)."""
         h, d, n, k = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
         attn = h * d * (n + 2 * k) + n * d * h
-        attn += (n + 2 * k) * d * self.qkv_bias + h * self.o_bias + 2 * d * self.qk_norm
+        attn += (n + 2 * k) * d * self.qkv_bias + h * self.o_bias
+        attn += ((n + k) * d if self.qk_norm_projection else 2 * d) * self.qk_norm
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         for i in range(self.num_hidden_layers):
             total += attn + 2 * h
@@ -403,6 +415,14 @@ class ModelConfig:
         elif mt == "glm4_moe":
             kw.update(qkv_bias=bool(hf.get("attention_bias", False)), o_bias=False,
                       qk_norm=bool(hf.get("use_qk_norm", False)))
+        elif mt == "olmoe":
+            if hf.get("clip_qkv") is not None:
+                raise UnsupportedModelError(f"olmoe with clip_qkv={hf['clip_qkv']} is not supported "
+                                            f"(clip_qkv=None only)")
+            bias = bool(hf.get("attention_bias", False))
+            kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_projection=True, num_experts=hf["num_experts"],
+                      num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
+                      norm_topk_prob=bool(get("norm_topk_prob")))
         if mt in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
             raise UnsupportedModelError(f"{mt} with use_sliding_window=True is not supported (full attention only)")
         if mt in ("qwen3_moe", "qwen2_moe"):
@@ -469,7 +489,7 @@ class ModelConfig:
             "model_type": mt,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.moe_intermediate_size if mt == "mixtral" else self.intermediate_size,
+            "intermediate_size": self.moe_intermediate_size if mt in ("mixtral", "olmoe") else self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -488,7 +508,8 @@ class ModelConfig:
             "dtype": dtype or self.param_dtype,
             "use_cache": True,
         }
-        if mt in ("qwen2", "mixtral", "qwen2_moe") and self.head_dim == self.hidden_size // self.num_attention_heads:
+        if mt in ("qwen2", "mixtral", "qwen2_moe", "olmoe") and \
+                self.head_dim == self.hidden_size // self.num_attention_heads:
             del out["head_dim"]  # these config classes derive it (and have no / a None head_dim field)
         if mt == "llama":
             out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
@@ -529,6 +550,9 @@ class ModelConfig:
                 routed_scaling_factor=self.routed_scaling_factor,
                 first_k_dense_replace=self.first_k_dense_replace,
             )
+        elif mt == "olmoe":
+            out.update(attention_bias=self.qkv_bias, clip_qkv=None, num_experts=self.num_experts,
+                       num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob)
         elif mt == "mixtral":
             out.update(
                 num_local_experts=self.num_experts,

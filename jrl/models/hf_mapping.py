@@ -17,7 +17,8 @@ What transformers 5.23 writes (checked by saving tiny random models): qwen3_moe
 in-memory (runtime) layout is fused ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
 [E, H, I], which jrl also accepts on import. qwen2_moe and glm4_moe store experts as qwen3_moe does, plus
 ``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight`` (qwen2_moe) and ``mlp.shared_experts.*`` /
-``mlp.gate.e_score_correction_bias`` (glm4_moe).
+``mlp.gate.e_score_correction_bias`` (glm4_moe); olmoe exactly as qwen3_moe, with ``self_attn.q_norm.weight``
+``[heads * head_dim]`` and ``k_norm.weight`` ``[kv_heads * head_dim]`` (norms over whole projections).
 """
 
 from __future__ import annotations
@@ -203,6 +204,11 @@ _GLM4_MOE = _QWEN_MOE + _shared_expert_rules("shared_experts") + (
     Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", "layers.{layer}.mlp.router_bias", IDENTITY),
 )
 
+#: transformers' in-memory module names of an MoE layer's router and experts, the same in every MoE family jrl reads
+#: (Mixtral's ``block_sparse_moe`` is ``mlp`` at run time): what PEFT adapters on them address.
+RUNTIME_ROUTER = "model.layers.{layer}.mlp.gate"
+RUNTIME_EXPERTS = "model.layers.{layer}.mlp.experts"
+
 #: Keys some checkpoints carry that hold no weights jrl needs (old Llama exports saved RoPE caches).
 IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq\Z"),)
 
@@ -215,6 +221,7 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "mixtral": _dense_rules() + _MIXTRAL_MOE,
     "qwen2_moe": _dense_rules() + _QWEN2_MOE,
     "glm4_moe": _dense_rules() + _GLM4_MOE,
+    "olmoe": _dense_rules() + _QWEN_MOE,
 }
 
 

@@ -214,15 +214,19 @@ class Attention(nnx.Module):
                              **kw)
         self.o_proj = Linear((n, d), (h,), in_axes=("heads", "head_dim"), out_axes=("embed",), use_bias=c.o_bias, **kw)
         if c.qk_norm:
-            self.q_norm = RMSNorm(d, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
-            self.k_norm = RMSNorm(d, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+            q_size, k_size = (n * d, k * d) if c.qk_norm_projection else (d, d)
+            self.q_norm = RMSNorm(q_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+            self.k_norm = RMSNorm(k_size, eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
         else:
             self.q_norm = self.k_norm = None
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B,S,N,D], k, v [B,S,K,D] with q/k norm and RoPE at ``positions`` applied."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.config.qk_norm_projection:  # over all heads of a token at once
+            q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
+            k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(positions, self.config)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -13,12 +13,16 @@ names (so parameter paths, sharding and the HF mapping do not change) and adds t
 On stacked layers (:func:`jrl.models.transformer.stack_layers`) the adapters are stacked the same way:
 ``lora_a`` ``(L,) + in_shape + (r,)`` and ``lora_b`` ``(L, r) + out_shape``.
 
+On MoE layers ``LoraConfig.target_parameters`` (PEFT's names) adds adapters to the router (a
+:class:`LoRALinear` on ``router``) and to the stacked expert weights (:class:`ExpertsLoRA`, one A/B pair per
+expert, run by :func:`jrl.kernels.moe.gmm_lora`).
+
 The forward pass is ``y = x·W (+ b) + s · (x·A)·B`` with ``s = alpha / r`` or ``alpha / sqrt(r)``
 (rsLoRA). In HF/PEFT terms ``lora_A.weight = A.reshape(in, r).T`` and ``lora_B.weight =
 B.reshape(r, out).T``. Because the adapter variables have their own type, the trainable state is
 ``nnx.state(model, LoRAParam)`` and everything else stays frozen; :func:`lora_disabled` runs the
-base model without a copy (reference log-probs), and :func:`merge_lora` folds ``W + s·A@B`` into a
-plain :class:`~jrl.models.Transformer` for export.
+base model without a copy (reference log-probs), and :func:`merge_lora` folds ``W + s·A@B`` (experts
+included) into a plain :class:`~jrl.models.Transformer` for export.
 """
 
 from __future__ import annotations
@@ -32,11 +36,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jrl.kernels.moe import gmm, gmm_lora
 from jrl.models.layers import TRAINED, Linear
+from jrl.models.moe import Experts
 from jrl.models.transformer import Transformer, named_params
 
 #: HF module names of the projections LoRA can target in every supported family.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: MoE parameters LoRA can target (PEFT ``target_parameters``, transformers' names within a decoder layer): the
+#: experts' fused gate/up and down weights, and the router.
+MOE_LORA_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")
 
 
 class LoRAParam(nnx.Param):
@@ -54,7 +63,12 @@ class LoraConfig:
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r."""
     target_modules: tuple[str, ...] = LORA_TARGETS
-    """HF module names to adapt, any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
+    """HF module names to adapt, any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (on MoE
+    models these are the attention, dense-layer and shared-expert projections)."""
+    target_parameters: tuple[str, ...] = ()
+    """MoE parameters to adapt (PEFT's ``target_parameters``): ``mlp.experts.gate_up_proj`` (every expert's gate and
+    up projections, one A shared by both as in transformers' fused weight), ``mlp.experts.down_proj`` and
+    ``mlp.gate.weight`` (the router)."""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -63,12 +77,18 @@ class LoraConfig:
                 or self.alpha <= 0:
             raise ValueError(f"LoraConfig.alpha={self.alpha!r} is invalid: use a finite number > 0 (e.g. 2 * rank)")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        object.__setattr__(self, "target_parameters", tuple(self.target_parameters))
         unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
-        if not self.target_modules or unknown:
-            raise ValueError(
-                f"LoraConfig.target_modules={self.target_modules!r} is invalid"
-                + (f" (unknown: {unknown})" if unknown else " (empty)")
-                + f": use a non-empty subset of {LORA_TARGETS}")
+        if unknown:
+            raise ValueError(f"LoraConfig.target_modules={self.target_modules!r} is invalid (unknown: {unknown}): "
+                             f"use a subset of {LORA_TARGETS}")
+        unknown = [t for t in self.target_parameters if t not in MOE_LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"LoraConfig.target_parameters={self.target_parameters!r} is invalid (unknown: "
+                             f"{unknown}): use a subset of {MOE_LORA_TARGETS}")
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError(f"LoraConfig targets nothing: set target_modules (a subset of {LORA_TARGETS}) and/or, "
+                             f"on MoE models, target_parameters (a subset of {MOE_LORA_TARGETS})")
 
     @property
     def scale(self) -> float:
@@ -106,6 +126,14 @@ class LoRALinear(Linear):
     def stack(self) -> tuple[int, ...]:
         return tuple(self.kernel.shape[: self.kernel.ndim - len(self.in_shape) - len(self.out_shape)])
 
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[-1]
+
+    def deltas(self) -> dict[str, jax.Array]:
+        """``{"kernel": s · A @ B}`` (see :meth:`delta`)."""
+        return {"kernel": self.delta()}
+
     def delta(self) -> jax.Array:
         """``s · A @ B`` in the kernel's layout ``in_shape + out_shape`` (float32; per layer when stacked)."""
         a = self.lora_a[...].astype(jnp.float32)
@@ -123,47 +151,143 @@ class LoRALinear(Linear):
         return y + (self.scale * _contract_trailing(xa, self.lora_b[...].astype(self.dtype), 1)).astype(y.dtype)
 
 
-def _linear_slots(model: nnx.Module, targets: tuple[str, ...]):
-    """(parent module, attribute name, path) of every Linear whose attribute name is in ``targets``."""
+class ExpertsLoRA(Experts):
+    """:class:`~jrl.models.moe.Experts` with a low-rank update per expert on the stacked weights (PEFT's
+    ``ParamWrapper`` on transformers' fused expert parameters; same ``gate_proj`` / ``up_proj`` / ``down_proj``
+    variables). Targets (``gate_up``, ``down``) and their :class:`LoRAParam` variables, per expert ``e``:
+
+    - ``gate_up``: ``lora_gate_up_a`` ``[E, H, r]``, one A for both projections as transformers fuses them into
+      ``gate_up_proj``, and ``lora_gate_b`` / ``lora_up_b`` ``[E, r, I]`` (the two halves of its B);
+    - ``down``: ``lora_down_a`` ``[E, I, r]`` and ``lora_down_b`` ``[E, r, H]``.
+
+    An untargeted pair is ``None``. Stacked layers add a leading layer axis to every adapter. The grouped matmuls
+    run as :func:`jrl.kernels.moe.gmm_lora` (``x W + s (x A) B`` per expert, no ``[E, H, I]`` delta built)."""
+
+    def __init__(self, base: Experts, *, gate_up: bool, down: bool, rank: int, scale: float, key: jax.Array):
+        self.dtype = base.dtype
+        self.gate_proj, self.up_proj, self.down_proj = base.gate_proj, base.up_proj, base.down_proj
+        self.rank, self.scale, self.lora_enabled = int(rank), float(scale), True
+        k_gate_up, k_down = jax.random.split(key)
+        gate_up_a, (gate_b, up_b) = self._pair(base.gate_proj, k_gate_up, 2) if gate_up else (None, (None, None))
+        down_a, (down_b,) = self._pair(base.down_proj, k_down, 1) if down else (None, (None,))
+        self.lora_gate_up_a, self.lora_gate_b, self.lora_up_b = nnx.data(gate_up_a), nnx.data(gate_b), nnx.data(up_b)
+        self.lora_down_a, self.lora_down_b = nnx.data(down_a), nnx.data(down_b)
+
+    def _pair(self, weight: nnx.Param, key: jax.Array, n_b: int) -> tuple[LoRAParam, tuple[LoRAParam, ...]]:
+        """A ``[..., E, in, r]`` (PEFT's init, uniform ±1/sqrt(in)) and ``n_b`` zero Bs ``[..., E, r, out]`` for the
+        expert weight ``[..., E, in, out]``."""
+        w = weight[...]
+        axes = tuple(weight.get_metadata().get("logical_axes") or (None,) * w.ndim)
+        bound = 1.0 / math.sqrt(w.shape[-2])
+        a = jax.random.uniform(key, w.shape[:-1] + (self.rank,), jnp.float32, -bound, bound).astype(w.dtype)
+        b_axes = axes[:-2] + ("lora_rank", axes[-1])
+        return (LoRAParam(a, logical_axes=axes[:-1] + ("lora_rank",)),
+                tuple(LoRAParam(jnp.zeros(w.shape[:-2] + (self.rank, w.shape[-1]), w.dtype), logical_axes=b_axes)
+                      for _ in range(n_b)))
+
+    def _adapters(self) -> tuple[LoRAParam, ...]:
+        return tuple(v for v in (self.lora_gate_up_a, self.lora_gate_b, self.lora_up_b, self.lora_down_a,
+                                 self.lora_down_b) if v is not None)
+
+    def arrays(self):
+        """The base weights then, with the adapters on, the targeted adapters (compute dtype, logical axes)."""
+        base, axes = super().arrays()
+        if not self.lora_enabled:
+            return base, axes
+        adapters = self._adapters()
+        # Called per layer (inside the layer scan the metadata still names the stacked layer axis): the last 3 axes.
+        return (base + tuple(v[...].astype(self.dtype) for v in adapters),
+                axes + tuple(tuple(v.get_metadata()["logical_axes"])[-3:] for v in adapters))
+
+    def compute(self, rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                *adapters: jax.Array) -> jax.Array:
+        if not adapters:
+            return super().compute(rows, group_sizes, gate, up, down)
+        it = iter(adapters)
+        if self.lora_gate_up_a is not None:
+            a, b_gate, b_up = next(it), next(it), next(it)
+            h = (jax.nn.silu(gmm_lora(rows, gate, a, b_gate, self.scale, group_sizes))
+                 * gmm_lora(rows, up, a, b_up, self.scale, group_sizes))
+        else:
+            h = jax.nn.silu(gmm(rows, gate, group_sizes)) * gmm(rows, up, group_sizes)
+        if self.lora_down_a is not None:
+            return gmm_lora(h, down, next(it), next(it), self.scale, group_sizes)
+        return gmm(h, down, group_sizes)
+
+    def deltas(self) -> dict[str, jax.Array]:
+        """``{weight name: s · A_e @ B_e}`` of each adapted expert weight, in its layout (float32)."""
+        def product(a, b):
+            return self.scale * jnp.einsum("...ir,...ro->...io", a[...].astype(jnp.float32), b[...].astype(jnp.float32))
+        out = {}
+        if self.lora_gate_up_a is not None:
+            out["gate_proj"] = product(self.lora_gate_up_a, self.lora_gate_b)
+            out["up_proj"] = product(self.lora_gate_up_a, self.lora_up_b)
+        if self.lora_down_a is not None:
+            out["down_proj"] = product(self.lora_down_a, self.lora_down_b)
+        return out
+
+
+def _slots(model: nnx.Module, kind: type, names: tuple[str, ...] | None = None):
+    """(parent module, attribute name) of every ``kind`` node of ``model`` (whose attribute name is in ``names``)."""
     out = []
     for path, node in nnx.iter_graph(model):
-        if not path or not isinstance(node, Linear) or path[-1] not in targets:
+        if not path or not isinstance(node, kind) or (names is not None and path[-1] not in names):
             continue
         parent = model
         for p in path[:-1]:
             parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-        out.append((parent, path[-1], ".".join(str(p) for p in path)))
+        out.append((parent, path[-1]))
     return out
 
 
 def apply_lora(model: Transformer, config: LoraConfig, *, seed: int = 0) -> Transformer:
-    """Wrap the targeted Linear layers of ``model`` in :class:`LoRALinear`, in place; returns ``model``.
+    """Add the adapters ``config`` asks for to ``model``, in place; returns ``model``: every targeted Linear layer
+    (``target_modules``, and the MoE routers for ``mlp.gate.weight``) becomes a :class:`LoRALinear`, and the MoE
+    experts an :class:`ExpertsLoRA` when ``target_parameters`` names their weights.
 
-    Adapter A matrices are drawn from ``seed`` (one fold per layer, in graph order), B is zero. With a
-    mesh on the model, place the new variables with :func:`jrl.sharding.shard_model` afterwards.
+    Adapter A matrices are drawn from ``seed`` (one fold per adapted module: the Linear targets in graph order,
+    then the routers, then the experts), B is zero. With a mesh on the model, place the new variables with
+    :func:`jrl.sharding.shard_model` afterwards.
     """
-    slots = _linear_slots(model, config.target_modules)
-    if not slots:
+    if lora_layers(model):
+        raise ValueError("apply_lora: the model already has LoRA adapters")
+    params = config.target_parameters
+    gate_up, down = "mlp.experts.gate_up_proj" in params, "mlp.experts.down_proj" in params
+    linear = _slots(model, Linear, config.target_modules) if config.target_modules else []
+    routers = _slots(model, Linear, ("router",)) if "mlp.gate.weight" in params else []
+    experts = _slots(model, Experts) if gate_up or down else []
+    if params and not _slots(model, Experts):
+        raise ValueError(f"LoraConfig.target_parameters={params!r} names MoE parameters, but this "
+                         f"{model.config.model_type} model has no MoE layers; leave target_parameters empty")
+    if not linear and not routers and not experts:
         raise ValueError(
             f"LoraConfig.target_modules={config.target_modules!r} matched no Linear layer of this "
             f"{model.config.model_type} model; use names from {LORA_TARGETS}")
-    if any(isinstance(parent.__dict__.get(name), LoRALinear) for parent, name, _ in slots):
-        raise ValueError("apply_lora: the model already has LoRA adapters")
     key = jax.random.key(seed)
-    for i, (parent, name, _) in enumerate(slots):
-        base = getattr(parent, name)
-        setattr(parent, name, LoRALinear(base, rank=config.rank, scale=config.scale, key=jax.random.fold_in(key, i)))
+    for i, (parent, name) in enumerate(linear + routers + experts):
+        base, k = getattr(parent, name), jax.random.fold_in(key, i)
+        if isinstance(base, Experts):
+            adapted = ExpertsLoRA(base, gate_up=gate_up, down=down, rank=config.rank, scale=config.scale, key=k)
+        else:
+            adapted = LoRALinear(base, rank=config.rank, scale=config.scale, key=k)
+        setattr(parent, name, adapted)
     return model
 
 
-def lora_layers(model: nnx.Module) -> dict[str, LoRALinear]:
-    """``{"layers.0.attn.q_proj": LoRALinear, ...}`` for every adapted layer of ``model``."""
+def lora_layers(model: nnx.Module) -> dict[str, LoRALinear | ExpertsLoRA]:
+    """``{"layers.0.attn.q_proj": LoRALinear, "layers.0.mlp.experts": ExpertsLoRA, ...}``: every adapted module of
+    ``model``."""
     return {".".join(str(p) for p in path): node for path, node in nnx.iter_graph(model)
-            if isinstance(node, LoRALinear)}
+            if isinstance(node, (LoRALinear, ExpertsLoRA))}
 
 
 def has_lora(model: nnx.Module) -> bool:
     return bool(lora_layers(model))
+
+
+def has_moe_lora(model: nnx.Module) -> bool:
+    """Whether ``model`` has adapters on MoE parameters (experts or routers: ``LoraConfig.target_parameters``)."""
+    return any(isinstance(layer, ExpertsLoRA) or path.endswith(".router") for path, layer in lora_layers(model).items())
 
 
 def trainable_params(model: nnx.Module):
@@ -186,10 +310,11 @@ def lora_disabled(model: nnx.Module):
 
 
 def merge_lora(model: Transformer) -> Transformer:
-    """A plain :class:`Transformer` whose kernels are ``W + s·A@B`` (computed in float32, cast back to the
-    kernel dtype); every other parameter is shared with ``model``. ``model`` is not changed."""
-    layers = lora_layers(model)
-    deltas = {f"{path}.kernel": layer.delta() for path, layer in layers.items()}
+    """A plain :class:`Transformer` whose adapted weights (Linear kernels, expert weights) are ``W + s·A@B``
+    (computed in float32, cast back to the weight's dtype); every other parameter is shared with ``model``.
+    ``model`` is not changed."""
+    deltas = {f"{path}.{name}": delta for path, layer in lora_layers(model).items()
+              for name, delta in layer.deltas().items()}
     rules = None if model.rules is None else dict(model.rules)
     plain = nnx.eval_shape(lambda: Transformer(model.config, rngs=nnx.Rngs(0), mesh=model.mesh, rules=rules))
     plain.source_dir = model.source_dir
@@ -200,7 +325,7 @@ def merge_lora(model: Transformer) -> Transformer:
             value = (value.astype(jnp.float32) + deltas.pop(path)).astype(value.dtype)
         var.set_value(value)
     if deltas:
-        raise ValueError(f"merge_lora: adapters on {sorted(deltas)} have no matching base kernel")
+        raise ValueError(f"merge_lora: adapters on {sorted(deltas)} have no matching base weight")
     return plain
 
 

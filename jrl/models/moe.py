@@ -42,10 +42,9 @@ class Experts(nnx.Module):
         return ((self.gate_proj[...].astype(self.dtype), self.up_proj[...].astype(self.dtype),
                  self.down_proj[...].astype(self.dtype)), (_EXPERT_IN, _EXPERT_IN, _EXPERT_OUT))
 
-    @staticmethod
-    def compute(rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array,
+    def compute(self, rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array,
                 down: jax.Array) -> jax.Array:
-        """SwiGLU of ``rows`` [R, H] sorted by expert (``group_sizes`` [E] rows each) with weights [E, ...]."""
+        """SwiGLU of ``rows`` [R, H] sorted by expert (``group_sizes`` [E] rows each) with :meth:`arrays` [E, ...]."""
         h = jax.nn.silu(gmm(rows, gate, group_sizes)) * gmm(rows, up, group_sizes)
         return gmm(h, down, group_sizes)
 
@@ -134,9 +133,9 @@ class MoE(nnx.Module):
         rules = dict(self.rules) if self.rules is not None else None
         axis = expert_axis(self.mesh, rules, params[0].shape, axes[0])
         if axis is not None:
-            return moe_expert_parallel(x, weights, idx, Experts.compute, params, axes, num_experts=c.num_experts,
+            return moe_expert_parallel(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
                                        mesh=self.mesh, rules=rules, axis=axis)
         xf = x.reshape(-1, x.shape[-1])
         perm = permute(xf, idx.reshape(-1, c.num_experts_per_tok), c.num_experts)
-        y = Experts.compute(perm.sorted_x, perm.group_sizes, *params)
+        y = self.experts.compute(perm.sorted_x, perm.group_sizes, *params)
         return unpermute(y, perm, weights.reshape(-1, c.num_experts_per_tok)).reshape(x.shape)

@@ -13,8 +13,14 @@ pair per layer of stacked layers),
 so ``lora_A = A.reshape(in, r).T`` and ``lora_B = B.reshape(r, out).T``, where ``in`` / ``out`` flatten
 the head dims in the order the HF weight mapping (:mod:`jrl.models.hf_mapping`) uses.
 
-Only LoRA on the ``Linear`` projections is exported; LoRA on stacked MoE expert parameters (PEFT's
-``target_parameters``) is refused with an error.
+LoRA on MoE layers uses PEFT's ``target_parameters`` (its ``ParamWrapper`` on transformers' in-memory
+parameters; checked against peft 0.21 and transformers 5.24): ``mlp.gate.weight`` (the router) is stored as a
+Linear pair ``…mlp.gate.lora_A.weight`` ``[r, H]`` / ``lora_B.weight`` ``[E, r]``; the experts' fused
+``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` each get ``lora_A`` ``[r·E, in]`` (expert-major
+rows: expert ``e`` owns rows ``e·r … e·r+r-1``) and ``lora_B`` ``[out, r·E]`` (rank-major columns: column
+``k·E + e``), so ``Δ_e = s · B_e A_e`` has the parameter's ``[out, in]`` layout. PEFT nests the two expert
+wrappers: with both targeted, gate_up's pair sits at ``…mlp.experts.base_layer.lora_*`` and down's at
+``…mlp.experts.lora_*``; a single one sits at ``…mlp.experts.lora_*`` (vLLM reads the same convention).
 """
 
 from __future__ import annotations
@@ -24,17 +30,16 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
 from jrl.models import hf_mapping
 from jrl.models.checkpoint import atomic_replace, export_entries, save_dtype_name, write_safetensors
-from jrl.models.lora import LoraConfig, LoRALinear, LoRAParam, lora_layers
-from jrl.models.transformer import Transformer, named_params
+from jrl.models.lora import MOE_LORA_TARGETS, ExpertsLoRA, LoraConfig, LoRALinear, lora_layers
+from jrl.models.transformer import Transformer, named_params, unit_name
 from jrl.sharding.placement import to_host
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -43,34 +48,87 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def _hf_modules(model: Transformer, layers: dict[str, LoRALinear]) -> list[tuple[str, LoRALinear, int | None]]:
-    """(HF module path, adapted layer, index on its stacked-layer axis or None) of every adapted HF module:
-    ``layers.0.attn.q_proj`` (or layer 0 of the stacked ``layers.attn.q_proj``) is
-    ``model.layers.0.self_attn.q_proj``."""
+#: (name in the adapter file, shape, the tensor on the host in the save dtype), in file order.
+_Tensor = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
+
+
+def _layer_slices(path: str, stack: tuple[int, ...]) -> list[tuple[int, int | None]]:
+    """(HF layer number, index on the stacked-layer axis or None) of every layer an adapted module at ``path``
+    covers."""
+    if stack:
+        return [(i, i) for i in range(stack[0])]
+    return [(int(path.split(".")[1]), None)]
+
+
+def _value(var, index: int | None) -> jax.Array:
+    return var.get_value() if index is None else var.get_value()[index]
+
+
+def _linear_pair(module: str, layer: LoRALinear, index: int | None, dtype: np.dtype) -> list[_Tensor]:
+    """``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` of a LoRA Linear (heads flattened as the HF mapping)."""
+    r, n_in, n_out = layer.rank, math.prod(layer.in_shape), math.prod(layer.out_shape)
+    return [(f"{PEFT_PREFIX}{module}.lora_A.weight", (r, n_in),
+             lambda: to_host(_value(layer.lora_a, index)).reshape(n_in, r).T.astype(dtype)),
+            (f"{PEFT_PREFIX}{module}.lora_B.weight", (n_out, r),
+             lambda: to_host(_value(layer.lora_b, index)).reshape(r, n_out).T.astype(dtype))]
+
+
+def _expert_pair(prefix: str, a_var, b_vars, index: int | None, dtype: np.dtype) -> list[_Tensor]:
+    """PEFT's ``ParamWrapper`` pair of one expert weight from jrl's ``A [E, in, r]`` and ``B [E, r, out]`` (the
+    Bs of a fused weight concatenated on ``out``): ``lora_A [r·E, in]`` expert-major, ``lora_B [out, r·E]``
+    rank-major."""
+    e, n_in, r = a_var.shape[-3:]
+    n_out = sum(b.shape[-1] for b in b_vars)
+
+    def a():
+        return to_host(_value(a_var, index)).transpose(0, 2, 1).reshape(e * r, n_in).astype(dtype)
+
+    def b():
+        full = np.concatenate([to_host(_value(v, index)) for v in b_vars], axis=-1)  # [E, r, out]
+        return full.transpose(2, 1, 0).reshape(n_out, r * e).astype(dtype)
+
+    return [(f"{PEFT_PREFIX}{prefix}lora_A.weight", (e * r, n_in), a),
+            (f"{PEFT_PREFIX}{prefix}lora_B.weight", (n_out, r * e), b)]
+
+
+def _adapter_tensors(model: Transformer, layers: dict, dtype: np.dtype) -> tuple[list[_Tensor], list[str], list[str]]:
+    """(tensors, target_modules, target_parameters) of the adapter of ``model``'s adapted ``layers``."""
     by_unit = {e.unit: e for e in export_entries(model.config, named_params(model))}
-    out = []
+    tensors: list[_Tensor] = []
+    modules, parameters = set(), set()
     for path, layer in layers.items():
-        for index in range(layer.stack[0]) if layer.stack else (None,):
-            entry = by_unit.get((f"{path}.kernel", index))
-            if (entry is None or entry.expert is not None or entry.rule.chunk is not None
-                    or not isinstance(entry.rule.transform, hf_mapping.Linear)
-                    or not entry.hf_key.endswith(".weight")):
-                raise ValueError(f"save_peft_adapter: the LoRA layer {path} has no HF Linear module in the "
-                                 f"{model.config.model_type} weight mapping, so it cannot be named in a PEFT adapter")
-            out.append((entry.hf_key[: -len(".weight")], layer, index))
-    return out
+        if isinstance(layer, ExpertsLoRA):
+            gate_up, down = layer.lora_gate_up_a is not None, layer.lora_down_a is not None
+            parameters.update(t for t, on in zip(MOE_LORA_TARGETS[:2], (gate_up, down), strict=True) if on)
+            for number, index in _layer_slices(path, layer.gate_proj.shape[:-3]):
+                module = hf_mapping.RUNTIME_EXPERTS.format(layer=number) + "."
+                if gate_up:
+                    tensors += _expert_pair(module + ("base_layer." if down else ""), layer.lora_gate_up_a,
+                                            (layer.lora_gate_b, layer.lora_up_b), index, dtype)
+                if down:
+                    tensors += _expert_pair(module, layer.lora_down_a, (layer.lora_down_b,), index, dtype)
+            continue
+        router = path.rsplit(".", 1)[-1] == "router"
+        (parameters if router else modules).add(MOE_LORA_TARGETS[2] if router else path.rsplit(".", 1)[-1])
+        for number, index in _layer_slices(path, layer.stack):
+            if router:
+                module = hf_mapping.RUNTIME_ROUTER.format(layer=number)
+            else:
+                entry = by_unit.get((f"{path}.kernel", index))
+                if (entry is None or entry.expert is not None or entry.rule.chunk is not None
+                        or not isinstance(entry.rule.transform, hf_mapping.Linear)
+                        or not entry.hf_key.endswith(".weight")):
+                    raise ValueError(f"save_peft_adapter: the LoRA layer {unit_name(path, index)} has no HF Linear "
+                                     f"module in the {model.config.model_type} weight mapping, so it cannot be "
+                                     f"named in a PEFT adapter")
+                module = entry.hf_key[: -len(".weight")]
+            tensors += _linear_pair(module, layer, index, dtype)
+    return tensors, sorted(modules), [t for t in MOE_LORA_TARGETS if t in parameters]
 
 
-def _stray_lora_params(model: nnx.Module, layers: dict[str, LoRALinear]) -> list[str]:
-    """Paths of LoRA variables that do not belong to an adapted Linear (e.g. LoRA on MoE experts)."""
-    owned = {f"{p}.{name}" for p in layers for name in ("lora_a", "lora_b")}
-    return sorted(path for path in (".".join(str(p) for p in k) for k, node in nnx.iter_graph(model)
-                                    if isinstance(node, LoRAParam)) if path not in owned)
-
-
-def _adapter_hparams(layers: dict[str, LoRALinear], config: LoraConfig | None) -> tuple[int, float, bool]:
+def _adapter_hparams(layers: dict, config: LoraConfig | None) -> tuple[int, float, bool]:
     """(r, lora_alpha, use_rslora) shared by every layer; ``config`` (when given) must agree with the layers."""
-    found = {(layer.lora_a[...].shape[-1], layer.scale) for layer in layers.values()}
+    found = {(layer.rank, layer.scale) for layer in layers.values()}
     if len(found) != 1:
         raise ValueError(f"save_peft_adapter: the LoRA layers have different (rank, scale) pairs {sorted(found)}; "
                          f"a PEFT adapter needs one rank and one alpha for all modules")
@@ -89,7 +147,7 @@ def _json_number(x: float) -> int | float:
 
 
 def peft_adapter_config(*, rank: int, alpha: float, use_rslora: bool, target_modules: list[str],
-                        base_model_name_or_path: str | None) -> dict:
+                        target_parameters: list[str], base_model_name_or_path: str | None) -> dict:
     """The ``adapter_config.json`` content, with the fields and defaults peft's ``LoraConfig`` writes."""
     return {
         "alpha_pattern": {},
@@ -110,7 +168,7 @@ def peft_adapter_config(*, rank: int, alpha: float, use_rslora: bool, target_mod
         "rank_pattern": {},
         "revision": None,
         "target_modules": target_modules,
-        "target_parameters": None,
+        "target_parameters": target_parameters or None,
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": use_rslora,
@@ -128,39 +186,24 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     with ``use_rslora=false`` (the same update). Files are written to a temp directory beside ``out_dir``
     and renamed into place; only process 0 writes in a multi-host run.
 
-    Raises ``ValueError`` when the model has no LoRA adapters, has LoRA on MoE expert parameters, or its
-    adapters do not share one rank and scale.
+    Raises ``ValueError`` when the model has no LoRA adapters or its adapters do not share one rank and scale.
     """
     save_dtype = save_dtype_name(dtype, "save_peft_adapter")
     layers = lora_layers(model)
-    stray = _stray_lora_params(model, layers)
-    if stray:
-        raise ValueError(f"save_peft_adapter: LoRA on MoE expert parameters ({', '.join(stray[:4])}"
-                         f"{' ...' if len(stray) > 4 else ''}) cannot be exported as a PEFT adapter; export a merged "
-                         f"checkpoint instead (jrl.models.merge_lora, or scripts/export.py --merge-lora)")
     if not layers:
         raise ValueError("save_peft_adapter: the model has no LoRA adapters (apply jrl.models.apply_lora first, or "
                          "export the full model with save_pretrained)")
     rank, alpha, use_rslora = _adapter_hparams(layers, config)
-    modules = _hf_modules(model, layers)
-    tensors: list[tuple[str, tuple[int, ...], str]] = []
-    for module, layer, _ in modules:
-        n_in, n_out = math.prod(layer.in_shape), math.prod(layer.out_shape)
-        tensors.append((f"{PEFT_PREFIX}{module}.lora_A.weight", (rank, n_in), save_dtype))
-        tensors.append((f"{PEFT_PREFIX}{module}.lora_B.weight", (n_out, rank), save_dtype))
-
-    target = np.dtype(jnp.dtype(save_dtype))
+    tensors, target_modules, target_parameters = _adapter_tensors(model, layers, np.dtype(jnp.dtype(save_dtype)))
+    specs = [(name, shape, save_dtype) for name, shape, _ in tensors]
 
     def arrays():
-        for _, layer, index in modules:
-            n_in = math.prod(layer.in_shape)
-            a, b = (v.get_value() if index is None else v.get_value()[index] for v in (layer.lora_a, layer.lora_b))
-            yield np.ascontiguousarray(to_host(a).reshape(n_in, rank).T.astype(target))
-            yield np.ascontiguousarray(to_host(b).reshape(rank, -1).T.astype(target))
+        for _, _, value in tensors:
+            yield np.ascontiguousarray(value())
 
-    targets = sorted({path.rsplit(".", 1)[-1] for path in layers})
     base = base_model_name_or_path if base_model_name_or_path is not None else getattr(model, "source_dir", None)
-    adapter_config = peft_adapter_config(rank=rank, alpha=alpha, use_rslora=use_rslora, target_modules=targets,
+    adapter_config = peft_adapter_config(rank=rank, alpha=alpha, use_rslora=use_rslora, target_modules=target_modules,
+                                         target_parameters=target_parameters,
                                          base_model_name_or_path=None if base is None else str(base))
     out_dir = Path(out_dir)
     writer = jax.process_index() == 0
@@ -172,7 +215,7 @@ def save_peft_adapter(model: Transformer, out_dir: str | os.PathLike, *, dtype: 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, arrays())
+        write_safetensors(tmp / ADAPTER_WEIGHTS, specs, arrays())
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         atomic_replace(tmp, out_dir)
     except BaseException:

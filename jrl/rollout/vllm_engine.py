@@ -47,7 +47,7 @@ from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, chec
 from jrl.rollout.leader import LeaderEngine
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError, VLLMUnavailableError
-from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, reset_prefix_cache, resolve_transport
+from jrl.rollout.weight_sync import WEIGHT_TRANSPORTS, model_transport, reset_prefix_cache
 from jrl.sharding.placement import host_copy
 
 logger = logging.getLogger(__name__)
@@ -136,9 +136,15 @@ class VLLMRolloutEngine:
 
     def __init__(self, model, *, config: VLLMConfig, sync: str = "auto", sync_dir: str | os.PathLike,
                  keep_versions: int = 2, pad_id: int, base_url: str | None = None, wait_for_restart: bool = True):
+        if config.device == "cpu" and model.config.is_moe:
+            raise ValueError(
+                "VLLMConfig.device='cpu' cannot sample a MoE model: vLLM 0.32's CPU build serves wrong log-probs after "
+                "reloading a MoE checkpoint's weights (every sync, the first included) and dies at the first request "
+                "with LoRA enabled; use the embedded sampler (rollout.backend='jax') or a GPU vLLM server "
+                "(rollout.vllm.device='gpu')")
         self.config = config
         self.base_url = base_url if base_url is not None else config.base_urls[0]
-        self.sync_mode = resolve_transport(sync, model)
+        self.sync_mode = model_transport(sync, model)
         if keep_versions < 1:
             raise ValueError(f"VLLMRolloutEngine keep_versions={keep_versions} must be >= 1")
         self.pad_id = int(pad_id)
@@ -408,7 +414,7 @@ def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir, le
     if jax.process_count() > 1 and not leader:  # process 0 drives the servers and shares the batches
         build = functools.partial(make_vllm_engine, pad_id=pad_id, mesh=None, rules=None, rollout=rollout,
                                   output_dir=output_dir, leader=True)
-        return LeaderEngine(build, model, adapters_only=resolve_transport(rollout.sync, model) == "lora")
+        return LeaderEngine(build, model, adapters_only=model_transport(rollout.sync, model) == "lora")
     cfg: VLLMConfig = rollout.vllm
     keep = cfg.keep_versions if cfg.keep_versions is not None else rollout.max_staleness + 1
     sync_dir = Path(cfg.sync_dir if cfg.sync_dir is not None else Path(output_dir) / "vllm_sync")

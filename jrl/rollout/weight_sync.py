@@ -7,8 +7,8 @@ ask for to be served by it (an adapter name, or the base model after an in-place
 - ``lora``: the LoRA adapters as a PEFT directory ``<sync_dir>/lora-v{N}``, hot-loaded with
   ``POST /v1/load_lora_adapter`` under a name of this run and version; the newest ``keep_versions`` stay
   loaded (requests in flight finish under their own version), older ones are unloaded and deleted.
-- ``filesystem``: the whole model as a Hugging Face checkpoint ``<sync_dir>/full-v{N}``, reloaded in
-  place (``POST /collective_rpc`` ``reload_weights``; the server needs ``VLLM_SERVER_DEV_MODE=1``); the
+- ``filesystem``: the whole model (LoRA adapters merged) as a Hugging Face checkpoint ``<sync_dir>/full-v{N}``,
+  reloaded in place (``POST /collective_rpc`` ``reload_weights``; the server needs ``VLLM_SERVER_DEV_MODE=1``); the
   previous checkpoint is deleted.
 - ``shared_memory``: as ``filesystem``, but written under ``/dev/shm`` (RAM-backed), so neither side
   touches a disk; for a server on the same host.
@@ -33,7 +33,7 @@ from typing import Protocol
 
 
 from jrl.models import save_peft_adapter, save_pretrained
-from jrl.models.lora import has_lora
+from jrl.models.lora import has_lora, has_moe_lora, merge_lora
 from jrl.registry import Registry
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.vllm_http import VLLMClient, VLLMError, VLLMRequestError
@@ -72,17 +72,27 @@ class WeightTransport(Protocol):
 WEIGHT_TRANSPORTS = Registry("weight transport", "rollout.sync", how_to_register="@WEIGHT_TRANSPORTS.register(name)")
 
 
-def resolve_transport(sync: str, model) -> str:
-    """The transport name of ``rollout.sync`` for ``model``: ``auto`` → ``lora`` with adapters, else
-    ``filesystem``; ``lora`` needs adapters."""
-    lora = has_lora(model)
+def resolve_transport(sync: str, *, lora: bool, moe_lora: bool) -> str:
+    """The transport name of ``rollout.sync`` for a run with LoRA adapters (``lora``), some of them on MoE layers'
+    experts or routers (``moe_lora``, ``lora.target_parameters``): ``auto`` → ``lora`` for adapters on Linear
+    projections only, else ``filesystem`` (the full model, adapters merged); ``lora`` needs adapters, none of them
+    on MoE parameters (vLLM 0.32's CPU build applies no LoRA to fused-MoE layers)."""
     if sync == AUTO:
-        return "lora" if lora else "filesystem"
+        return "lora" if lora and not moe_lora else "filesystem"
     if sync not in WEIGHT_TRANSPORTS:
         raise ValueError(f"RolloutConfig.sync={sync!r} is invalid: use one of {(AUTO,) + WEIGHT_TRANSPORTS.names()}")
     if sync == "lora" and not lora:
         raise ValueError("RolloutConfig.sync='lora' needs a LoRA run (set TrainConfig.lora), or use sync='filesystem'")
+    if sync == "lora" and moe_lora:
+        raise ValueError("RolloutConfig.sync='lora' cannot send LoRA on MoE parameters (lora.target_parameters): "
+                         "vLLM's CPU build applies no LoRA to fused-MoE layers; use sync='auto' or 'filesystem' "
+                         "(the adapters merged into full weights)")
     return sync
+
+
+def model_transport(sync: str, model) -> str:
+    """:func:`resolve_transport` for the adapters ``model`` carries."""
+    return resolve_transport(sync, lora=has_lora(model), moe_lora=has_moe_lora(model))
 
 
 def _done(value) -> Future:
@@ -187,10 +197,11 @@ class FilesystemTransport:
             raise VLLMError(f"vLLM could not reload the weights from {path}: {e.detail}; {hint}") from e
 
     def deliver(self, model, version: int) -> str:
-        """Write ``model`` as checkpoint ``version``, reload the server from it, delete the previous one."""
+        """Write ``model`` (adapters merged) as checkpoint ``version``, reload the server from it, delete the previous
+        one."""
         path = self.root / f"full-v{version}"
         dtype = self.config.dtype if self.config.dtype != "auto" else None
-        save_pretrained(model, path, dtype=dtype, progress=False)
+        save_pretrained(merge_lora(model) if has_lora(model) else model, path, dtype=dtype, progress=False)
         self._reload(path)
         with self._lock:
             old, self._current = self._current, path

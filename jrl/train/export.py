@@ -63,8 +63,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, adapter_on
         meta = ckpt.restore_meta(step)
         spec = meta["model"]
         model = from_pretrained(spec["path"], dtype=spec["dtype"], param_dtype=spec["param_dtype"])
-        lora = None if meta.get("lora") is None else LoraConfig(
-            **{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
+        lora = None if meta.get("lora") is None else LoraConfig(**meta["lora"])
         if adapter_only and lora is None:
             raise ValueError(f"--adapter-only: the checkpoint {str(checkpoint)!r} is from a full fine-tuning run "
                              f"(no LoRA adapters); export it without --adapter-only")

@@ -50,6 +50,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, first_k_dense_replace=1, n_shared_experts=2, attention_bias=True,
         use_qk_norm=True, partial_rotary_factor=0.5)),
+    # q/k RMSNorm over the whole projections (not per head); every layer MoE; intermediate_size is the expert width.
+    "olmoe": ("olmoe", dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
 }
 
 

@@ -45,6 +45,14 @@ QWEN15_MOE = {
     "max_position_embeddings": 8192, "tie_word_embeddings": False, "use_sliding_window": False,
 }
 
+OLMOE = {  # allenai/OLMoE-1B-7B-0924
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+    "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None, "rope_theta": 10000.0,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "pad_token_id": 1,
+    "eos_token_id": 50279, "bos_token_id": None, "attention_bias": False,
+}
+
 
 def test_real_llama31_config():
     c = ModelConfig.from_hf(LLAMA31)
@@ -74,6 +82,18 @@ def test_real_moe_configs_with_shared_experts():
     assert (qwen.router, qwen.shared_expert_intermediate_size, qwen.shared_expert_gate) == ("softmax", 5632, True)
     assert 14.0e9 < qwen.num_params() < 14.6e9  # Qwen1.5-MoE-A2.7B: 14.3B
     assert ModelConfig.from_hf(qwen.to_hf()) == qwen
+
+
+def test_real_olmoe_config():
+    c = ModelConfig.from_hf(OLMOE)
+    assert (c.qk_norm, c.qk_norm_projection, c.head_dim, c.moe_intermediate_size) == (True, True, 128, 1024)
+    assert all(c.layer_is_moe(i) for i in range(16)) and c.stacked_layers
+    assert 6.8e9 < c.num_params() < 7.0e9  # OLMoE-1B-7B: 6.9B
+    assert ModelConfig.from_hf(c.to_hf()) == c
+    with pytest.raises(UnsupportedModelError, match="clip_qkv=8.0"):
+        ModelConfig.from_hf({**OLMOE, "clip_qkv": 8.0})
+    with pytest.raises(ValueError, match="qk_norm_projection must be False for qwen3"):
+        ModelConfig.from_hf(hf_config("qwen3").to_dict()).replace(qk_norm_projection=True)
 
 
 def test_every_family_round_trips_through_transformers(family):

@@ -100,7 +100,7 @@ def test_selected_hidden_states(hf_checkpoints, jrl_models, ids):
         model.hidden_states(jnp.asarray(ids), return_layers=[3])
 
 
-@pytest.mark.parametrize("fam", ["llama_rope3", "qwen3_moe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("fam", ["llama_rope3", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe"])
 def test_bf16_kl(fam, ids, hf_checkpoints, jrl_models):
     """jrl in bfloat16 against transformers in float32: recorded, loosely bounded."""
     hf, path = hf_checkpoints(fam)
@@ -116,4 +116,4 @@ def test_bf16_kl(fam, ids, hf_checkpoints, jrl_models):
 
 def test_families_cover_the_brief():
     assert {FAMILIES[f][0] for f in FAMILIES} == {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-                                                  "glm4_moe"}
+                                                  "glm4_moe", "olmoe"}

@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from model_testlib import hf_logits, layer_param
 
-from jrl.models import from_pretrained, named_params, save_peft_adapter
-from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, lora_disabled, lora_layers
+from jrl.models import from_pretrained, merge_lora, named_params, save_peft_adapter, save_pretrained
+from jrl.models.lora import MOE_LORA_TARGETS, ExpertsLoRA, LoraConfig, LoRAParam, apply_lora, lora_disabled, lora_layers
 
 peft = pytest.importorskip("peft")
 torch = pytest.importorskip("torch")
@@ -163,14 +164,76 @@ def test_errors(hf_checkpoints, tmp_path):
         save_peft_adapter(model, tmp_path / "int", dtype="int8")
     assert not any(tmp_path.iterdir())  # nothing half-written
 
-    _, moe_path = hf_checkpoints("qwen3_moe")
-    moe = from_pretrained(moe_path, dtype=jnp.float32)
-    apply_lora(moe, LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",)))
-    experts = moe.layers[0].mlp.experts  # LoRA on stacked expert weights, as PEFT's target_parameters
-    experts.gate_proj_lora_a = LoRAParam(jnp.zeros(experts.gate_proj[...].shape[:2] + (2,)))
-    with pytest.raises(ValueError, match=r"MoE expert parameters \(layers\.0\.mlp\.experts\.gate_proj_lora_a\)"):
-        save_peft_adapter(moe, tmp_path / "moe")
+    with pytest.raises(ValueError, match="has no MoE layers"):
+        apply_lora(from_pretrained(path, dtype=jnp.float32), LoraConfig(target_parameters=("mlp.experts.down_proj",)))
+    with pytest.raises(ValueError, match=r"target_parameters=\('experts',\) is invalid"):
+        LoraConfig(target_parameters=("experts",))
+    with pytest.raises(ValueError, match="targets nothing"):
+        LoraConfig(target_modules=())
+    with pytest.raises(ValueError, match="merge them first"):
+        save_pretrained(model, tmp_path / "with-adapters")
     assert not any(tmp_path.iterdir())
+
+
+def _randomize_all_adapters(model, seed: int) -> None:
+    """Every LoRAParam (Linear, router and expert adapters) random and non-zero."""
+    key = jax.random.key(seed)
+    for i, (_, var) in enumerate(sorted(nnx.to_flat_state(nnx.state(model, LoRAParam)), key=lambda kv: str(kv[0]))):
+        var.set_value(0.3 * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype))
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("qwen3_moe", MOE_LORA_TARGETS),  # MoE and dense layers: unstacked
+    ("mixtral", MOE_LORA_TARGETS),  # stacked layers; block_sparse_moe on disk, mlp at run time
+    ("qwen2_moe", ("mlp.experts.down_proj",)),  # one expert weight: no base_layer nesting
+    ("glm4_moe", ("mlp.experts.gate_up_proj", "mlp.gate.weight")),
+    ("olmoe", MOE_LORA_TARGETS[:2]),
+])
+def test_expert_lora_adapter_loads_in_peft_and_merges(hf_checkpoints, ids, tmp_path, family, targets):
+    """LoRA on the experts (and router) exports as PEFT target_parameters: peft loads it onto the transformers
+    model with jrl's logits and PEFT's per-expert deltas equal jrl's; the merged checkpoint loads in transformers
+    with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    _, path = hf_checkpoints(family)
+    cfg = LoraConfig(rank=3, alpha=5.0, target_modules=("q_proj",), target_parameters=targets)
+    model = apply_lora(from_pretrained(path, dtype=jnp.float32), cfg)
+    _randomize_all_adapters(model, 7)
+    experts = [layer for layer in lora_layers(model).values() if isinstance(layer, ExpertsLoRA)]
+    assert experts and all(layer.lora_enabled for layer in experts)
+    want = np.asarray(model(jnp.asarray(ids)))
+    with lora_disabled(model):
+        base = np.asarray(model(jnp.asarray(ids)))
+    assert np.abs(want - base).max() > 0.1
+
+    out = save_peft_adapter(model, tmp_path / "adapter", dtype="float32", config=cfg)
+    meta = json.loads((out / "adapter_config.json").read_text())
+    assert meta["target_modules"] == ["q_proj"] and meta["target_parameters"] == list(targets)
+    got, pm = _peft_logits(path, out, ids)
+    assert np.abs(got - want).max() <= TOL, np.abs(got - want).max()
+    _check_loaded_exactly(pm, out)
+
+    # PEFT's delta of each wrapped expert weight [E, out, in] is jrl's s·A_e@B_e [E, in, out], transposed.
+    wrappers = {(name.split(".")[4], m.parameter_name): m for name, m in pm.named_modules()
+                if isinstance(m, peft.tuners.lora.ParamWrapper) and m.parameter_name != "weight"}
+    jrl_layers = {int(p.split(".")[1]) if not model.config.stacked_layers else None: layer
+                  for p, layer in lora_layers(model).items() if isinstance(layer, ExpertsLoRA)}
+    assert len(wrappers) == sum(t.startswith("mlp.experts") for t in targets) * sum(
+        model.config.layer_is_moe(i) for i in range(model.config.num_hidden_layers))
+    for (number, param), wrapper in wrappers.items():
+        layer = jrl_layers[None] if model.config.stacked_layers else jrl_layers[int(number)]
+        deltas = {k: np.asarray(v) for k, v in layer.deltas().items()}
+        if model.config.stacked_layers:
+            deltas = {k: v[int(number)] for k, v in deltas.items()}
+        ours = (np.concatenate([deltas["gate_proj"], deltas["up_proj"]], axis=-1) if param == "gate_up_proj"
+                else deltas["down_proj"]).transpose(0, 2, 1)
+        theirs = wrapper.get_delta_weight("default").detach().numpy()
+        np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-6, err_msg=f"layer {number} {param}")
+
+    merged_dir = save_pretrained(merge_lora(model), tmp_path / "merged")
+    hf = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32, attn_implementation="eager")
+    merged = hf_logits(hf.eval(), ids)
+    assert np.abs(merged - want).max() <= TOL, np.abs(merged - want).max()
 
 
 def test_export_script_adapter_only(hf_checkpoints, ids, tmp_path, capsys):

@@ -260,22 +260,47 @@ def test_serve_script_dry_run_prints_the_command(capsys):
     assert line.startswith("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True VLLM_CPU_KVCACHE_SPACE=4 VLLM_SERVER_DEV_MODE=1 "
                            "/v/bin/python -m vllm")
     assert "--enable-lora --max-lora-rank 8 --max-loras 3" in line and "--model models/tiny-arithmetic" in line
+    # LoRA on MoE parameters syncs merged full weights: the server runs without LoRA.
+    assert module.main(["--config", "configs/grpo.py", "--device", "cpu", "--dry-run", "lora:lora-config",
+                        "--lora.target-parameters", "mlp.experts.down_proj"]) == 0
+    assert "--enable-lora" not in capsys.readouterr().out.strip().splitlines()[-1]
     assert module.main(["--config", "configs/grpo.py", "--dry-run"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("VLLM_SERVER_DEV_MODE=1 .vllm-venv/bin/python -m vllm") and "--enable-lora" not in line
 
 
 def test_sync_transport_follows_the_model():
-    from jrl.models.lora import LoraConfig, apply_lora
-    from jrl.rollout.weight_sync import resolve_transport
+    from jrl.models.lora import MOE_LORA_TARGETS, LoraConfig, apply_lora
+    from jrl.rollout.weight_sync import model_transport
     from rollout_testlib import tiny_model
 
     plain = tiny_model()
-    assert resolve_transport("auto", plain) == "filesystem"
-    assert resolve_transport("shared_memory", plain) == "shared_memory"
+    assert model_transport("auto", plain) == "filesystem"
+    assert model_transport("shared_memory", plain) == "shared_memory"
     with pytest.raises(ValueError, match="sync='lora' needs a LoRA run"):
-        resolve_transport("lora", plain)
-    assert resolve_transport("auto", apply_lora(tiny_model(), LoraConfig(rank=2))) == "lora"
+        model_transport("lora", plain)
+    assert model_transport("auto", apply_lora(tiny_model(), LoraConfig(rank=2))) == "lora"
+    # LoRA on MoE experts or routers goes as merged full weights (vLLM's CPU build has no fused-MoE LoRA).
+    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    for targets in (MOE_LORA_TARGETS[:1], MOE_LORA_TARGETS[2:]):
+        adapted = apply_lora(tiny_model(**moe), LoraConfig(rank=2, target_parameters=targets))
+        assert model_transport("auto", adapted) == "filesystem"
+        with pytest.raises(ValueError, match=r"sync='lora' cannot send LoRA on MoE parameters"):
+            model_transport("lora", adapted)
+    assert model_transport("auto", apply_lora(tiny_model(**moe), LoraConfig(rank=2))) == "lora"
+
+
+def test_cpu_vllm_engine_refuses_moe_models(tmp_path):
+    """Refused before any request (nothing listens at the URL): vLLM 0.32's CPU build serves MoE models wrongly
+    after a weight reload (tests/rollout/test_vllm_moe.py)."""
+    from jrl.rollout.vllm_engine import VLLMRolloutEngine
+    from rollout_testlib import tiny_model
+
+    moe = tiny_model(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=16)
+    cfg = VLLMConfig(base_urls=("http://127.0.0.1:9",), device="cpu", connect_timeout=0.1)
+    with pytest.raises(ValueError, match=r"VLLMConfig.device='cpu' cannot sample a MoE model.*rollout.backend='jax'"):
+        VLLMRolloutEngine(moe, config=cfg, sync_dir=tmp_path, pad_id=0)
 
 
 def test_missing_vllm_python_is_a_clear_error(tmp_path):

@@ -1,6 +1,6 @@
 """Sharded == unsharded: logits and gradients of tiny dense and MoE models on 8 fake CPU devices
 (meshes (1), (fsdp=8), (data=2, fsdp=2, tensor=2), and (expert=4, fsdp=2), (expert=2, fsdp=2, tensor=2)
-for MoE: expert-parallel, tokens exchanged by all-to-all) match the
+for MoE: expert-parallel, tokens exchanged by all-to-all; the MoE model with LoRA on its experts too) match the
 single-device result, parameters are placed as the rules say, and per-device memory is what the
 shape-based report predicts. All of it runs in one child process (see workers/mesh_equivalence.py)."""
 
@@ -13,7 +13,7 @@ import pytest
 RTOL = 1e-5  # float32
 CASES = ["dense/single", "dense/fsdp8", "dense/data2_fsdp2_tensor2",
          "moe/single", "moe/fsdp8", "moe/data2_fsdp2_tensor2", "moe/expert4_fsdp2",
-         "moe/expert2_fsdp2_tensor2"]
+         "moe/expert2_fsdp2_tensor2", "moe_lora/single", "moe_lora/expert4_fsdp2", "moe_lora/expert2_fsdp2_tensor2"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_parameters_placed_as_the_rules_say(result, case):
         assert specs[q] == [None, "fsdp", "tensor", None] and shapes[q] == [[1, 16, 2, 8]]
         assert specs[emb] == ["tensor", "fsdp"] and shapes[emb] == [[32, 16]]
         assert specs["lm_head.kernel"] == ["fsdp", "tensor"]
-    if model == "moe":
+    if model.startswith("moe"):
         gate = "layers.mlp.experts.gate_proj"  # [1, E=4, H=32, I=16] ("layers", "expert", "embed", "expert_mlp")
         down = "layers.mlp.experts.down_proj"  # [1, E, I, H]
         want = {"fsdp8": ([None, None, "fsdp", None], [1, 4, 4, 16]),
@@ -62,6 +62,9 @@ def test_parameters_placed_as_the_rules_say(result, case):
         assert specs[gate] == want[0] and shapes[gate] == [want[1]]
         if mesh_name == "expert4_fsdp2":
             assert specs[down] == [None, "expert", None, "fsdp"]
+        if model == "moe_lora":  # adapters split like their expert weight, the rank dim whole
+            a, b = "layers.mlp.experts.lora_gate_up_a", "layers.mlp.experts.lora_gate_b"  # [1, E, H, r], [1, E, r, I]
+            assert specs[a] == want[0][:3] + [None] and specs[b] == want[0][:2] + [None, want[0][3]]
     else:
         up = "layers.mlp.up_proj.kernel"  # [1, H, I] ("layers", "embed", "mlp")
         assert specs[up] == {"fsdp8": [None, "fsdp", None], "data2_fsdp2_tensor2": [None, "fsdp", "tensor"]}[mesh_name]

@@ -12,7 +12,7 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
 from jrl.train.rewards import RewardSpec
-from train_testlib import read_metrics_log, run_worker, write_reward_file
+from train_testlib import read_metrics_log, run_worker, save_tiny_model_dir, write_reward_file
 
 #: Rewards in the trainer's process, where the crash reward's KeyboardInterrupt kills the run.
 IN_PROCESS = ScoringConfig(num_workers=0)
@@ -164,4 +164,40 @@ def test_lora_run_exports_merged_model(tiny_model_dir, tmp_path):
     got = from_pretrained(out, dtype="float32")(ids)
     base = from_pretrained(tiny_model_dir, dtype="float32")(ids)
     assert float(jnp.max(jnp.abs(want - base))) > 1e-4  # the adapters changed the model
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_expert_lora_run_trains_samples_and_exports(tmp_path):
+    """A MoE run with LoRA on the experts, routers and q_proj (embedded sampler on the adapted model): the adapters
+    train, the checkpoint exports as a PEFT adapter with target_parameters and as a merged model that computes the
+    trained forward."""
+    import json
+
+    import jax.numpy as jnp
+
+    from jrl.models import from_pretrained
+    from jrl.models.lora import MOE_LORA_TARGETS, LoraConfig
+    from jrl.train.export import export_checkpoint
+    from jrl.train.trainer import Trainer
+
+    model_dir = save_tiny_model_dir(tmp_path / "moe", seed=3, model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=16)
+    reward = write_reward_file(tmp_path, "reward_moe")
+    lora = LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",), target_parameters=MOE_LORA_TARGETS)
+    cfg = _cfg(model_dir, tmp_path / "run", reward, max_steps=2, save_every=0, lora=lora,
+               optim=OptimConfig(learning_rate=5e-2, micro_batch_size=4))
+    trainer = Trainer(cfg, progress=False)
+    trainer.train()
+    trainer.close()
+    trained = trainer.learner.model
+    experts = trained.layers.mlp.experts
+    assert float(jnp.max(jnp.abs(experts.lora_down_b[...]))) > 0 and float(jnp.max(jnp.abs(experts.lora_up_b[...]))) > 0
+    adapter = export_checkpoint(tmp_path / "run", tmp_path / "adapter", adapter_only=True)
+    meta = json.loads((adapter / "adapter_config.json").read_text())
+    assert meta["target_parameters"] == list(MOE_LORA_TARGETS) and meta["target_modules"] == ["q_proj"]
+    out = export_checkpoint(tmp_path / "run" / "checkpoints" / "2", tmp_path / "merged")
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 262, (2, 9)), jnp.int32)
+    want = trained(ids)
+    got = from_pretrained(out, dtype="float32")(ids)
+    assert float(jnp.max(jnp.abs(want - from_pretrained(model_dir, dtype="float32")(ids)))) > 1e-4
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))

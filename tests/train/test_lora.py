@@ -13,7 +13,16 @@ from train_testlib import grpo_learner, random_step_batch, tiny_model
 
 from jrl.losses import GRPOConfig
 from jrl.models import named_params
-from jrl.models.lora import LoraConfig, LoRAParam, apply_lora, lora_disabled, lora_layers, merge_lora
+from jrl.models.lora import (
+    MOE_LORA_TARGETS,
+    ExpertsLoRA,
+    LoraConfig,
+    LoRAParam,
+    apply_lora,
+    lora_disabled,
+    lora_layers,
+    merge_lora,
+)
 from jrl.train.config import OptimConfig
 
 
@@ -86,6 +95,33 @@ def test_only_adapters_train_and_reference_is_base():
     # After the update, the adapters change the policy while the reference (disabled) does not move.
     np.testing.assert_allclose(learner.evaluate(update.logprobs, batch, disable_lora=True), ref, rtol=1e-6, atol=1e-6)
     assert np.max(np.abs(learner.evaluate(update.logprobs, batch) - ref)) > 1e-6
+
+
+def test_expert_lora_trains_only_adapters_and_merges():
+    """LoRA on the experts, router and q_proj of a MoE model: identity when fresh; a GRPO update moves every
+    adapter's B off zero and no base weight; the merged model computes the adapted forward."""
+    model = tiny_model(seed=6, model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16)
+    base = np.asarray(model(_ids()))
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",), target_parameters=MOE_LORA_TARGETS))
+    # B = 0 adds exact zeros; the grouped matmuls of the LoRA path may round differently (float32 tolerance).
+    np.testing.assert_allclose(np.asarray(model(_ids())), base, rtol=1e-5, atol=1e-5 * np.abs(base).max())
+    experts = model.layers.mlp.experts
+    assert isinstance(experts, ExpertsLoRA) and experts.lora_gate_up_a[...].shape == (1, 4, 32, 2)
+    assert experts.lora_gate_b[...].shape == (1, 4, 2, 16) and experts.lora_down_b[...].shape == (1, 4, 2, 32)
+    base_before = {k: np.asarray(v[...]) for k, v in named_params(model).items() if "lora_" not in k}
+    learner, update = grpo_learner(model, GRPOConfig(num_generations=2, metrics="basic"),
+                                   OptimConfig(learning_rate=1e-2), total_updates=1)
+    assert np.isfinite(update(learner, random_step_batch(seed=5))["loss"])
+    after = learner.model
+    params = named_params(after)
+    for k, v in base_before.items():
+        np.testing.assert_array_equal(np.asarray(params[k][...]), v, err_msg=k)
+    for name in ("layers.mlp.experts.lora_gate_b", "layers.mlp.experts.lora_up_b", "layers.mlp.experts.lora_down_b",
+                 "layers.mlp.router.lora_b", "layers.attn.q_proj.lora_b"):
+        assert float(jnp.max(jnp.abs(params[name][...]))) > 0, name
+    ref = np.asarray(after(_ids(1)))
+    np.testing.assert_allclose(np.asarray(merge_lora(after)(_ids(1))), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_lora_config_errors():

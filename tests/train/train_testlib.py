@@ -31,9 +31,10 @@ def tiny_model(seed: int = 0, **overrides):
     return create_model(tiny_config(**overrides), seed=seed)
 
 
-def save_tiny_model_dir(path: Path, seed: int = 0) -> Path:
-    """A random tiny Llama + jrl's byte tokenizer as a Hugging Face directory."""
-    save_pretrained(tiny_model(seed), path)
+def save_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny Llama (or what ``overrides`` of its config make it) + jrl's byte tokenizer as a Hugging Face
+    directory."""
+    save_pretrained(tiny_model(seed, **overrides), path)
     save_byte_tokenizer(path)
     return Path(path)
 

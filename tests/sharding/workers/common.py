@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from jrl.models import ModelConfig, Transformer
+from jrl.models.lora import MOE_LORA_TARGETS, LoraConfig, LoRAParam, apply_lora
 
 BATCH, SEQ = 8, 16
 
@@ -25,8 +26,19 @@ def tokens(seed: int = 1) -> np.ndarray:
     return np.asarray(jax.random.randint(jax.random.key(seed), (BATCH, SEQ), 0, 64, dtype=jnp.int32))
 
 
+#: ``moe_lora``: the MoE model with LoRA on its experts, router and q_proj.
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj",), target_parameters=MOE_LORA_TARGETS)
+
+
 def make_model(kind: str, mesh=None, rules=None) -> Transformer:
-    return Transformer(CONFIGS[kind], rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
+    """``dense``, ``moe`` or ``moe_lora`` (its adapters random, B included, so they change the forward)."""
+    model = Transformer(CONFIGS[kind.removesuffix("_lora")], rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
+    if kind.endswith("_lora"):
+        apply_lora(model, LORA, seed=0)
+        key = jax.random.key(5)
+        for i, (_, var) in enumerate(sorted(nnx.to_flat_state(nnx.state(model, LoRAParam)), key=lambda kv: str(kv[0]))):
+            var.set_value(0.3 * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype))
+    return model
 
 
 def loss_fn(model: Transformer, ids: jax.Array):

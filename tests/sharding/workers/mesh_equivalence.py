@@ -27,7 +27,8 @@ MESHES = {
     "expert2_fsdp2_tensor2": dict(expert=2, fsdp=2, tensor=2),
 }
 CASES = [("dense", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2")] + [
-    ("moe", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2", "expert4_fsdp2", "expert2_fsdp2_tensor2")]
+    ("moe", m) for m in ("single", "fsdp8", "data2_fsdp2_tensor2", "expert4_fsdp2", "expert2_fsdp2_tensor2")] + [
+    ("moe_lora", m) for m in ("single", "expert4_fsdp2", "expert2_fsdp2_tensor2")]
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -40,7 +41,7 @@ def main() -> None:
     ids_host = common.tokens()
     out: dict = {"cases": {}, "timing": {}}
     refs = {}
-    for kind in ("dense", "moe"):
+    for kind in ("dense", "moe", "moe_lora"):
         model = common.make_model(kind)
         loss, logits, grads = common.loss_and_grads(model, ids_host)
         refs[kind] = dict(loss=float(loss), logits=np.asarray(logits), grads=flat(grads),

@@ -1,5 +1,5 @@
-"""Flax NNX decoder models (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4-MoE) and HF checkpoint
-conversion."""
+"""Flax NNX decoder models (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4-MoE, OLMoE) and HF
+checkpoint conversion."""
 
 from jrl.models.checkpoint import (
     CheckpointError,

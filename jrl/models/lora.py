@@ -214,6 +214,12 @@ class ExpertsLoRA(Experts):
             return gmm_lora(h, down, next(it), next(it), self.scale, group_sizes)
         return gmm(h, down, group_sizes)
 
+    def over(self, base: Experts) -> ExpertsLoRA:
+        """These adapters (the same variables, no copy) on ``base``'s expert weights."""
+        view = nnx.merge(*nnx.split(self))
+        view.gate_proj, view.up_proj, view.down_proj = base.gate_proj, base.up_proj, base.down_proj
+        return view
+
     def deltas(self) -> dict[str, jax.Array]:
         """``{weight name: s · A_e @ B_e}`` of each adapted expert weight, in its layout (float32)."""
         def product(a, b):
@@ -228,7 +234,8 @@ class ExpertsLoRA(Experts):
 
 
 def _slots(model: nnx.Module, kind: type, names: tuple[str, ...] | None = None):
-    """(parent module, attribute name) of every ``kind`` node of ``model`` (whose attribute name is in ``names``)."""
+    """(parent module, attribute name, path) of every ``kind`` node of ``model`` (whose attribute name is in
+    ``names``)."""
     out = []
     for path, node in nnx.iter_graph(model):
         if not path or not isinstance(node, kind) or (names is not None and path[-1] not in names):
@@ -236,7 +243,7 @@ def _slots(model: nnx.Module, kind: type, names: tuple[str, ...] | None = None):
         parent = model
         for p in path[:-1]:
             parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-        out.append((parent, path[-1]))
+        out.append((parent, path[-1], ".".join(str(p) for p in path)))
     return out
 
 
@@ -264,7 +271,7 @@ def apply_lora(model: Transformer, config: LoraConfig, *, seed: int = 0) -> Tran
             f"LoraConfig.target_modules={config.target_modules!r} matched no Linear layer of this "
             f"{model.config.model_type} model; use names from {LORA_TARGETS}")
     key = jax.random.key(seed)
-    for i, (parent, name) in enumerate(linear + routers + experts):
+    for i, (parent, name, _) in enumerate(linear + routers + experts):
         base, k = getattr(parent, name), jax.random.fold_in(key, i)
         if isinstance(base, Experts):
             adapted = ExpertsLoRA(base, gate_up=gate_up, down=down, rank=config.rank, scale=config.scale, key=k)
@@ -309,11 +316,15 @@ def lora_disabled(model: nnx.Module):
             layer.lora_enabled = True
 
 
-def merge_lora(model: Transformer) -> Transformer:
+def merge_lora(model: Transformer, *, experts: bool = True) -> Transformer:
     """A plain :class:`Transformer` whose adapted weights (Linear kernels, expert weights) are ``W + s·A@B``
     (computed in float32, cast back to the weight's dtype); every other parameter is shared with ``model``.
-    ``model`` is not changed."""
-    deltas = {f"{path}.{name}": delta for path, layer in lora_layers(model).items()
+    With ``experts=False`` the expert adapters stay unmerged: the result's experts are :class:`ExpertsLoRA` over
+    the base expert weights with ``model``'s adapters (no merged copy of the experts, most of a MoE model's
+    weights). ``model`` is not changed."""
+    layers = lora_layers(model)
+    kept = {} if experts else {path: layer for path, layer in layers.items() if isinstance(layer, ExpertsLoRA)}
+    deltas = {f"{path}.{name}": delta for path, layer in layers.items() if path not in kept
               for name, delta in layer.deltas().items()}
     rules = None if model.rules is None else dict(model.rules)
     plain = nnx.eval_shape(lambda: Transformer(model.config, rngs=nnx.Rngs(0), mesh=model.mesh, rules=rules))
@@ -326,16 +337,21 @@ def merge_lora(model: Transformer) -> Transformer:
         var.set_value(value)
     if deltas:
         raise ValueError(f"merge_lora: adapters on {sorted(deltas)} have no matching base weight")
+    for parent, name, path in _slots(plain, Experts):
+        if path in kept:
+            setattr(parent, name, kept[path].over(getattr(parent, name)))
     return plain
 
 
 def decoding_view(model: Transformer) -> Transformer:
     """The model a sampler decodes with: layers unstacked (:meth:`Transformer.unstacked`) and, when its LoRA
-    adapters are on, the adapters merged into a copy of their kernels (:func:`merge_lora`), so a decode step
-    runs one matmul per projection with or without adapters. Built inside the sampler's jit, once per
-    generation: one copy of the layer weights (the unstacked view is one already)."""
+    adapters are on, the Linear adapters merged into a copy of their kernels (:func:`merge_lora`), so a decode
+    step runs one matmul per projection with or without adapters; expert adapters stay unmerged (grouped
+    matmuls take them as they are; a merged copy of the experts would double a MoE model's memory). Built
+    inside the sampler's jit, once per generation: one copy of the layer weights (the unstacked view is one
+    already)."""
     view = model.unstacked()
     adapters = lora_layers(view).values()
     if adapters and all(layer.lora_enabled for layer in adapters):
-        return merge_lora(view)
+        return merge_lora(view, experts=False)
     return view

@@ -19,7 +19,9 @@ from flax import nnx
 from jrl.kernels.moe import gmm, permute, unpermute
 from jrl.models.config import ModelConfig
 from jrl.models.expert_parallel import expert_axis, moe_expert_parallel
+from jrl.models import router_stats
 from jrl.models.layers import MLP, FrozenParam, Linear, normal_init
+from jrl.models.router_stats import RouterStats
 
 _EXPERT_IN = ("expert", "embed", "expert_mlp")
 _EXPERT_OUT = ("expert", "expert_mlp", "embed")
@@ -110,11 +112,6 @@ class MoE(nnx.Module):
         """Router logits [..., E] computed in float32."""
         return self.router(x.astype(jnp.float32))
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(routing weights [..., K] float32, expert ids [..., K] int32) of tokens ``x`` [..., H]."""
-        bias = None if self.router_bias is None else self.router_bias[...]
-        return ROUTERS[self.config.router](self.router_logits(x), bias, self.config)
-
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
         y = self._routed(x)
@@ -126,9 +123,15 @@ class MoE(nnx.Module):
         return y
 
     def _routed(self, x: jax.Array) -> jax.Array:
-        """The routed experts' weighted sum for ``x`` [B, S, H]."""
+        """The routed experts' weighted sum for ``x`` [B, S, H] (its routing recorded when a
+        :func:`jrl.models.router_stats.collecting` collector is open)."""
         c = self.config
-        weights, idx = self.route(x)
+        logits = self.router_logits(x)
+        bias = None if self.router_bias is None else self.router_bias[...]
+        weights, idx = ROUTERS[c.router](logits, bias, c)
+        if router_stats.active():
+            router_stats.record(RouterStats.of(logits.reshape(-1, c.num_experts),
+                                               idx.reshape(-1, c.num_experts_per_tok)))
         params, axes = self.experts.arrays()
         rules = dict(self.rules) if self.rules is not None else None
         axis = expert_axis(self.mesh, rules, params[0].shape, axes[0])

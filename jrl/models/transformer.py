@@ -24,6 +24,7 @@ from jrl.models.layers import (
     positions_from_mask,
     positions_from_segments,
 )
+from jrl.models import router_stats
 from jrl.models.moe import MoE
 from jrl.models.remat import remat
 from jrl.sharding.placement import from_host
@@ -66,10 +67,16 @@ class DecoderLayer(nnx.Module):
 
 def _layer_step(graphdef: nnx.GraphDef) -> Callable:
     """``step(state, x, positions, mask)``: the layer ``graphdef`` with parameters ``state`` applied to x (a pure
-    function, for ``jax.checkpoint`` and ``jax.lax.scan``)."""
+    function, for ``jax.checkpoint`` and ``jax.lax.scan``). While router statistics are collected
+    (:mod:`jrl.models.router_stats`) it returns ``(output, the layer's stacked RouterStats or None)``: values
+    traced inside the step leave it as outputs."""
+    if not router_stats.active():
+        return lambda state, x, positions, mask: nnx.merge(graphdef, state)(x, positions, mask)
 
     def step(state, x, positions, mask):
-        return nnx.merge(graphdef, state)(x, positions, mask)
+        with router_stats.collecting() as inner:
+            out = nnx.merge(graphdef, state)(x, positions, mask)
+        return out, router_stats.stack(inner)
 
     return step
 
@@ -215,11 +222,20 @@ class Transformer(nnx.Module):
         if depth == 0:
             return x, ()
         remat_name = self.config.remat
+        with_stats = router_stats.active()
+
+        def run(step, state, h):
+            """The layer's output, its router statistics recorded (or handed out of a scan body)."""
+            out = step(state, h, positions, mask)
+            return out if with_stats else (out, None)
+
         if not self.config.stacked_layers:
             outputs = []
             for layer in self.layers[:depth]:
                 graphdef, state = nnx.split(layer)
-                x = remat(_layer_step(graphdef), remat_name)(state, x, positions, mask)
+                x, stats = run(remat(_layer_step(graphdef), remat_name), state, x)
+                if stats is not None:
+                    router_stats.record(stats)
                 outputs.append(x)
             return x, tuple(outputs) if collect else ()
         graphdef, state = nnx.split(self.layers)
@@ -228,10 +244,12 @@ class Transformer(nnx.Module):
         step = remat(_layer_step(graphdef), remat_name, prevent_cse=False)  # scan already keeps CSE away
 
         def body(h, layer_state):
-            h = step(layer_state, h, positions, mask)
-            return h, h if collect else None
+            h, stats = run(step, layer_state, h)
+            return h, (h if collect else None, stats)
 
-        x, stacked = jax.lax.scan(body, x, state)
+        x, (stacked, stats) = jax.lax.scan(body, x, state)
+        if stats is not None:
+            router_stats.record(stats)
         return x, tuple(stacked[i] for i in range(depth)) if collect else ()
 
     # ------------------------------------------------------------------ decoding with a KV cache

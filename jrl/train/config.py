@@ -96,6 +96,12 @@ class OptimConfig:
     micro_batch_size: int | None = None
     """Sequences per forward/backward pass; the step's ``prompts_per_batch x num_generations``
     sequences are split into micro-batches whose gradients are summed (None = one micro-batch)."""
+    router_aux_loss_coef: float = 0.0
+    """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
+    balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""
+    router_z_loss_coef: float = 0.0
+    """MoE models: weight of the router z-loss (mean ``logsumexp(router logits)²``) added to every update's loss;
+    0 = off."""
 
     def __post_init__(self):
         check_real(self, "learning_rate", gt=0, fix="use a finite number > 0")
@@ -107,6 +113,8 @@ class OptimConfig:
         check_choice(self, "schedule", ("constant", "cosine", "linear"))
         check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
         check_int(self, "micro_batch_size", lo=1, optional=True)
+        check_real(self, "router_aux_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
+        check_real(self, "router_z_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jrl.models import router_stats
 from jrl.models.lora import has_lora, lora_disabled, trainable_params
 from jrl.sharding import batch_sharding, from_host, opt_state_shardings, to_host
 from jrl.train.config import OptimConfig
@@ -66,10 +67,20 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     return optax.chain(*parts), schedule
 
 
-def _grads(params, frozen, rows, aux, graphdef, loss):
-    """(loss, metrics), ∇ loss of one micro-batch."""
+def _grads(params, frozen, rows, aux, graphdef, loss, router):
+    """(loss, metrics), ∇ loss of one micro-batch. A MoE model's router statistics join the metrics
+    (:func:`jrl.models.router_stats.summary`) and, weighted by ``router`` = (aux-loss coefficient, z-loss
+    coefficient, micro-batches in the update), its loss."""
+    aux_coef, z_coef, micro_batches = router
+
     def f(p):
-        return loss(nnx.merge(graphdef, p, frozen), rows, aux)
+        with router_stats.collecting() as stats:
+            value, metrics = loss(nnx.merge(graphdef, p, frozen), rows, aux)
+        if not stats:
+            return value, metrics
+        terms = router_stats.summary(stats)
+        value = value + (aux_coef * terms["moe/aux_loss"] + z_coef * terms["moe/router_z_loss"]) / micro_batches
+        return value, {**metrics, **terms}
 
     return jax.value_and_grad(f, has_aux=True)(params)
 
@@ -80,17 +91,17 @@ def _update(params, opt_state, grads, tx):
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss"), donate_argnums=0)
-def _micro(acc, params, frozen, rows, aux, *, graphdef, loss):
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router"), donate_argnums=0)
+def _micro(acc, params, frozen, rows, aux, *, graphdef, loss, router):
     """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
-    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss)
+    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss, router)
     return jax.tree.map(jnp.add, acc, grads), value, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx"), donate_argnums=(0, 1))
-def _micro_and_apply(params, opt_state, frozen, rows, aux, *, graphdef, loss, tx):
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router"), donate_argnums=(0, 1))
+def _micro_and_apply(params, opt_state, frozen, rows, aux, *, graphdef, loss, tx, router):
     """A whole update of one micro-batch in one program: no accumulator, params and state donated."""
-    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss)
+    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss, router)
     params, opt_state, gnorm = _update(params, opt_state, grads, tx)
     return params, opt_state, value, metrics, gnorm
 
@@ -125,6 +136,11 @@ class Learner:
     """Trainable state, optimizer and the accumulate-then-apply update of a model (see the module docstring)."""
 
     def __init__(self, model: nnx.Module, optim: OptimConfig, *, total_updates: int, mesh=None, rules=None):
+        config = getattr(model, "config", None)
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(optim, name) and not (config is not None and config.is_moe):
+                raise ValueError(f"OptimConfig.{name}={getattr(optim, name)} has no effect: the model has no MoE "
+                                 f"layers; leave it at 0")
         self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
         self.graphdef, self.params, self.frozen = nnx.split(model, trainable_params(model), ...)
@@ -202,12 +218,16 @@ class Learner:
                     plan.append((term, aux, sl))
         return plan, skipped
 
+    def _router(self, micro_batches: int) -> tuple[float, float, int]:
+        """The static router-loss settings of an update of ``micro_batches`` micro-batches (see :func:`_grads`)."""
+        return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef, micro_batches
+
     def _accumulate(self, plan) -> tuple[Any, dict[str, list]]:
         acc = _zeros_like(self.params)
         collected: dict[str, list] = {"loss": []}
         for term, aux, sl in plan:
             acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(take_rows(term.rows, sl)), aux,
-                                         graphdef=self.graphdef, loss=term.loss)
+                                         graphdef=self.graphdef, loss=term.loss, router=self._router(len(plan)))
             _collect(collected, value, metrics)
         return acc, collected
 
@@ -235,7 +255,7 @@ class Learner:
             collected: dict[str, list] = {"loss": []}
             self.params, self.opt_state, value, metrics, gnorm = _micro_and_apply(
                 self.params, self.opt_state, self.frozen, self.put(take_rows(term.rows, sl)), aux,
-                graphdef=self.graphdef, loss=term.loss, tx=self.tx)
+                graphdef=self.graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
             self.num_updates += 1
             _collect(collected, value, metrics)
         else:

@@ -129,3 +129,28 @@ def test_lora_config_errors():
         LoraConfig(rank=0)
     with pytest.raises(ValueError, match="unknown: \\['qkv'\\]"):
         LoraConfig(target_modules=("qkv",))
+
+
+def test_decoding_view_keeps_expert_adapters_unmerged():
+    """The sampler's view merges Linear adapters but runs the experts' adapters as they are (no merged copy of the
+    expert weights): same logits as the adapted model, expert weights and adapters shared with it."""
+    from jrl.models.lora import decoding_view
+
+    model = tiny_model(seed=7, model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, num_hidden_layers=2)
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",), target_parameters=MOE_LORA_TARGETS))
+    for i, (_, var) in enumerate(sorted(nnx.to_flat_state(nnx.state(model, LoRAParam)), key=lambda kv: str(kv[0]))):
+        var.set_value(0.3 * jax.random.normal(jax.random.key(20 + i), var.shape, var.dtype))
+    view = decoding_view(model)
+    assert not lora_layers(view.layers[0].attn)  # the q_proj adapter is merged into its kernel
+    experts = view.layers[1].mlp.experts
+    assert isinstance(experts, ExpertsLoRA)  # unmerged: layer 1's expert weights and adapters
+    np.testing.assert_array_equal(np.asarray(experts.gate_proj[...]),
+                                  np.asarray(model.layers.mlp.experts.gate_proj[...][1]))
+    np.testing.assert_array_equal(np.asarray(experts.lora_down_b[...]),
+                                  np.asarray(model.layers.mlp.experts.lora_down_b[...][1]))
+    ref = np.asarray(model(_ids(2)))
+    assert np.abs(ref - np.asarray(merge_lora(model)(_ids(2)))).max() <= 1e-5 * np.abs(ref).max()
+    np.testing.assert_allclose(np.asarray(view(_ids(2))), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # The router adapter too is merged: the view's only adapters are the experts'.
+    assert set(lora_layers(view)) == {"layers.0.mlp.experts", "layers.1.mlp.experts"}

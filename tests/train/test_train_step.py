@@ -191,3 +191,29 @@ def test_bad_micro_batch_size():
     learner, update = make(tiny_model(seed=0), ALGO, OptimConfig(micro_batch_size=3), total_updates=1)
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         update(learner, random_step_batch(seed=0))
+
+
+def test_router_losses_join_a_moe_update():
+    """A MoE model's router statistics are metrics of every update; with coefficients the loss grows by exactly
+    ``aux_coef · aux + z_coef · z`` (with micro-batches too) and the router trains differently; a dense model
+    refuses the coefficients."""
+    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    batch = random_step_batch(seed=3)
+    algo = GRPOConfig(num_generations=2, metrics="basic")
+    runs = {}
+    for coefs in ((0.0, 0.0), (0.5, 0.1)):
+        for mb in (None, 4):
+            optim = OptimConfig(learning_rate=1e-2, micro_batch_size=mb, router_aux_loss_coef=coefs[0],
+                                router_z_loss_coef=coefs[1])
+            learner, update = grpo_learner(tiny_model(seed=4, **moe), algo, optim, total_updates=1)
+            runs[coefs, mb] = update(learner, batch), np.asarray(learner.model.layers.mlp.router.kernel[...])
+    for mb in (None, 4):
+        (plain, plain_router), (weighted, weighted_router) = runs[(0.0, 0.0), mb], runs[(0.5, 0.1), mb]
+        assert plain["moe/expert_load_max_over_mean"] >= 1.0 and plain["moe/aux_loss"] >= 1.0 - 1e-6
+        for name in ("moe/aux_loss", "moe/router_z_loss", "moe/expert_load_max_over_mean"):
+            assert weighted[name] == pytest.approx(plain[name], rel=1e-6), name  # measured before the update
+        want = plain["loss"] + 0.5 * plain["moe/aux_loss"] + 0.1 * plain["moe/router_z_loss"]
+        assert weighted["loss"] == pytest.approx(want, rel=1e-5), mb
+        assert np.abs(weighted_router - plain_router).max() > 1e-6
+    with pytest.raises(ValueError, match=r"OptimConfig.router_z_loss_coef=0.1 has no effect: the model has no MoE"):
+        grpo_learner(tiny_model(), algo, OptimConfig(router_z_loss_coef=0.1), total_updates=1)

@@ -1,0 +1,94 @@
+"""Router statistics of MoE forward passes, gathered while a function is traced: the load-balance metric, the
+router z-loss and the load-balancing auxiliary loss.
+
+Inside ``with collecting() as stats:`` every MoE block that runs adds a :class:`RouterStats` of its tokens to
+``stats`` (outside one, blocks record nothing and cost nothing extra). A layer run under ``jax.checkpoint`` or
+``jax.lax.scan`` is traced in a scope of its own, so the layer step opens its own collector and returns what it
+gathered as outputs, which the caller records again (:mod:`jrl.models.transformer`): every value lives in the
+trace of the function that opened the outer collector. Statistics cover every token a block computes, padding
+included (the block does not see the attention mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_ACTIVE: contextvars.ContextVar[list | None] = contextvars.ContextVar("jrl_router_stats", default=None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+    """One MoE block's routing (leading axes: blocks or layers stacked together), float32."""
+
+    load: jax.Array
+    """[..., E] share of the block's top-k assignments that went to each expert (sums to 1)."""
+    prob: jax.Array
+    """[..., E] mean router probability (softmax of the logits) of each expert over the tokens."""
+    z: jax.Array
+    """[...] mean over the tokens of ``logsumexp(router logits)²`` (the router z-loss)."""
+
+    @staticmethod
+    def of(router_logits: jax.Array, expert_ids: jax.Array) -> RouterStats:
+        """From router logits [T, E] and the chosen experts [T, K] of T tokens."""
+        logits = router_logits.astype(jnp.float32)
+        e = logits.shape[-1]
+        load = jnp.zeros((e,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0) / expert_ids.size
+        return RouterStats(load=load, prob=jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0),
+                           z=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+
+    @property
+    def max_over_mean(self) -> jax.Array:
+        """[...] the busiest expert's load over the mean load (1 = perfectly balanced, E = one expert takes all)."""
+        return self.load.shape[-1] * jnp.max(self.load, axis=-1)
+
+    @property
+    def aux_loss(self) -> jax.Array:
+        """[...] the load-balancing loss ``E · Σ_e load_e · prob_e`` (Switch Transformer's; 1 when balanced and
+        uniform); its gradient reaches the router through ``prob``."""
+        return self.load.shape[-1] * jnp.sum(jax.lax.stop_gradient(self.load) * self.prob, axis=-1)
+
+
+@contextlib.contextmanager
+def collecting():
+    """Gather the :class:`RouterStats` of the MoE blocks that run inside the ``with`` block into the yielded list."""
+    stats: list[RouterStats] = []
+    token = _ACTIVE.set(stats)
+    try:
+        yield stats
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> bool:
+    """Whether a collector is open (MoE blocks then record their statistics)."""
+    return _ACTIVE.get() is not None
+
+
+def record(stats: RouterStats) -> None:
+    """Add ``stats`` to the open collector (nothing when none is open)."""
+    collected = _ACTIVE.get()
+    if collected is not None:
+        collected.append(stats)
+
+
+def stack(stats: list[RouterStats]) -> RouterStats | None:
+    """The statistics of several blocks as one, stacked on a new leading axis (None for none)."""
+    if not stats:
+        return None
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+
+
+def summary(stats: list[RouterStats]) -> dict[str, jax.Array]:
+    """Means over every block recorded: ``moe/expert_load_max_over_mean``, ``moe/router_z_loss`` and
+    ``moe/aux_loss``."""
+    all_blocks = RouterStats(load=jnp.concatenate([s.load.reshape(-1, s.load.shape[-1]) for s in stats]),
+                             prob=jnp.concatenate([s.prob.reshape(-1, s.prob.shape[-1]) for s in stats]),
+                             z=jnp.concatenate([s.z.reshape(-1) for s in stats]))
+    return {"moe/expert_load_max_over_mean": jnp.mean(all_blocks.max_over_mean),
+            "moe/router_z_loss": jnp.mean(all_blocks.z), "moe/aux_loss": jnp.mean(all_blocks.aux_loss)}

@@ -4,6 +4,10 @@ matmul of the same FLOPs, forward and forward+backward, uniform and skewed group
     python benchmarks/kernels_gmm.py [--T 32768] [--K 2048] [--N 1024] [--E 8,64,128]
                                      [--impls triton,reference] [--sweep]
 
+``--impls`` may also name ``tokamax:mosaic`` / ``tokamax:triton``: tokamax's ``ragged_dot`` with that
+implementation (default configs, no autotuning), for comparison (tokamax must be installed; it is not a jrl
+dependency).
+
 ``--sweep`` first times each Triton pass (fwd, dlhs, tgmm) alone over a few tile configs, per E (uniform
 groups), and uses the fastest per pass and E for the main table (and prints them); without it the
 implementation's default tile table is used. Times are medians of back-to-back dispatches
@@ -74,6 +78,17 @@ def sweep(lhs, rhs, gs, dout, log):
     return T.Configs(fwd=best["fwd"], dlhs=best["dlhs"], tgmm=best["tgmm"])
 
 
+def _op(impl: str, kw: dict):
+    """``(lhs, rhs, group_sizes) -> out`` of a jrl gmm implementation or of ``tokamax:<implementation>``."""
+    if impl.startswith("tokamax:"):
+        import tokamax
+
+        return lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation=impl.split(":", 1)[1])
+    from jrl.kernels import moe
+
+    return lambda a, b, g: moe.gmm(a, b, g, impl=impl, **kw)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=32768)
@@ -89,8 +104,6 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from jrl.kernels import moe
 
     def log(s):
         print(s, flush=True)
@@ -128,10 +141,11 @@ def main():
             configs = configs_by_e.get(e)
             for impl in sorted(args.impls.split(","), key=lambda x: x != "reference"):  # reference first
                 kw = {"configs": configs} if (impl == "triton" and configs is not None) else {}
-                f = jax.jit(lambda a, b, g, impl=impl, kw=kw: moe.gmm(a, b, g, impl=impl, **kw))
+                op = _op(impl, kw)
+                f = jax.jit(op)
 
-                def fb_(a, b, g, d, impl=impl, kw=kw):
-                    o, vjp = jax.vjp(lambda x, y: moe.gmm(x, y, g, impl=impl, **kw), a, b)
+                def fb_(a, b, g, d, op=op):
+                    o, vjp = jax.vjp(lambda x, y: op(x, y, g), a, b)
                     return (o, *vjp(d))
 
                 fb = jax.jit(fb_)

@@ -1,6 +1,7 @@
 """Test-suite wide setup: float64 off, markers that skip with a stated reason where the hardware or
-service they need is absent (never silently)."""
+service they need is absent (never silently), compiled programs released after every test module."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -8,6 +9,19 @@ import pytest
 
 #: Where scripts/install_vllm_cpu.sh puts vLLM's own venv; used when JRL_VLLM_PYTHON is not set.
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "python"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compilation caches after each test module. Every XLA:CPU program keeps about three memory
+    mappings while it is cached; the whole suite in one process compiles enough of them to pass the kernel's
+    per-process limit (vm.max_map_count, 65530 by default), and XLA's next compile then dies with a segmentation
+    fault."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_addoption(parser):

@@ -215,7 +215,7 @@ class ExpertsLoRA(Experts):
         return gmm(h, down, group_sizes)
 
     def over(self, base: Experts) -> ExpertsLoRA:
-        """These adapters (the same variables, no copy) on ``base``'s expert weights."""
+        """These adapters (their arrays, no copy) on ``base``'s expert weights."""
         view = nnx.merge(*nnx.split(self))
         view.gate_proj, view.up_proj, view.down_proj = base.gate_proj, base.up_proj, base.down_proj
         return view

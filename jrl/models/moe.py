@@ -112,9 +112,11 @@ class MoE(nnx.Module):
         """Router logits [..., E] computed in float32."""
         return self.router(x.astype(jnp.float32))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+        """The block's output for ``x`` [B, S, H]; ``token_mask`` [B, S] (True = a real token) only weights the
+        recorded router statistics (padding computes as any token)."""
         x = x.astype(self.dtype)
-        y = self._routed(x)
+        y = self._routed(x, token_mask)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -122,16 +124,17 @@ class MoE(nnx.Module):
             y = y + shared
         return y
 
-    def _routed(self, x: jax.Array) -> jax.Array:
-        """The routed experts' weighted sum for ``x`` [B, S, H] (its routing recorded when a
-        :func:`jrl.models.router_stats.collecting` collector is open)."""
+    def _routed(self, x: jax.Array, token_mask: jax.Array | None) -> jax.Array:
+        """The routed experts' weighted sum for ``x`` [B, S, H] (its routing over the tokens of ``token_mask``
+        recorded when a :func:`jrl.models.router_stats.collecting` collector is open)."""
         c = self.config
         logits = self.router_logits(x)
         bias = None if self.router_bias is None else self.router_bias[...]
         weights, idx = ROUTERS[c.router](logits, bias, c)
         if router_stats.active():
             router_stats.record(RouterStats.of(logits.reshape(-1, c.num_experts),
-                                               idx.reshape(-1, c.num_experts_per_tok)))
+                                               idx.reshape(-1, c.num_experts_per_tok),
+                                               None if token_mask is None else token_mask.reshape(-1)))
         params, axes = self.experts.arrays()
         rules = dict(self.rules) if self.rules is not None else None
         axis = expert_axis(self.mesh, rules, params[0].shape, axes[0])

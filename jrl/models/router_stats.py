@@ -5,8 +5,8 @@ Inside ``with collecting() as stats:`` every MoE block that runs adds a :class:`
 ``stats`` (outside one, blocks record nothing and cost nothing extra). A layer run under ``jax.checkpoint`` or
 ``jax.lax.scan`` is traced in a scope of its own, so the layer step opens its own collector and returns what it
 gathered as outputs, which the caller records again (:mod:`jrl.models.transformer`): every value lives in the
-trace of the function that opened the outer collector. Statistics cover every token a block computes, padding
-included (the block does not see the attention mask).
+trace of the function that opened the outer collector. Statistics count the real tokens (the attention mask's
+non-padding positions); with an explicit attention mask every position counts.
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ class RouterStats:
     """[...] mean over the tokens of ``logsumexp(router logits)²`` (the router z-loss)."""
 
     @staticmethod
-    def of(router_logits: jax.Array, expert_ids: jax.Array) -> RouterStats:
-        """From router logits [T, E] and the chosen experts [T, K] of T tokens."""
+    def of(router_logits: jax.Array, expert_ids: jax.Array, token_mask: jax.Array | None = None) -> RouterStats:
+        """From router logits [T, E] and the chosen experts [T, K] of T tokens, counting only those of
+        ``token_mask`` [T] (True = a real token; None = all)."""
         logits = router_logits.astype(jnp.float32)
-        e = logits.shape[-1]
-        load = jnp.zeros((e,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0) / expert_ids.size
-        return RouterStats(load=load, prob=jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0),
-                           z=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+        t, e = logits.shape
+        w = jnp.ones((t,), jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+        count = jnp.maximum(jnp.sum(w), 1.0)
+        k = expert_ids.shape[-1]
+        load = jnp.zeros((e,), jnp.float32).at[expert_ids.reshape(-1)].add(jnp.repeat(w, k)) / (k * count)
+        return RouterStats(load=load, prob=jnp.sum(w[:, None] * jax.nn.softmax(logits, axis=-1), axis=0) / count,
+                           z=jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2) / count)
 
     @property
     def max_over_mean(self) -> jax.Array:

@@ -61,7 +61,12 @@ class DecoderLayer(nnx.Module):
         else:
             attn, cache = self.attn.decode(self.input_norm(x), positions, mask, cache, cache_index)
         h = constrain(x + attn, _RESIDUAL, self.mesh, self.rules)
-        out = constrain(h + self.mlp(self.post_attn_norm(h)), _RESIDUAL, self.mesh, self.rules)
+        if isinstance(self.mlp, MoE):  # its router statistics count the real tokens only
+            real = mask.q_segments > 0 if isinstance(mask, AttentionMask) else None
+            y = self.mlp(self.post_attn_norm(h), token_mask=real)
+        else:
+            y = self.mlp(self.post_attn_norm(h))
+        out = constrain(h + y, _RESIDUAL, self.mesh, self.rules)
         return out if cache is None else (out, cache)
 
 

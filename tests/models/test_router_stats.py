@@ -75,3 +75,26 @@ def test_dense_layers_of_a_moe_model_record_nothing():
     with router_stats.collecting() as stats:
         model(jnp.ones((1, 4), jnp.int32))
     assert len(stats) == 2
+
+
+def test_padding_is_not_counted():
+    """Right padding (masked) leaves every statistic as the unpadded batch has it; the masked tokens' routing
+    would change them."""
+    model = create_model(ModelConfig(**MOE, num_hidden_layers=2), seed=4)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 6)))
+    padded = jnp.concatenate([ids, jnp.asarray(np.random.default_rng(6).integers(0, 64, (2, 5)))], axis=1)
+    mask = jnp.concatenate([jnp.ones((2, 6), jnp.int32), jnp.zeros((2, 5), jnp.int32)], axis=1)
+    runs = {}
+    for name, args in (("plain", (ids, None)), ("padded", (padded, mask)), ("unmasked", (padded, None))):
+        with router_stats.collecting() as stats:
+            model(args[0], attention_mask=args[1])
+        runs[name] = {k: float(v) for k, v in router_stats.summary(stats).items()}
+    for key, value in runs["plain"].items():
+        assert runs["padded"][key] == pytest.approx(value, rel=1e-5), key
+    assert any(abs(runs["unmasked"][k] - v) > 1e-4 * abs(v) for k, v in runs["plain"].items())
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(5, 4)), jnp.float32)
+    ids_k = jnp.asarray([[0, 1], [2, 3], [0, 2], [1, 1], [3, 3]])
+    keep = jnp.asarray([True, True, False, True, False])
+    masked, subset = RouterStats.of(logits, ids_k, keep), RouterStats.of(logits[keep], ids_k[keep])
+    for got, want in zip(jax.tree.leaves(masked), jax.tree.leaves(subset), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)

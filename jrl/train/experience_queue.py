@@ -145,6 +145,10 @@ class SQLDialect:
     """Parameter marker: ``?`` (sqlite3) or ``%s`` (psycopg)."""
     schema: tuple[str, ...]
     """Statements that create the table and its index if missing (``{table}`` filled in)."""
+    schema_lock: str
+    """Run first in the schema's transaction so that processes opening a new queue at once create it one after
+    the other (PostgreSQL's ``CREATE TABLE IF NOT EXISTS`` is not safe against a concurrent one); empty where
+    ``begin`` already serialises writers."""
     begin: str
     """Starts a transaction that no other writer can interleave with."""
     lock_rows: str
@@ -157,6 +161,7 @@ SQLITE = SQLDialect(
             "policy_version INTEGER NOT NULL, prompt_index INTEGER NOT NULL, payload BLOB NOT NULL, "
             "consumed_step INTEGER, stale INTEGER NOT NULL DEFAULT 0)",
             "CREATE INDEX IF NOT EXISTS {table}_open ON {table} (consumed_step, stale, id)"),
+    schema_lock="",
     begin="BEGIN IMMEDIATE",  # the write lock from the start: two takers never read the same open groups
     lock_rows="",
 )
@@ -167,6 +172,7 @@ POSTGRES = SQLDialect(
             "policy_version BIGINT NOT NULL, prompt_index BIGINT NOT NULL, payload BYTEA NOT NULL, "
             "consumed_step BIGINT, stale INTEGER NOT NULL DEFAULT 0)",
             "CREATE INDEX IF NOT EXISTS {table}_open ON {table} (consumed_step, stale, id)"),
+    schema_lock="SELECT pg_advisory_xact_lock(hashtext('jrl_experience_queue:{table}'))",
     begin="BEGIN ISOLATION LEVEL READ COMMITTED",
     lock_rows=" FOR UPDATE",  # a second taker waits for the first to commit, then sees its marks
 )
@@ -182,8 +188,9 @@ class SQLQueue:
             raise ValueError(f"experience queue table {table!r} must be a plain identifier (letters, digits, _)")
         self.db, self.dialect, self.table, self.where = connection, dialect, table, where
         self.poll_seconds = poll_seconds
-        for statement in dialect.schema:
-            self._run(statement.format(table=table))
+        with self._transaction():
+            for statement in (dialect.schema_lock, *dialect.schema) if dialect.schema_lock else dialect.schema:
+                self._run(statement.format(table=table))
 
     def _sql(self, statement: str) -> str:
         return statement.format(table=self.table).replace("?", self.dialect.placeholder)

@@ -78,7 +78,7 @@ def env_line() -> str:
 def peak_bytes() -> int | None:
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
@@ -120,6 +120,7 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
     processes = {e["pid"]: e["args"]["name"] for e in names if e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    kernels = []
     for e in events:
         if e.get("ph") != "X" or "GPU" not in processes.get(e["pid"], ""):
             continue
@@ -128,6 +129,7 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
         entry = per_kernel[e["name"][:80]]
         entry[0] += e["dur"]
         entry[1] += 1
+        kernels.append((float(e["ts"]), float(e["dur"]), e["name"][:60]))
     by_category = collections.Counter()
     for name, (us, _) in per_kernel.items():
         low = name.lower()
@@ -136,4 +138,27 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(kernel_ms=round(sum(us for us, _ in per_kernel.values()) / 1e3, 2),
                 category_ms={c: round(us / 1e3, 2) for c, us in by_category.most_common()},
-                top_kernels=[dict(name=n, ms=round(us / 1e3, 3), calls=c) for n, (us, c) in ranked])
+                top_kernels=[dict(name=n, ms=round(us / 1e3, 3), calls=c) for n, (us, c) in ranked],
+                **idle_gaps(kernels, top=top))
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], *, top: int, min_us: float = 10.0) -> dict:
+    """Where the GPU runs no kernel between the first kernel's start and the last one's end, from the kernels'
+    (start us, duration us, name): the span, the idle total, the idle in gaps of at least ``min_us``, and the
+    ``top`` longest gaps with their offset in the span and the kernels on either side."""
+    if not kernels:
+        return {}
+    kernels = sorted(kernels)
+    start, busy_until, prev = kernels[0][0], kernels[0][0], ""
+    idle, gaps = 0.0, []
+    for ts, dur, name in kernels:
+        if ts > busy_until:
+            idle += ts - busy_until
+            gaps.append((ts - busy_until, busy_until - start, prev, name))
+        if ts + dur >= busy_until:
+            busy_until, prev = ts + dur, name
+    long = sorted((g for g in gaps if g[0] >= min_us), reverse=True)
+    return dict(span_ms=round((busy_until - start) / 1e3, 2), idle_ms=round(idle / 1e3, 2),
+                idle_in_long_gaps_ms=round(sum(g[0] for g in long) / 1e3, 2), long_gaps=len(long),
+                top_gaps=[dict(us=round(g, 1), at_ms=round(at / 1e3, 2), after=a, before=b)
+                          for g, at, a, b in long[:top]])

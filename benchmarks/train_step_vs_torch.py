@@ -74,45 +74,72 @@ def num_params(shape: dict) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- jrl
-def run_jrl(args, shape: dict) -> dict:
+def jrl_update(args, shape: dict, mesh=None, rules=None):
+    """(learner, update): the benchmark's jrl side, on ``mesh`` when given (the model built sharded by
+    ``rules``; batches are split over its batch axes)."""
     sys.path.insert(0, str(REPO))
-    import jax
-    import numpy as np
-
     from jrl.losses import GRPOConfig
     from jrl.models.config import ModelConfig
     from jrl.models.lora import LoraConfig, apply_lora
     from jrl.models.transformer import create_model
-    from jrl.train.algorithms.grpo import PolicyUpdate, StepBatch
+    from jrl.sharding import shard_model
+    from jrl.train.algorithms.grpo import PolicyUpdate
     from jrl.train.config import OptimConfig
     from jrl.train.learner import Learner
 
     cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat,
                       scan_layers=args.scan_layers)
-    model = create_model(cfg, seed=0)
+    model = create_model(cfg, seed=0, mesh=mesh, rules=rules)
     if args.mode == "lora":
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_updates=1000)
-    algo = GRPOConfig(loss_type="dapo", epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, num_generations=args.batch)
+        if mesh is not None:
+            shard_model(model, mesh, rules)
+    learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_updates=1000, mesh=mesh,
+                      rules=rules)
+    # The DAPO loss is token-level: the group size plays no part (advantages come with the batch).
+    algo = GRPOConfig(loss_type="dapo", epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH)
     update = PolicyUpdate(algo, learner, temperature=1.0, num_iterations=1, impl=args.logprobs,
                           loss_head=args.loss_head)
-    ids, mask, c_ids, c_mask, adv = make_batch(args.batch, args.seq, shape["vocab_size"])
-    batch = StepBatch(input_ids=ids, attention_mask=mask, completion_ids=c_ids, completion_mask=c_mask,
-                      advantages=adv, truncated=np.zeros(args.batch, bool))
-    times, losses = [], []
-    for _ in range(args.steps):
+    return learner, update
+
+
+def step_batch(rows: int, seq: int, vocab: int, seed: int = 0):
+    """:func:`make_batch` as a GRPO :class:`~jrl.train.algorithms.grpo.StepBatch`."""
+    import numpy as np
+
+    from jrl.train.algorithms.grpo import StepBatch
+
+    ids, mask, c_ids, c_mask, adv = make_batch(rows, seq, vocab, seed)
+    return StepBatch(input_ids=ids, attention_mask=mask, completion_ids=c_ids, completion_mask=c_mask,
+                     advantages=adv, truncated=np.zeros(rows, bool))
+
+
+def time_updates(learner, update, batch, steps: int) -> tuple[list[float], list[dict]]:
+    """Wall time of ``steps`` updates (each until the new weights are ready) and their metrics."""
+    import jax
+
+    times, metrics = [], []
+    for _ in range(steps):
         t0 = time.perf_counter()
-        metrics = update(learner, batch)
+        metrics.append(update(learner, batch))
         jax.block_until_ready(learner.params)
         times.append(time.perf_counter() - t0)
-        losses.append(metrics["loss"])
+    return times, metrics
+
+
+def run_jrl(args, shape: dict) -> dict:
+    import jax
+
+    learner, update = jrl_update(args, shape)
+    batch = step_batch(args.batch, args.seq, shape["vocab_size"])
+    times, metrics = time_updates(learner, update, batch, args.steps)
     stats = jax.local_devices()[0].memory_stats() or {}
     profile = None
     if args.profile:
         from kernels_common import kernel_profile
 
         profile = kernel_profile(lambda: (update(learner, batch), learner.params)[1], trace_dir=args.profile)
-    return dict(times=times, peak_bytes=stats.get("peak_bytes_in_use"), loss=losses[-1],
+    return dict(times=times, peak_bytes=stats.get("peak_bytes_in_use"), loss=metrics[-1]["loss"],
                 device=jax.local_devices()[0].device_kind, versions=f"jax {jax.__version__}", profile=profile)
 
 
@@ -183,9 +210,13 @@ def run_torch(args, shape: dict, compiled: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- driver
+def steady_median(times: list[float]) -> float:
+    """Median step time without the compiling first step (and the second, when there are enough)."""
+    return statistics.median(times[2:] if len(times) > 3 else times[1:])
+
+
 def summarize(side: str, args, shape: dict, raw: dict) -> dict:
-    steady = raw["times"][2:] if len(raw["times"]) > 3 else raw["times"][1:]
-    med = statistics.median(steady)
+    med = steady_median(raw["times"])
     tokens = args.batch * args.seq
     n = num_params(shape)
     return dict(side=side, shape=args.shape, layers=shape["num_hidden_layers"], mode=args.mode, batch=args.batch,

@@ -8,6 +8,7 @@ on plain pytrees of arrays.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -227,6 +228,19 @@ def to_host(x: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def on_host() -> contextlib.AbstractContextManager:
+    """A context in which eager ``jnp`` math on host values (a step's masks, normalisers, advantages and
+    schedule values, computed between its programs) runs on this process's CPU device: on an accelerator each
+    small op would otherwise cost a dispatch, a synchronisation and a copy back, with the accelerator idle.
+    Arrays committed to an accelerator stay where they are. Without a CPU backend (``JAX_PLATFORMS`` naming the
+    accelerator only) it changes nothing."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return contextlib.nullcontext()
+    return jax.default_device(cpu)
 
 
 def iter_to_host(tree: Any) -> Iterator[tuple[str, Any]]:

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl.models import router_stats
 from jrl.models.lora import has_lora, lora_disabled, trainable_params
-from jrl.sharding import batch_sharding, from_host, opt_state_shardings, to_host
+from jrl.sharding import batch_sharding, from_host, on_host, opt_state_shardings, to_host
 from jrl.train.config import OptimConfig
 
 
@@ -67,6 +68,23 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     return optax.chain(*parts), schedule
 
 
+class Static:
+    """A static argument of the step's programs whose hash is computed once: ``jax.jit`` hashes its static
+    arguments on every call, and hashing the graph definition of a model with unrolled layers walks every
+    node (milliseconds per call with the accelerator idle)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Static) and self._hash == other._hash and self.value == other.value)
+
+
 def _grads(params, frozen, rows, aux, graphdef, loss, router):
     """(loss, metrics), ∇ loss of one micro-batch. A MoE model's router statistics join the metrics
     (:func:`jrl.models.router_stats.summary`) and, weighted by ``router`` = (aux-loss coefficient, z-loss
@@ -75,7 +93,7 @@ def _grads(params, frozen, rows, aux, graphdef, loss, router):
 
     def f(p):
         with router_stats.collecting() as stats:
-            value, metrics = loss(nnx.merge(graphdef, p, frozen), rows, aux)
+            value, metrics = loss(nnx.merge(graphdef.value, p, frozen), rows, aux)
         if not stats:
             return value, metrics
         terms = router_stats.summary(stats)
@@ -108,7 +126,7 @@ def _micro_and_apply(params, opt_state, frozen, rows, aux, *, graphdef, loss, tx
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "fn", "disable_lora"))
 def _evaluate(params, frozen, rows, aux, *, graphdef, fn, disable_lora):
-    model = nnx.merge(graphdef, params, frozen)
+    model = nnx.merge(graphdef.value, params, frozen)
     with lora_disabled(model) if disable_lora else contextlib.nullcontext():
         return fn(model, rows, aux)
 
@@ -144,6 +162,7 @@ class Learner:
         self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
         self.graphdef, self.params, self.frozen = nnx.split(model, trainable_params(model), ...)
+        self._static_graphdef = Static(self.graphdef)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
             self.opt_state = jax.jit(self.tx.init)(self.params)
@@ -165,20 +184,24 @@ class Learner:
         """Host arrays of ``tree`` on the devices, rows sharded over the mesh's batch axes. Every process holds
         the whole host array and places only the rows of its own devices (so it works on a multi-process
         mesh)."""
-        def one(x):
-            x = np.asarray(x)
-            if self.mesh is None:
-                return jnp.asarray(x)
-            return from_host(x, batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
-
-        return jax.tree.map(one, tree)
+        return self._place(tree, lambda x: batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
 
     def _replicated(self, tree):
         """Step-global host values (``aux``) on every device, not split over the batch axes."""
+        everywhere = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        return self._place(tree, lambda x: everywhere)
+
+    def _place(self, tree, sharding_of: Callable[[np.ndarray], NamedSharding]):
+        """``tree``'s host arrays placed as ``sharding_of(array)`` says: in one transfer of the whole tree where
+        this process holds every device (one small copy per array costs the accelerator a pause each), array
+        by array from each process's rows otherwise."""
+        tree = jax.tree.map(np.asarray, tree)
         if self.mesh is None:
-            return jax.tree.map(jnp.asarray, tree)
-        everywhere = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return jax.tree.map(lambda x: from_host(np.asarray(x), everywhere), tree)
+            return jax.device_put(tree)
+        shardings = jax.tree.map(sharding_of, tree)
+        if jax.process_count() == 1:
+            return jax.device_put(tree, shardings)
+        return jax.tree.map(from_host, tree, shardings)
 
     def chunks(self, n: int) -> list[slice]:
         """Row slices of ``optim.micro_batch_size`` rows covering ``n`` rows (the last may be shorter)."""
@@ -199,8 +222,8 @@ class Learner:
         trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
         params = self.params if params is None else params
         aux = self._replicated(aux)
-        parts = [to_host(_evaluate(params, self.frozen, self.put(take_rows(rows, sl)), aux, graphdef=self.graphdef,
-                                      fn=fn, disable_lora=disable_lora))
+        parts = [to_host(_evaluate(params, self.frozen, self.put(take_rows(rows, sl)), aux,
+                                   graphdef=self._static_graphdef, fn=fn, disable_lora=disable_lora))
                  for sl in self.chunks(_num_rows(rows))]
         return np.concatenate(parts, axis=0)
 
@@ -227,7 +250,7 @@ class Learner:
         collected: dict[str, list] = {"loss": []}
         for term, aux, sl in plan:
             acc, value, metrics = _micro(acc, self.params, self.frozen, self.put(take_rows(term.rows, sl)), aux,
-                                         graphdef=self.graphdef, loss=term.loss, router=self._router(len(plan)))
+                                         graphdef=self._static_graphdef, loss=term.loss, router=self._router(len(plan)))
             _collect(collected, value, metrics)
         return acc, collected
 
@@ -249,13 +272,14 @@ class Learner:
         ``grad_norm``, number of skipped micro-batches). An update of a single micro-batch runs as one
         program (gradient and optimizer together, no accumulator)."""
         plan, skipped = self._plan(terms)
-        learning_rate = self.schedule(self.num_updates)
+        with on_host():
+            learning_rate = self.schedule(self.num_updates)
         if len(plan) == 1:
             (term, aux, sl), = plan
             collected: dict[str, list] = {"loss": []}
             self.params, self.opt_state, value, metrics, gnorm = _micro_and_apply(
                 self.params, self.opt_state, self.frozen, self.put(take_rows(term.rows, sl)), aux,
-                graphdef=self.graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
+                graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
             self.num_updates += 1
             _collect(collected, value, metrics)
         else:
@@ -275,7 +299,9 @@ def _collect(collected: dict[str, list], value, metrics) -> None:
 def reduce_metrics(updates: list[dict[str, list]], how: Callable[[str], str]) -> dict[str, float]:
     """One value per metric from the per-micro-batch metrics of one or more updates: each update's values
     combined with ``how(name)`` (``sum``, ``mean``, ``min`` or ``max``), then the updates averaged
-    (``min`` / ``max`` metrics keep their extreme)."""
+    (``min`` / ``max`` metrics keep their extreme). The values are fetched from the devices in one go (one
+    synchronisation instead of one per value)."""
+    updates = jax.device_get(updates)
     out: dict[str, float] = {}
     for k in updates[0]:
         rule = how(k)

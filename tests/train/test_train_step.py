@@ -217,3 +217,24 @@ def test_router_losses_join_a_moe_update():
         assert np.abs(weighted_router - plain_router).max() > 1e-6
     with pytest.raises(ValueError, match=r"OptimConfig.router_z_loss_coef=0.1 has no effect: the model has no MoE"):
         grpo_learner(tiny_model(), algo, OptimConfig(router_z_loss_coef=0.1), total_updates=1)
+
+
+def test_learners_of_equal_models_share_the_compiled_step():
+    """The step's static model definition (learner.Static, hashed once) compares by value: a second learner of
+    an equal model reuses the first one's compiled program, and a different model compiles its own."""
+    from jrl.train import learner as learner_module
+
+    step = learner_module._micro_and_apply
+    batch = random_step_batch(seed=2)
+    first, update = make(tiny_model(seed=1), ALGO, total_updates=4)
+    update(first, batch)
+    compiled = step._cache_size()
+    second, update = make(tiny_model(seed=3), ALGO, total_updates=4)
+    assert second._static_graphdef is not first._static_graphdef
+    assert second._static_graphdef == first._static_graphdef
+    update(second, batch)
+    assert step._cache_size() == compiled
+    other, update = make(tiny_model(seed=1, num_hidden_layers=3), ALGO, total_updates=4)
+    assert other._static_graphdef != first._static_graphdef
+    update(other, batch)
+    assert step._cache_size() == compiled + 1

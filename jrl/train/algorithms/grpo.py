@@ -43,6 +43,7 @@ from jrl.losses import (
     step_normalizers,
 )
 from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts
+from jrl.sharding import on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, take_rows
@@ -216,9 +217,11 @@ class PolicyUpdate:
         """The GRPO loss term of ``batch``: step-global normalisers, and the rows without learning signal
         (``has_signal``) not kept when ``skip_zero_advantage_batches``."""
         cfg = self.algo
-        mask = np.asarray(loss_mask(np.asarray(batch.completion_mask), None, np.asarray(batch.truncated),
-                                    mask_truncated_completions=cfg.mask_truncated_completions))
-        norms = step_normalizers(mask, num_micro_batches=len(learner.micro_slices(batch.completion_ids.shape[0])))
+        with on_host():
+            mask = np.asarray(loss_mask(np.asarray(batch.completion_mask), None, np.asarray(batch.truncated),
+                                        mask_truncated_completions=cfg.mask_truncated_completions))
+            num_micro_batches = len(learner.micro_slices(batch.completion_ids.shape[0]))
+            norms = step_normalizers(mask, num_micro_batches=num_micro_batches)
         keep = None
         if cfg.skip_zero_advantage_batches:
             signal = np.ones(len(mask), bool) if batch.has_signal is None else batch.has_signal
@@ -409,8 +412,13 @@ class GRPO:
 
     def make_experience(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout, prompt_batch, learner,
                         step: int):
-        g = self.algo.num_generations
         scored = rollout if isinstance(rollout, ScoredRollout) else self.sampler.score(rollout, prompt_batch, step)
+        with on_host():
+            return self._experience(scored, prompt_batch, step)
+
+    def _experience(self, scored: ScoredRollout, prompt_batch, step: int):
+        """The step batch and metrics of a scored rollout (host arrays only)."""
+        g = self.algo.num_generations
         rollout, rewards = scored.rollout, scored.rewards
         adv = np.asarray(advantages_from_config(rewards, self.algo))
         has_signal = row_has_signal(rewards, self.algo)

@@ -5,10 +5,10 @@ expert-parallel MoE layer.
 the first ``n`` devices for each ``n`` of ``--devices``: ``fsdp=n`` and, with ``--tensor T``, ``fsdp=n/T,
 tensor=T``. Weak scaling: ``--rows-per-device`` rows of ``--seq`` tokens per device (a layout over ``n`` devices
 trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per device, scaling efficiency
-(tokens/s per device against the run's one-device layout, when it has one), peak memory of the first device. Numerics: before
-the timed steps each layout makes one update on the same ``--check-rows`` batch from the same initial weights
-(``create_model`` draws the same values on any mesh); its loss and gradient norm, and their relative difference
-from the first layout's, are reported.
+(tokens/s per device against the run's one-device layout, when it has one), peak memory of the first device.
+Numerics: before the timed steps each layout makes one update on the same ``--check-rows`` batch from the same
+initial weights (``create_model`` draws the same values on any mesh); its loss and gradient norm, and their
+relative difference from the first layout's, are reported.
 
 ``--processes P``: the same as ``P`` processes joined by :func:`jrl.sharding.initialize` (the ``JRL_*``
 variables), each seeing ``1/P`` of the devices (``CUDA_VISIBLE_DEVICES`` on GPU, fake CPU devices on CPU); only

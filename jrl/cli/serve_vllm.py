@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 
 def parse(argv: list[str]):
@@ -64,8 +66,24 @@ def command_for(cfg, index: int = 0) -> tuple[list[str], dict[str, str]]:
                           max_loras=keep, index=index)
 
 
+def check_model(cfg) -> None:
+    """Refuse what the trainer would refuse of this server before starting it: a MoE ``model.path`` (its
+    config.json, when it is a local directory) on a CPU server."""
+    from jrl.models import ModelConfig
+    from jrl.rollout.vllm_engine import refuse_cpu_moe
+
+    config_file = Path(cfg.model.path) / "config.json"
+    if cfg.rollout.vllm.device == "cpu" and config_file.is_file():
+        refuse_cpu_moe("cpu", ModelConfig.from_hf(json.loads(config_file.read_text())))
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg, opts = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        check_model(cfg)
+    except ValueError as e:
+        print(f"serve_vllm: {e}", file=sys.stderr)
+        return 2
     argv_server, env = command_for(cfg, opts.server_index)
     url = cfg.rollout.vllm.base_urls[opts.server_index]
     print(" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())] + [shlex.quote(a) for a in argv_server]),

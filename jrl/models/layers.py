@@ -280,5 +280,7 @@ class MLP(nnx.Module):
         self.up_proj = Linear((h,), (i,), in_axes=("embed",), out_axes=("mlp",), **kw)
         self.down_proj = Linear((i,), (h,), in_axes=("mlp",), out_axes=("embed",), **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+        """``token_mask`` is taken for the decoder layer's one call of either MLP kind (a MoE block weights its
+        router statistics with it); a dense MLP has nothing to weight."""
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

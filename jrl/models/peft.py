@@ -39,7 +39,7 @@ import numpy as np
 from jrl.models import hf_mapping
 from jrl.models.checkpoint import atomic_replace, export_entries, save_dtype_name, write_safetensors
 from jrl.models.lora import MOE_LORA_TARGETS, ExpertsLoRA, LoraConfig, LoRALinear, lora_layers
-from jrl.models.transformer import Transformer, named_params, unit_name
+from jrl.models.transformer import Transformer, named_params, unit_layer, unit_name
 from jrl.sharding.placement import to_host
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -57,7 +57,7 @@ def _layer_slices(path: str, stack: tuple[int, ...]) -> list[tuple[int, int | No
     covers."""
     if stack:
         return [(i, i) for i in range(stack[0])]
-    return [(int(path.split(".")[1]), None)]
+    return [(unit_layer(path), None)]
 
 
 def _value(var, index: int | None) -> jax.Array:

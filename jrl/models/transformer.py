@@ -61,11 +61,8 @@ class DecoderLayer(nnx.Module):
         else:
             attn, cache = self.attn.decode(self.input_norm(x), positions, mask, cache, cache_index)
         h = constrain(x + attn, _RESIDUAL, self.mesh, self.rules)
-        if isinstance(self.mlp, MoE):  # its router statistics count the real tokens only
-            real = mask.q_segments > 0 if isinstance(mask, AttentionMask) else None
-            y = self.mlp(self.post_attn_norm(h), token_mask=real)
-        else:
-            y = self.mlp(self.post_attn_norm(h))
+        real = mask.q_segments > 0 if isinstance(mask, AttentionMask) else None  # MoE router stats: real tokens
+        y = self.mlp(self.post_attn_norm(h), token_mask=real)
         out = constrain(h + y, _RESIDUAL, self.mesh, self.rules)
         return out if cache is None else (out, cache)
 
@@ -421,3 +418,12 @@ def param_units(config: ModelConfig, params: Mapping[str, nnx.Variable]) -> dict
 def unit_name(path: str, layer: int | None) -> str:
     """The parameter path a unit of :func:`param_units` has in an unstacked model (``layers.3.attn...``)."""
     return path if layer is None else path.replace("layers.", f"layers.{layer}.", 1)
+
+
+def unit_layer(path: str) -> int:
+    """The layer number in a parameter path of an unstacked model (``layers.3.attn.q_proj`` -> 3): what
+    :func:`unit_name` puts there."""
+    parts = path.split(".", 2)
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"{path!r} is not a parameter path of one layer of an unstacked model (layers.N....)")
+    return int(parts[1])

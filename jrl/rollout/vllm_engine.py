@@ -119,6 +119,17 @@ def assemble_rollout(answers: list[dict], prompt_ids: list[list[int]], params: S
                         policy_version=version)
 
 
+def refuse_cpu_moe(device: str, model_config) -> None:
+    """Refuse a vLLM CPU server for a MoE model (``model_config``: its :class:`~jrl.models.ModelConfig`): vLLM 0.32's
+    CPU build serves wrong log-probs after reloading a MoE checkpoint's weights and dies with LoRA enabled."""
+    if device == "cpu" and model_config.is_moe:
+        raise ValueError(
+            "VLLMConfig.device='cpu' cannot sample a MoE model: vLLM 0.32's CPU build serves wrong log-probs after "
+            "reloading a MoE checkpoint's weights (every sync, the first included) and dies at the first request "
+            "with LoRA enabled; use the embedded sampler (rollout.backend='jax') or a GPU vLLM server "
+            "(rollout.vllm.device='gpu')")
+
+
 class VLLMRolloutEngine:
     """:class:`~jrl.rollout.base.RolloutEngine` over a running vLLM server.
 
@@ -136,12 +147,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model, *, config: VLLMConfig, sync: str = "auto", sync_dir: str | os.PathLike,
                  keep_versions: int = 2, pad_id: int, base_url: str | None = None, wait_for_restart: bool = True):
-        if config.device == "cpu" and model.config.is_moe:
-            raise ValueError(
-                "VLLMConfig.device='cpu' cannot sample a MoE model: vLLM 0.32's CPU build serves wrong log-probs after "
-                "reloading a MoE checkpoint's weights (every sync, the first included) and dies at the first request "
-                "with LoRA enabled; use the embedded sampler (rollout.backend='jax') or a GPU vLLM server "
-                "(rollout.vllm.device='gpu')")
+        refuse_cpu_moe(config.device, model.config)
         self.config = config
         self.base_url = base_url if base_url is not None else config.base_urls[0]
         self.sync_mode = model_transport(sync, model)

@@ -183,3 +183,13 @@ def test_random_init_is_the_same_stacked_or_not():
     assert sorted(got) == sorted(unrolled)
     for k, v in unrolled.items():
         np.testing.assert_array_equal(got[k], np.asarray(v[...]), err_msg=k)
+
+
+def test_unit_layer_reads_back_what_unit_name_writes():
+    from jrl.models.transformer import unit_layer
+
+    for layer in (0, 7, 31):
+        assert unit_layer(unit_name("layers.attn.q_proj.kernel", layer)) == layer
+    for bad in ("layers.attn.q_proj.kernel", "embed.embedding", "final_norm"):
+        with pytest.raises(ValueError, match="not a parameter path of one layer"):
+            unit_layer(bad)

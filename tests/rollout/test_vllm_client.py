@@ -303,6 +303,29 @@ def test_cpu_vllm_engine_refuses_moe_models(tmp_path):
         VLLMRolloutEngine(moe, config=cfg, sync_dir=tmp_path, pad_id=0)
 
 
+def test_serve_script_refuses_a_cpu_server_for_a_moe_checkpoint(tmp_path, capsys):
+    """The serve script reads model.path's config.json and refuses what the trainer would refuse, before
+    starting anything; a GPU server for the same checkpoint and a CPU server for a dense one are fine."""
+    import importlib.util
+
+    from jrl.models import save_pretrained
+    from rollout_testlib import tiny_model
+
+    spec = importlib.util.spec_from_file_location("serve_vllm", "scripts/serve_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    moe = tiny_model(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=16)
+    save_pretrained(moe, tmp_path / "moe")
+    save_pretrained(tiny_model(), tmp_path / "dense")
+    base = ["--config", "configs/grpo.py", "--dry-run", "--model.path"]
+    assert module.main([*base, str(tmp_path / "moe"), "--device", "cpu"]) == 2
+    out = capsys.readouterr()
+    assert "cannot sample a MoE model" in out.err and "rollout.vllm.device='gpu'" in out.err and out.out == ""
+    assert module.main([*base, str(tmp_path / "moe"), "--device", "gpu"]) == 0
+    assert module.main([*base, str(tmp_path / "dense"), "--device", "cpu"]) == 0
+
+
 def test_missing_vllm_python_is_a_clear_error(tmp_path):
     argv = [str(tmp_path / "no-venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     server = VLLMServer(argv, {}, base_url="http://127.0.0.1:9", log_file=tmp_path / "log")

@@ -36,11 +36,29 @@ def call_unsupported(q, k, mask: AttentionMask) -> str | None:
     return None
 
 
-def _roll_rows(x: jax.Array, shift: jax.Array) -> jax.Array:
-    """Row r of x [B, S, ...] rotated left by ``shift[r]``."""
+def _rotate(x: jax.Array, shift: jax.Array) -> jax.Array:
+    """Row r of x [B, S, ...] rotated left by ``shift[r]`` (a gather)."""
     s = x.shape[1]
     idx = (jnp.arange(s, dtype=jnp.int32)[None, :] + shift[:, None]) % s
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@jax.custom_vjp
+def _roll_rows(x: jax.Array, shift: jax.Array) -> jax.Array:
+    """:func:`_rotate` whose gradient is the opposite rotation (another gather), not the scatter-add autodiff
+    makes of a gather: a rotation is a permutation, so its transpose is its inverse."""
+    return _rotate(x, shift)
+
+
+def _roll_rows_fwd(x, shift):
+    return _rotate(x, shift), shift
+
+
+def _roll_rows_bwd(shift, g):
+    return _rotate(g, (g.shape[1] - shift) % g.shape[1]), None
+
+
+_roll_rows.defvjp(_roll_rows_fwd, _roll_rows_bwd)
 
 
 def attention(q, k, v, mask: AttentionMask, *, scale: float) -> jax.Array:

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import child_processes as helpers
 import numpy as np
 import pytest
-from test_rollout_mesh import _sharding_helpers
 
 HERE = Path(__file__).parent
 PROCESSES = 2
@@ -25,7 +25,6 @@ def _spawn(helpers, **env) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def outputs():
-    helpers = _sharding_helpers()
     port = helpers.free_port()
     procs = [_spawn(helpers, JRL_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JRL_NUM_PROCESSES=str(PROCESSES),
                     JRL_PROCESS_ID=str(i)) for i in range(PROCESSES)] + [_spawn(helpers)]

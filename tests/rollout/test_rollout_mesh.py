@@ -2,12 +2,12 @@
 heads and vocabulary split over ``tensor``, or a rollout mesh of its own beside the model's) generates what it
 generates on one device."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import child_processes as helpers
 import numpy as np
 from rollout_testlib import PAD, random_prompts, tiny_model
 
@@ -17,17 +17,8 @@ from jrl.rollout.jax_engine import JaxRolloutEngine
 HERE = Path(__file__).parent
 
 
-def _sharding_helpers():
-    """The subprocess helpers of the sharding tests (a conftest module, loaded by path)."""
-    spec = importlib.util.spec_from_file_location("sharding_helpers", HERE.parent / "sharding" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_two_device_mesh_matches_one_device():
     prompts = random_prompts(np.random.default_rng(8), [5, 2, 9])  # 3 rows: padded to 4 on the data mesh
-    helpers = _sharding_helpers()
     env = helpers.worker_env(4)
     env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, str(HERE / "rollout_mesh_worker.py"), json.dumps(prompts)], env=env,

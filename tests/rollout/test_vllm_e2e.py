@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 
+import child_processes as helpers
 import pytest
 from vllm_testlib import TINY_MODEL, logprob_tolerance
 
@@ -152,9 +153,7 @@ def test_two_trainer_processes_share_one_driver_of_the_server(e2e_server, tmp_pa
     import subprocess
     import sys
 
-    from test_rollout_mesh import _sharding_helpers
 
-    helpers = _sharding_helpers()
     reward = tmp_path / "id_hash_reward.py"
     reward.write_text(REWARD)
     config = tmp_path / "config.py"

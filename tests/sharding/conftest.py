@@ -3,39 +3,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_processes import REPO, free_port, json_results, parse_json_tail, worker_env
 
 WORKERS = Path(__file__).parent / "workers"
-REPO = Path(__file__).resolve().parents[2]
-
-
-def worker_env(num_devices: int, **extra: str) -> dict[str, str]:
-    """Environment for a child JAX process on ``num_devices`` fake CPU devices."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JRL_", "JAX_", "XLA_"))}
-    env.update(
-        # Fake devices; skip LLVM's optimisation passes: compiles are ~3x faster, and the SPMD
-        # partitioning under test and the float32 semantics are unchanged.
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    env.update(extra)
-    return env
-
-
-def parse_json_tail(stdout: str) -> dict:
-    """The JSON object a worker printed on its last line starting with ``{``."""
-    for line in reversed(stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError(f"worker printed no JSON result; stdout tail:\n{stdout[-3000:]}")
 
 
 def run_worker(script: str, *args: str, num_devices: int = 8, timeout: float = 240, **env: str) -> dict:
@@ -48,31 +23,6 @@ def run_worker(script: str, *args: str, num_devices: int = 8, timeout: float = 2
         raise AssertionError(
             f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return parse_json_tail(proc.stdout)
-
-
-def json_results(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
-    """The JSON result of each of the started workers ``procs`` (a non-zero exit fails with its output); any still
-    running when this ends is killed."""
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            if p.returncode:
-                raise AssertionError(
-                    f"worker exited {p.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-6000:]}")
-            outs.append(parse_json_tail(stdout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,10 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import child_processes
 import numpy as np
 import pytest
 
-from train_testlib import _sharding_helpers
 
 from jrl.train.experience_queue import ExperienceGroup, QueueCounts, open_queue
 
@@ -41,7 +41,7 @@ def postgres():
     if bindir is None:
         pytest.skip("needs PostgreSQL's server programs (apt-get install postgresql; .ci/run installs them)")
     root = Path(tempfile.mkdtemp(prefix="jrl-postgres-"))  # pytest's tmp tree is closed to other users
-    data, port = root / "data", _sharding_helpers().free_port()
+    data, port = root / "data", child_processes.free_port()
     run_as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     if run_as:
         shutil.chown(root, "postgres")

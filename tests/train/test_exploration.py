@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import child_processes
 import jax
 import numpy as np
 import pytest
 
-from train_testlib import _sharding_helpers, tiny_model
+from train_testlib import tiny_model
 
 from jrl.models.lora import LoraConfig, apply_lora
 from jrl.rollout.base import RolloutBatch
@@ -147,7 +148,7 @@ class Processes:
     def __init__(self, tmp_path: Path, model_dir: Path):
         self.tmp, self.out, self.model_dir = tmp_path, tmp_path / "run", model_dir
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = _sharding_helpers().worker_env(1)
+        self.env = child_processes.worker_env(1)
 
     def start(self, name: str, *extra: str) -> None:
         script = "train.py" if name.startswith("trainer") else "explore.py"

@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+import child_processes as helpers
 import pytest
 
-from train_testlib import _sharding_helpers
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -52,7 +52,6 @@ def exact_match(prompts, completions, **kw):
 
 def _launch(out: Path, processes: int, *extra: str, **env: str) -> list[subprocess.Popen]:
     """``scripts/train.py`` as ``processes`` processes of ``8 // processes`` CPU devices each, writing ``out``."""
-    helpers = _sharding_helpers()
     port = helpers.free_port()
     procs = []
     for i in range(processes):

@@ -3,13 +3,12 @@ tests (models built locally, random, float32)."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import child_processes as helpers
 import numpy as np
 
 from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
@@ -127,20 +126,9 @@ def read_metrics_log(out_dir, timing: tuple[str, ...] = ("tokens_per_second",)) 
     return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in timing} for r in rows]
 
 
-@functools.cache
-def _sharding_helpers():
-    """tests/sharding/conftest.py as a module (its child-process environment and JSON-result parser)."""
-    path = Path(__file__).resolve().parents[1] / "sharding" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("sharding_test_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_worker(script: str, *args: str, num_devices: int = 2, timeout: float = 300) -> dict:
     """Run ``tests/train/<script>`` in a child process on ``num_devices`` fake CPU devices; its JSON result
     (the last stdout line starting with ``{``)."""
-    helpers = _sharding_helpers()
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / script), *map(str, args)],
                           env=helpers.worker_env(num_devices), capture_output=True, text=True, timeout=timeout,
                           cwd=helpers.REPO)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import child_processes as helpers
 import numpy as np
 
 from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
@@ -129,6 +128,8 @@ def read_metrics_log(out_dir, timing: tuple[str, ...] = ("tokens_per_second",)) 
 def run_worker(script: str, *args: str, num_devices: int = 2, timeout: float = 300) -> dict:
     """Run ``tests/train/<script>`` in a child process on ``num_devices`` fake CPU devices; its JSON result
     (the last stdout line starting with ``{``)."""
+    import child_processes as helpers  # here: worker scripts import this module, and tests/ is not on their path
+
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / script), *map(str, args)],
                           env=helpers.worker_env(num_devices), capture_output=True, text=True, timeout=timeout,
                           cwd=helpers.REPO)

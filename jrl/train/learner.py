@@ -161,8 +161,8 @@ class Learner:
                                  f"layers; leave it at 0")
         self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
-        self.graphdef, self.params, self.frozen = nnx.split(model, trainable_params(model), ...)
-        self._static_graphdef = Static(self.graphdef)
+        graphdef, self.params, self.frozen = nnx.split(model, trainable_params(model), ...)
+        self._static_graphdef = Static(graphdef)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
             self.opt_state = jax.jit(self.tx.init)(self.params)
@@ -170,6 +170,11 @@ class Learner:
             shardings = opt_state_shardings(jax.eval_shape(self.tx.init, self.params), self.params, mesh, rules)
             self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
         self.num_updates = 0
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        """The model's graph definition (the structure its params and frozen state fill)."""
+        return self._static_graphdef.value
 
     @property
     def model(self) -> nnx.Module:

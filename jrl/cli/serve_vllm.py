@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shlex
 import signal
 import sys
@@ -69,12 +68,11 @@ def command_for(cfg, index: int = 0) -> tuple[list[str], dict[str, str]]:
 def check_model(cfg) -> None:
     """Refuse what the trainer would refuse of this server before starting it: a MoE ``model.path`` (its
     config.json, when it is a local directory) on a CPU server."""
-    from jrl.models import ModelConfig
+    from jrl.models import read_config
     from jrl.rollout.vllm_engine import refuse_cpu_moe
 
-    config_file = Path(cfg.model.path) / "config.json"
-    if cfg.rollout.vllm.device == "cpu" and config_file.is_file():
-        refuse_cpu_moe("cpu", ModelConfig.from_hf(json.loads(config_file.read_text())))
+    if cfg.rollout.vllm.device == "cpu" and (Path(cfg.model.path) / "config.json").is_file():
+        refuse_cpu_moe("cpu", read_config(cfg.model.path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from jrl.models.checkpoint import (
     ShapeMismatchError,
     UnexpectedTensorError,
     from_pretrained,
+    read_config,
     save_pretrained,
 )
 from jrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
@@ -45,6 +46,7 @@ __all__ = [
     "feature_layer_indices",
     "feature_layers",
     "from_pretrained",
+    "read_config",
     "has_lora",
     "lora_disabled",
     "lora_layers",

@@ -154,6 +154,12 @@ def _read_config(path: Path) -> dict:
     return json.loads(cfg.read_text())
 
 
+def read_config(path: str | os.PathLike, **overrides) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face checkpoint directory's config.json (``overrides``: runtime
+    fields such as ``dtype``); the weights are not read."""
+    return ModelConfig.from_hf(_read_config(Path(path)), **overrides)
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / SAFE_INDEX
     if index.is_file():
@@ -317,10 +323,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     dtype, then cast and transposed while it is placed.
     """
     path = Path(path)
-    hf_config = _read_config(path)
-    config = ModelConfig.from_hf(hf_config, dtype=jnp.dtype(dtype).name,
-                                 param_dtype=jnp.dtype(param_dtype or dtype).name, attention=attention, remat=remat,
-                                 scan_layers=scan_layers)
+    config = read_config(path, dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
+                         attention=attention, remat=remat, scan_layers=scan_layers)
     files = _weight_files(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
     model.source_dir = str(path.resolve())

@@ -24,20 +24,26 @@ import time
 import kernels_common as C
 
 
+def moe_config(a):
+    """The bf16 ModelConfig of one Qwen3-MoE layer of ``a.experts`` experts (top ``a.top_k``), ``a.hidden`` wide,
+    experts ``a.expert_size`` wide."""
+    from jrl.models import ModelConfig
+
+    return ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=a.hidden, intermediate_size=a.hidden,
+                       num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                       qk_norm=True, num_experts=a.experts, num_experts_per_tok=a.top_k,
+                       moe_intermediate_size=a.expert_size, norm_topk_prob=True, dtype="bfloat16",
+                       param_dtype="bfloat16")
+
+
 def jrl_times(a) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jrl.models import ModelConfig
     from jrl.models.moe import MoE
 
-    config = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=a.hidden, intermediate_size=a.hidden,
-                         num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                         qk_norm=True, num_experts=a.experts, num_experts_per_tok=a.top_k,
-                         moe_intermediate_size=a.expert_size, norm_topk_prob=True, dtype="bfloat16",
-                         param_dtype="bfloat16")
-    block = MoE(config, rngs=nnx.Rngs(0))
+    block = MoE(moe_config(a), rngs=nnx.Rngs(0))
     trained = nnx.Param
     if a.lora_rank:
         from jrl.models.lora import ExpertsLoRA, LoRAParam

@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels_common as C  # noqa: E402
 import train_step_vs_torch as T  # noqa: E402
+from moe_layer_vs_torch import moe_config  # noqa: E402
 
 
 def _layouts(devices: list[int], tensor: int, available: int) -> list[tuple[int, int]]:
@@ -120,15 +121,10 @@ def moe(args) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jrl.models import ModelConfig
     from jrl.models.moe import MoE
     from jrl.sharding import MeshConfig, batch_sharding, make_mesh, shard_model
 
-    config = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=args.hidden,
-                         intermediate_size=args.hidden, num_hidden_layers=1, num_attention_heads=16,
-                         num_key_value_heads=4, head_dim=128, qk_norm=True, num_experts=args.experts,
-                         num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_size, norm_topk_prob=True,
-                         dtype="bfloat16", param_dtype="bfloat16")
+    config = moe_config(args)
 
     @nnx.jit
     def forward_backward(m, x):

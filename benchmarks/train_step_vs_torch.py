@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_common import report  # noqa: E402
+from kernels_common import peak_bytes, report  # noqa: E402
 
 SHAPES = {
     # Llama-3.2-1B
@@ -133,13 +133,13 @@ def run_jrl(args, shape: dict) -> dict:
     learner, update = jrl_update(args, shape)
     batch = step_batch(args.batch, args.seq, shape["vocab_size"])
     times, metrics = time_updates(learner, update, batch, args.steps)
-    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = peak_bytes()
     profile = None
     if args.profile:
         from kernels_common import kernel_profile
 
         profile = kernel_profile(lambda: (update(learner, batch), learner.params)[1], trace_dir=args.profile)
-    return dict(times=times, peak_bytes=stats.get("peak_bytes_in_use"), loss=metrics[-1]["loss"],
+    return dict(times=times, peak_bytes=peak, loss=metrics[-1]["loss"],
                 device=jax.local_devices()[0].device_kind, versions=f"jax {jax.__version__}", profile=profile)
 
 

@@ -123,6 +123,27 @@ def test_accumulation_invariance(loss_type):
     assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
 
 
+def test_each_program_hands_back_its_metrics_as_one_vector():
+    """An update's metrics leave the devices as one packed float32 vector per program: one for a single
+    micro-batch (gradient and optimizer in one program), one per micro-batch plus the optimizer's otherwise;
+    unpacked they are the metrics of the same update run unpacked (one scalar per metric)."""
+    batch = random_step_batch(seed=3)
+    for mb, programs in ((None, 1), (4, 3)):
+        learner, update = make(tiny_model(seed=4), ALGO, OptimConfig(micro_batch_size=mb), total_updates=2)
+        collected, _ = learner.step([update.policy_term(learner, batch)])
+        assert len(collected.parts) == programs
+        assert all(p.values.ndim == 1 and p.values.dtype == jnp.float32 for p in collected.parts)
+        assert {"loss", "grad_norm", "learning_rate", "num_tokens"} <= set(collected)
+        assert len(collected["loss"]) == (2 if mb else 1) and len(collected["grad_norm"]) == 1
+        # The same loss term evaluated by hand at the weights before the update.
+        fresh, fresh_update = make(tiny_model(seed=4), ALGO, OptimConfig(micro_batch_size=mb), total_updates=2)
+        term = fresh_update.policy_term(fresh, batch)
+        for sl, loss in zip(fresh.chunks(8), collected["loss"], strict=True):
+            want, metrics = term.loss(fresh.model, jax.tree.map(jnp.asarray, take_rows(term.rows, sl)), term.aux)
+            assert loss == pytest.approx(float(want), rel=1e-5)
+            assert float(metrics["num_tokens"]) in collected["num_tokens"]
+
+
 def test_zero_signal_micro_batches_are_skipped_and_counted():
     batch = random_step_batch(seed=5)
     signal = np.array([True] * 4 + [False] * 4)

@@ -4,7 +4,9 @@ A group whose completions all got reward 0 from every function (each raw reward 
 teaches nothing now, but the prompt may be solvable by a later policy. Its prompt is buffered (FIFO); from
 step ``max(1, ⌊max_steps · reroll.start_fraction⌋)`` on, each rollout batch takes up to ``reroll.max_groups``
 buffered prompts in place of its **last** prompts (the loader's prompts there are skipped), so they are sampled
-again with the newer policy. ``start_fraction = 1.0`` (the default) never re-rolls.
+again with the newer policy. ``start_fraction = 1.0`` (the default) never re-rolls. A re-rolled prompt that fails
+again is buffered again while it has been re-rolled fewer than ``reroll.max_rerolls`` times (the reference sets
+no limit: a prompt the policy cannot solve comes back forever, each time in place of a fresh prompt).
 
 Which batch takes a buffered prompt is a function of the steps, not of thread timing: batch ``j`` takes only
 prompts buffered by steps ``<= j - 1 - rollout.prefetch_depth`` (the producer generates batch ``j`` once step
@@ -12,8 +14,9 @@ prompts buffered by steps ``<= j - 1 - rollout.prefetch_depth`` (the producer ge
 uninterrupted run does. The producer thread takes, the trainer thread buffers: one lock.
 
 Metrics: ``reroll_buffered`` (groups the step buffered), ``reroll_buffer_size`` (prompts that no batch up to this
-step re-rolled), ``reroll_groups`` (groups of the step's batch that were re-rolls). The buffer is part of the
-checkpoint (:meth:`RerollBuffer.state`).
+step re-rolled), ``reroll_groups`` (groups of the step's batch that were re-rolls), ``reroll_failed_again`` (those
+of them that failed again), ``reroll_dropped`` (those that failed again with no re-roll left). The buffer is part
+of the checkpoint (:meth:`RerollBuffer.state`).
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ class RerollConfig:
     """Re-roll from step ``max(1, ⌊max_steps · start_fraction⌋)`` on; 1.0 = never (the reference's default)."""
     max_groups: int = 1
     """Most buffered prompts one batch takes (each replaces one of its last prompts)."""
+    max_rerolls: int | None = None
+    """Times one prompt is sampled again after failing: a re-roll that fails again is buffered again only while
+    the prompt has had fewer re-rolls than this; None = no limit (the reference)."""
 
     def __post_init__(self):
         check_real(self, "start_fraction", ge=0, le=1, fix="use a fraction of max_steps in [0, 1] (1.0 = off)")
         check_int(self, "max_groups", lo=1)
+        if self.max_rerolls is not None:
+            check_int(self, "max_rerolls", lo=1)
 
 
 def all_fail_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
@@ -57,6 +65,8 @@ class _Entry:
     """The step that buffered the prompt."""
     index: int
     """The prompt's index in the training :class:`~jrl.data.PromptDataset`."""
+    rerolls: int = 0
+    """Times the prompt had been re-rolled when it failed this time (0: it failed in a fresh batch)."""
     taken_by: int | None = None
     """The batch that re-rolls it (None: waiting)."""
 
@@ -80,27 +90,36 @@ class RerollBuffer:
                 e.taken_by = batch
             return [e.index for e in ready[: self.cfg.max_groups]]
 
-    def add(self, step: int, indices: list[int]) -> dict[str, float]:
-        """Buffer the prompts of step ``step``'s all-fail groups; the step's metrics. Forgets prompts re-rolled by
-        batches up to ``step`` (trained on, so no checkpoint needs them)."""
+    def add(self, step: int, indices: list[int], failed: np.ndarray) -> dict[str, float]:
+        """Buffer the prompts of step ``step``'s all-fail groups (``indices``: each group's dataset index in batch
+        order, ``failed`` [groups] bool); the step's metrics. Forgets prompts re-rolled by batches up to ``step``
+        (trained on, so no checkpoint needs them)."""
         with self._lock:
-            rerolled = sum(e.taken_by == step for e in self._entries)
+            rerolled = [e for e in self._entries if e.taken_by == step]
             self._entries = [e for e in self._entries if e.taken_by is None or e.taken_by > step]
-            self._entries += [_Entry(step, int(i)) for i in indices]
+            # The batch's last groups are its re-rolls, in the order taken (RolloutSource puts them there).
+            rerolls = [0] * (len(indices) - len(rerolled)) + [e.rerolls + 1 for e in rerolled]
+            again = [(int(indices[k]), rerolls[k]) for k in np.flatnonzero(failed)]
+            limit = self.cfg.max_rerolls
+            kept = [_Entry(step, i, n) for i, n in again if limit is None or n < limit]
+            self._entries += kept
             # Not "not taken yet": the producer may already have taken prompts for the next batch, or not, by
             # thread timing; prompts no trained batch re-rolled are a function of the steps.
             waiting = len(self._entries)
-        return {"reroll_buffered": float(len(indices)), "reroll_buffer_size": float(waiting),
-                "reroll_groups": float(rerolled)}
+        failed_again = sum(n > 0 for _, n in again)
+        return {"reroll_buffered": float(len(kept)), "reroll_buffer_size": float(waiting),
+                "reroll_groups": float(len(rerolled)), "reroll_failed_again": float(failed_again),
+                "reroll_dropped": float(len(again) - len(kept))}
 
     # ------------------------------------------------------------------ checkpoint
     def state(self, step: int) -> list[list[int]]:
-        """``[buffering step, index]`` of each prompt not re-rolled by a batch before ``step`` (the checkpoint at
-        step ``step``: prompts the producer took for later batches are waiting again)."""
+        """``[buffering step, index, re-rolls]`` of each prompt not re-rolled by a batch before ``step`` (the
+        checkpoint at step ``step``: prompts the producer took for later batches are waiting again)."""
         with self._lock:
-            return [[e.step, e.index] for e in self._entries
+            return [[e.step, e.index, e.rerolls] for e in self._entries
                     if e.step < step and (e.taken_by is None or e.taken_by >= step)]
 
     def load_state(self, state: list[list[int]]) -> None:
+        """Entries of :meth:`state` (checkpoints written before the re-roll count have ``[step, index]``)."""
         with self._lock:
-            self._entries = [_Entry(int(s), int(i)) for s, i in state]
+            self._entries = [_Entry(int(e[0]), int(e[1]), int(e[2]) if len(e) > 2 else 0) for e in state]

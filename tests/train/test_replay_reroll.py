@@ -123,30 +123,62 @@ def test_all_fail_groups_need_every_reward_zero_and_finite():
     np.testing.assert_array_equal(all_fail_groups(rewards, 2), [True, False, False])
 
 
+def _failed(indices, failing):
+    """(each group's dataset index, all-fail flags) of a batch whose groups ``failing`` failed."""
+    return list(indices), np.isin(indices, failing)
+
+
 def test_reroll_takes_from_the_start_step_with_the_prefetch_lag():
     cfg = RerollConfig(start_fraction=0.25, max_groups=2)
     buf = RerollBuffer(cfg, max_steps=10, lag=1)  # start = max(1, floor(2.5)) = 2
     assert buf.start == 2
-    assert buf.add(0, [5, 6, 7]) == {"reroll_buffered": 3.0, "reroll_buffer_size": 3.0, "reroll_groups": 0.0}
+    counts = {"reroll_failed_again": 0.0, "reroll_dropped": 0.0}
+    assert buf.add(0, *_failed([4, 5, 6, 7], [5, 6, 7])) == {
+        "reroll_buffered": 3.0, "reroll_buffer_size": 3.0, "reroll_groups": 0.0, **counts}
     assert buf.take(1) == []  # before the start step
-    assert buf.add(1, [8]) == {"reroll_buffered": 1.0, "reroll_buffer_size": 4.0, "reroll_groups": 0.0}
+    assert buf.add(1, *_failed([8, 3], [8])) == {
+        "reroll_buffered": 1.0, "reroll_buffer_size": 4.0, "reroll_groups": 0.0, **counts}
     assert buf.take(2) == [5, 6]  # FIFO, at most max_groups
     assert buf.take(3) == [7, 8]  # step 1's prompt: from batch 1 + 1 + lag = 3 on
     # 7 and 8 are taken by batch 3, which step 2 has not trained on: still in the buffer's size, whatever the thread
-    # timing of the producer's take
-    assert buf.add(2, [9]) == {"reroll_buffered": 1.0, "reroll_buffer_size": 3.0, "reroll_groups": 2.0}
-    assert buf.take(4) == [9]
+    # timing of the producer's take. Batch 2 = two fresh prompts, then the re-rolls 5 and 6; 5 solved, 6 failed again.
+    assert buf.add(2, *_failed([9, 1, 5, 6], [9, 6])) == {
+        "reroll_buffered": 2.0, "reroll_buffer_size": 4.0, "reroll_groups": 2.0, "reroll_failed_again": 1.0,
+        "reroll_dropped": 0.0}
+    assert buf.take(4) == [9, 6]
     # A checkpoint at step 3 has batches 3 and 4 not trained yet: their prompts wait again, in their order, and a
-    # resumed run's batches take them again.
-    assert buf.state(3) == [[0, 7], [1, 8], [2, 9]]
+    # resumed run's batches take them again, 6 with its re-roll counted.
+    assert buf.state(3) == [[0, 7, 0], [1, 8, 0], [2, 9, 0], [2, 6, 1]]
     again = RerollBuffer(cfg, max_steps=10, lag=1)
     again.load_state(buf.state(3))
-    assert again.take(3) == [7, 8] and again.take(4) == [9]
+    assert again.take(3) == [7, 8] and again.take(4) == [9, 6]
+    # checkpoints written before re-rolls were counted hold [step, index]
+    old = RerollBuffer(cfg, max_steps=10, lag=1)
+    old.load_state([[0, 7], [1, 8]])
+    assert old.state(2) == [[0, 7, 0], [1, 8, 0]]
+
+
+def test_max_rerolls_drops_a_prompt_that_keeps_failing():
+    # Prompt 2 fails in a fresh batch, then in each of its re-rolls; with max_rerolls 2 it is sampled again twice.
+    buf = RerollBuffer(RerollConfig(start_fraction=0.0, max_rerolls=2), max_steps=10, lag=0)
+    assert buf.add(0, *_failed([1, 2], [2]))["reroll_buffered"] == 1.0
+    for step, dropped in ((1, 0.0), (2, 1.0)):
+        assert buf.take(step) == [2]
+        out = buf.add(step, *_failed([10 + step, 2], [2]))
+        assert out == {"reroll_buffered": 1.0 - dropped, "reroll_buffer_size": 1.0 - dropped, "reroll_groups": 1.0,
+                       "reroll_failed_again": 1.0, "reroll_dropped": dropped}
+    assert buf.take(3) == []
+    # without a limit it comes back every time
+    unlimited = RerollBuffer(RerollConfig(start_fraction=0.0), max_steps=10, lag=0)
+    unlimited.add(0, *_failed([1, 2], [2]))
+    for step in range(1, 6):
+        assert unlimited.take(step) == [2]
+        assert unlimited.add(step, *_failed([10 + step, 2], [2]))["reroll_dropped"] == 0.0
 
 
 def test_reroll_never_takes_at_start_fraction_one():
     buf = RerollBuffer(RerollConfig(), max_steps=5, lag=0)
-    buf.add(0, [1])
+    buf.add(0, *_failed([1], [1]))
     assert [buf.take(k) for k in range(1, 5)] == [[], [], [], []]
 
 

@@ -426,8 +426,7 @@ class GRPO:
         metrics = rollout_metrics(rollout, rewards, group_size=g, reward_weights=self.algo.reward_weights,
                                   reward_names=scored.reward_names)
         if self.reroll is not None:
-            failed = np.flatnonzero(all_fail_groups(rewards, g))
-            metrics.update(self.reroll.add(step, [prompt_batch.indices[k] for k in failed]))
+            metrics.update(self.reroll.add(step, prompt_batch.indices, all_fail_groups(rewards, g)))
         if self.replay is not None:
             width = self.sampling.max_new_tokens
             rollout, rewards, replaced = self.replay.exchange(rollout, rewards, adv, has_signal[::g], step=step,

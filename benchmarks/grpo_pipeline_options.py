@@ -88,7 +88,8 @@ def main() -> int:
             mean = float(np.mean([r["reward/mean"] for r in rows]))
             flat = float(np.mean([r["frac_reward_zero_std"] for r in rows]))
             moved = sum(r.get(MOVED.get(name, ""), 0.0) for r in rows)
-            again = sum(r.get("reroll_failed_again", 0.0) for r in rows) / moved if "reroll" in name else np.nan
+            rerolls = MOVED.get(name) == "reroll_groups" and moved > 0
+            again = sum(r.get("reroll_failed_again", 0.0) for r in rows) / moved if rerolls else np.nan
             acc, late = held_out_accuracy(args.out / name / f"seed{seed}", args.max_steps)
             summary.setdefault(name, []).append((r1, mean, flat, again, acc, late))
             print(f"| {name} | {seed} | {wall:.0f} | {r0:.3f} | {r1:.3f} | {mean:.3f} | {e1:.3f} | {flat:.3f} | "

@@ -116,10 +116,10 @@ class UpdateMetrics(Mapping):
     """One optimizer update's metrics, each a list: ``loss`` and the loss's metrics per micro-batch, ``grad_norm``
     and ``learning_rate``. The device values are fetched on first read, all in one go (:func:`fetch_metrics`)."""
 
-    def __init__(self, host: dict[str, list[float]]):
-        """``host``: values already on the host (``loss: []`` keeps the name when every micro-batch is skipped)."""
+    def __init__(self, **host: list[float]):
+        """``host``: values already on the host. ``loss`` is always a name, also when every micro-batch is skipped."""
         self.parts: list[Scalars] = []
-        self._host = host
+        self._host = {"loss": [], **host}
         self._values: dict[str, list[float]] | None = None
 
     def fill(self, parts: list[Scalars]) -> None:
@@ -333,7 +333,7 @@ class Learner:
         """(summed gradient of every term's micro-batches at the current weights, per-micro-batch metrics
         with ``loss``, number of skipped micro-batches)."""
         plan, skipped = self._plan(terms)
-        collected = UpdateMetrics({"loss": []})
+        collected = UpdateMetrics()
         return self._accumulate(plan, collected), collected, skipped
 
     def apply(self, grads) -> Scalars:
@@ -350,7 +350,7 @@ class Learner:
         plan, skipped = self._plan(terms)
         with on_host():
             learning_rate = self.schedule(self.num_updates)
-        collected = UpdateMetrics({"loss": [], "learning_rate": [learning_rate]})
+        collected = UpdateMetrics(learning_rate=[learning_rate])
         if len(plan) == 1:
             (term, aux, sl), = plan
             self.params, self.opt_state, part = _micro_and_apply(

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jrl.kernels.attention import AttentionMask
+from jrl.kernels.attention.mask import roll_rows, run_starts
 from jrl.models.config import ModelConfig
 from jrl.models.layers import (
     MLP,
@@ -155,11 +156,12 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None,
-                       mask=None) -> tuple[jax.Array, AttentionMask]:
+                       mask=None, *, starts_at_zero: bool = False) -> tuple[jax.Array, AttentionMask]:
         """(positions [B, S], structured attention mask) for a forward pass.
 
         An explicit ``mask`` [B, S, S] (query, key) replaces the causal, padding, segment and
-        sliding-window rules, and ``positions`` must then be given too."""
+        sliding-window rules, and ``positions`` must then be given too. ``starts_at_zero``: the caller promises
+        that every row of ``attention_mask`` is right-padded only (:attr:`AttentionMask.starts_at_zero`)."""
         b, s = input_ids.shape
         window = self.config.sliding_window
         if mask is not None:
@@ -174,7 +176,7 @@ class Transformer(nnx.Module):
             structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window)
             positions = positions_from_segments(segment_ids) if positions is None else positions
         elif attention_mask is not None:
-            structured = AttentionMask.padded(attention_mask, sliding_window=window)
+            structured = AttentionMask.padded(attention_mask, sliding_window=window, starts_at_zero=starts_at_zero)
             positions = positions_from_mask(attention_mask) if positions is None else positions
         else:
             structured = AttentionMask.full_causal(b, s, sliding_window=window)
@@ -204,19 +206,31 @@ class Transformer(nnx.Module):
             if any(not 0 <= i <= num_layers for i in wanted):
                 raise ValueError(f"return_layers={list(return_layers)} has indices outside [0, {num_layers}]")
         depth = num_layers if wanted is None else max(wanted, default=0)
-        positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask)
+        # Padded rows run with their real tokens moved to index 0 (one rotation of the inputs here and of the
+        # outputs in ``restore``), so attention kernels that handle only trailing padding need no per-layer
+        # shift; a row's causal order, positions and results are unchanged.
+        aligned = attention_mask is not None and segment_ids is None and mask is None
+        shift = run_starts(jnp.asarray(attention_mask) != 0) if aligned else None
+        if aligned:
+            input_ids, attention_mask = roll_rows(input_ids, shift), roll_rows(attention_mask, shift)
+            positions = None if positions is None else roll_rows(positions, shift)
+
+        def restore(h: jax.Array) -> jax.Array:
+            return h if shift is None else roll_rows(h, (h.shape[1] - shift) % h.shape[1])
+
+        positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask,
+                                              starts_at_zero=aligned)
         embedded = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
         x, outputs = self._run_layers(embedded, positions, mask, depth, collect=return_layers is not False)
         collected = [embedded, *outputs]
         if depth < num_layers:  # only intermediate layers were asked for
-            return x, tuple(collected[i] for i in wanted)
+            return restore(x), tuple(restore(collected[i]) for i in wanted)
         final = self.final_norm(x)
         if return_layers is False:
-            return final
+            return restore(final)
         collected[-1] = final
-        if wanted is None:
-            return final, tuple(collected)
-        return final, tuple(collected[i] for i in wanted)
+        picked = range(num_layers + 1) if wanted is None else wanted
+        return restore(final), tuple(restore(collected[i]) for i in picked)
 
     def _run_layers(self, x: jax.Array, positions: jax.Array, mask: AttentionMask, depth: int, *,
                     collect: bool) -> tuple[jax.Array, tuple[jax.Array, ...]]:

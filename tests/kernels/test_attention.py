@@ -180,10 +180,11 @@ def test_explicit_impl_that_cannot_run_names_the_reason():
         attention(q, k, k, mask, impl="splash")
 
 
-def test_cudnn_row_rotation_gradient_is_the_opposite_rotation(request):
-    """The cuDNN path's per-row rotation has a hand-written gradient (the inverse rotation, a gather): it equals
-    autodiff's (the scatter-add of the gather) on fresh random inputs and shifts."""
-    from jrl.kernels.attention.cudnn import _roll_rows, _rotate
+def test_row_rotation_gradient_is_the_opposite_rotation(request):
+    """The per-row rotation (the model's and the cuDNN path's) has a hand-written gradient (the inverse rotation, a
+    gather): it equals autodiff's (the scatter-add of the gather) on fresh random inputs and shifts."""
+    from jrl.kernels.attention.mask import _rotate
+    from jrl.kernels.attention.mask import roll_rows as _roll_rows
 
     rng = rng_for(request)
     x = jnp.asarray(rng.standard_normal((4, 16, 3, 5)), jnp.float32)

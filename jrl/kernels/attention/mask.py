@@ -12,7 +12,9 @@ same row). Key ``j`` is allowed for query ``i`` when every rule that is on holds
 
 Outputs at padding queries (segment 0) are unspecified but finite: implementations may differ there,
 nothing downstream reads them. ``contiguous`` promises that each row's non-zero segment is one run
-(left and/or right padding, no packing); kernels that work on per-row lengths rely on it.
+(left and/or right padding, no packing); kernels that work on per-row lengths rely on it. ``starts_at_zero``
+promises more: that run starts at index 0 in every row (right padding only), so a kernel that handles only
+trailing padding needs no per-row shift (:func:`roll_rows` moves a left-padded row's run there).
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ class AttentionMask:
     causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     contiguous: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    starts_at_zero: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def padded(cls, attention_mask: jax.Array, *, sliding_window: int | None = None) -> AttentionMask:
+    def padded(cls, attention_mask: jax.Array, *, sliding_window: int | None = None,
+               starts_at_zero: bool = False) -> AttentionMask:
         """Causal attention over the real tokens of ``attention_mask`` [B, S] (1 = token), whose real
-        tokens form one run per row (left and/or right padding)."""
+        tokens form one run per row (left and/or right padding; with ``starts_at_zero`` the caller promises
+        right padding only)."""
         seg = attention_mask.astype(jnp.int32)
-        return cls(seg, seg, causal=True, sliding_window=sliding_window, contiguous=True)
+        return cls(seg, seg, causal=True, sliding_window=sliding_window, contiguous=True,
+                   starts_at_zero=starts_at_zero)
 
     @classmethod
     def packed(cls, segment_ids: jax.Array, attention_mask: jax.Array | None = None, *,
@@ -57,7 +63,7 @@ class AttentionMask:
     def full_causal(cls, batch: int, seq_len: int, *, sliding_window: int | None = None) -> AttentionMask:
         """Causal attention over rows with no padding."""
         seg = jnp.ones((batch, seq_len), jnp.int32)
-        return cls(seg, seg, causal=True, sliding_window=sliding_window, contiguous=True)
+        return cls(seg, seg, causal=True, sliding_window=sliding_window, contiguous=True, starts_at_zero=True)
 
     @classmethod
     def from_dense(cls, mask: jax.Array) -> AttentionMask:
@@ -91,3 +97,34 @@ class AttentionMask:
         """The whole allowed-matrix [B, T, S]."""
         _, t, s = self.shape
         return self.block(0, t, 0, s)
+
+
+def run_starts(real: jax.Array) -> jax.Array:
+    """[B] int32: the index of each row's first true entry of ``real`` [B, S] (0 for a row with none)."""
+    return jnp.where(jnp.any(real, axis=1), jnp.argmax(real, axis=1), 0).astype(jnp.int32)
+
+
+def _rotate(x: jax.Array, shift: jax.Array) -> jax.Array:
+    """Row r of x [B, S, ...] rotated left by ``shift[r]`` (a gather)."""
+    s = x.shape[1]
+    idx = (jnp.arange(s, dtype=jnp.int32)[None, :] + shift[:, None]) % s
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@jax.custom_vjp
+def roll_rows(x: jax.Array, shift: jax.Array) -> jax.Array:
+    """Row r of x [B, S, ...] rotated left by ``shift[r]`` [B] int32, so index ``shift[r]`` moves to 0; its
+    gradient is the opposite rotation (another gather), not the scatter-add autodiff makes of a gather: a
+    rotation is a permutation, so its transpose is its inverse. ``roll_rows(y, (S - shift) % S)`` undoes it."""
+    return _rotate(x, shift)
+
+
+def _roll_rows_fwd(x, shift):
+    return _rotate(x, shift), shift
+
+
+def _roll_rows_bwd(shift, g):
+    return _rotate(g, (g.shape[1] - shift) % g.shape[1]), None
+
+
+roll_rows.defvjp(_roll_rows_fwd, _roll_rows_bwd)

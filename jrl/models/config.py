@@ -174,7 +174,7 @@ class ModelConfig:
     ``reference``, which makes it dense too. Runtime only: not part of the HF config."""
     remat: str = "auto"
     """Rematerialisation of each decoder layer in the backward (:data:`jrl.models.remat.REMAT_NAMES`; ``auto``
-    saves only the weight matmuls' outputs on a GPU/TPU and everything on CPU).
+    saves the weight matmuls' outputs on a GPU/TPU, on a GPU also the cuDNN attention's, and everything on CPU).
     Runtime only: not part of the HF config."""
     scan_layers: bool = True
     """Store the decoder layers as one stacked module (every parameter gets a leading layer axis) and run

@@ -56,10 +56,11 @@ class ModelSpec:
     rows and the blocked one (memory O(block²)) for long rows. The embedded sampler's decode steps use a
     Pallas kernel on an NVIDIA GPU and the dense path elsewhere; ``reference`` makes them dense everywhere."""
     remat: str = "auto"
-    """Recompute in the backward instead of keeping, per decoder layer: ``auto`` (on a GPU/TPU
-    ``dots_with_no_batch_dims_saveable``, which keeps only the weight matmuls' outputs: on an H100 both
-    faster and smaller than keeping everything, benchmarks/RESULTS.md; ``none`` on CPU), ``none``, ``full``,
-    ``dots_saveable``, ``dots_with_no_batch_dims_saveable``, ``offload_dots_with_no_batch_dims``."""
+    """Recompute in the backward instead of keeping, per decoder layer: ``auto`` (on a GPU
+    ``dots_and_attention_saveable``, which keeps the weight matmuls' and the cuDNN attention's outputs, on a TPU
+    ``dots_with_no_batch_dims_saveable``, the weight matmuls' only: on an H100 both faster and smaller than
+    keeping everything, benchmarks/RESULTS.md; ``none`` on CPU), ``none``, ``full``, ``dots_saveable``,
+    ``dots_with_no_batch_dims_saveable``, ``dots_and_attention_saveable``, ``offload_dots_with_no_batch_dims``."""
     scan_layers: bool = True
     """Keep the decoder layers stacked and run them with ``jax.lax.scan``: one compiled layer body, so the first
     step compiles in about the same time at any depth. Models whose layers differ (Qwen3-MoE with dense

@@ -116,13 +116,11 @@ def step_batch(rows: int, seq: int, vocab: int, seed: int = 0):
 
 def time_updates(learner, update, batch, steps: int) -> tuple[list[float], list[dict]]:
     """Wall time of ``steps`` updates (each until the new weights are ready) and their metrics."""
-    import jax
-
     times, metrics = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         metrics.append(update(learner, batch))
-        jax.block_until_ready(learner.params)
+        learner.block_until_ready()
         times.append(time.perf_counter() - t0)
     return times, metrics
 
@@ -138,7 +136,7 @@ def run_jrl(args, shape: dict) -> dict:
     if args.profile:
         from kernels_common import kernel_profile
 
-        profile = kernel_profile(lambda: (update(learner, batch), learner.params)[1], trace_dir=args.profile)
+        profile = kernel_profile(lambda: (update(learner, batch), learner.block_until_ready()), trace_dir=args.profile)
     return dict(times=times, peak_bytes=peak, loss=metrics[-1]["loss"],
                 device=jax.local_devices()[0].device_kind, versions=f"jax {jax.__version__}", profile=profile)
 

@@ -90,6 +90,40 @@ class Static:
 
 
 @jax.tree_util.register_pytree_node_class
+class Flat:
+    """A pytree held as its leaves and its structure (hashed once). The step's programs take and return the
+    learner's parameters, frozen weights and optimizer state in this form: ``jax.jit`` then flattens each with
+    one call instead of walking every nested module state, on the host's clock with the accelerator waiting
+    (0.1 ms per tree for a scanned 1B model, 0.6 ms to flatten and 1.5 ms to rebuild unrolled)."""
+
+    __slots__ = ("structure", "leaves")
+
+    def __init__(self, structure: Static, leaves: tuple):
+        self.structure, self.leaves = structure, tuple(leaves)
+
+    @classmethod
+    def of(cls, tree) -> Flat:
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(Static(treedef), leaves)
+
+    @property
+    def tree(self):
+        """The pytree itself."""
+        return jax.tree.unflatten(self.structure.value, self.leaves)
+
+    def like(self, tree) -> Flat:
+        """``tree`` (of this structure, e.g. its gradient or its update) in this form."""
+        return Flat(self.structure, jax.tree.leaves(tree))
+
+    def tree_flatten(self):
+        return self.leaves, self.structure
+
+    @classmethod
+    def tree_unflatten(cls, structure, leaves):
+        return cls(structure, leaves)
+
+
+@jax.tree_util.register_pytree_node_class
 class Scalars:
     """Named scalars of one program as one float32 vector, so the host fetches them in one copy. The names are
     static pytree data: they leave the program with the vector."""
@@ -121,6 +155,13 @@ class UpdateMetrics(Mapping):
         self.parts: list[Scalars] = []
         self._host = {"loss": [], **host}
         self._values: dict[str, list[float]] | None = None
+
+    def add(self, part: Scalars) -> None:
+        """Add one program's packed metrics; their copy to the host starts as soon as the program ends (no
+        round trip to ask for it later)."""
+        if isinstance(part.values, jax.Array) and part.values.is_fully_addressable:
+            part.values.copy_to_host_async()
+        self.parts.append(part)
 
     def fill(self, parts: list[Scalars]) -> None:
         """Set the values from host copies of :attr:`parts`."""
@@ -179,33 +220,35 @@ def _update(params, opt_state, grads, tx):
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
+# The programs below take and return the learner's trees as :class:`Flat`.
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router"), donate_argnums=0)
-def _micro(acc, params, frozen, rows, aux, *, graphdef, loss, router):
+def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, *, graphdef, loss, router):
     """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
-    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss, router)
-    return jax.tree.map(jnp.add, acc, grads), Scalars.of({"loss": value, **metrics})
+    (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router)
+    return jax.tree.map(jnp.add, acc, params.like(grads)), Scalars.of({"loss": value, **metrics})
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router"), donate_argnums=(0, 1))
-def _micro_and_apply(params, opt_state, frozen, rows, aux, *, graphdef, loss, tx, router):
+def _micro_and_apply(params: Flat, opt_state: Flat, frozen: Flat, rows, aux, *, graphdef, loss, tx, router):
     """A whole update of one micro-batch in one program: no accumulator, params and state donated."""
-    (value, metrics), grads = _grads(params, frozen, rows, aux, graphdef, loss, router)
-    params, opt_state, gnorm = _update(params, opt_state, grads, tx)
-    return params, opt_state, Scalars.of({"loss": value, **metrics, "grad_norm": gnorm})
+    (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router)
+    new_params, new_state, gnorm = _update(params.tree, opt_state.tree, grads, tx)
+    return params.like(new_params), opt_state.like(new_state), Scalars.of({"loss": value, **metrics,
+                                                                           "grad_norm": gnorm})
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "fn", "disable_lora"))
-def _evaluate(params, frozen, rows, aux, *, graphdef, fn, disable_lora):
-    model = nnx.merge(graphdef.value, params, frozen)
+def _evaluate(params: Flat, frozen: Flat, rows, aux, *, graphdef, fn, disable_lora):
+    model = nnx.merge(graphdef.value, params.tree, frozen.tree)
     with lora_disabled(model) if disable_lora else contextlib.nullcontext():
         return fn(model, rows, aux)
 
 
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
-def _apply(params, opt_state, grads, *, tx):
+def _apply(params: Flat, opt_state: Flat, grads: Flat, *, tx):
     """One optimizer update (params and optimizer state donated); returns the gradient's global norm too."""
-    params, opt_state, gnorm = _update(params, opt_state, grads, tx)
-    return params, opt_state, Scalars.of({"grad_norm": gnorm})
+    new_params, new_state, gnorm = _update(params.tree, opt_state.tree, grads.tree, tx)
+    return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
 
 
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
@@ -232,15 +275,43 @@ class Learner:
                                  f"layers; leave it at 0")
         self.optim, self.mesh, self.rules = optim, mesh, rules
         self.lora = has_lora(model)
-        graphdef, self.params, self.frozen = nnx.split(model, trainable_params(model), ...)
+        graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
+        self._params, self._frozen = Flat.of(params), Flat.of(frozen)
         self._static_graphdef = Static(graphdef)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
-            self.opt_state = jax.jit(self.tx.init)(self.params)
+            self.opt_state = jax.jit(self.tx.init)(params)
         else:
-            shardings = opt_state_shardings(jax.eval_shape(self.tx.init, self.params), self.params, mesh, rules)
-            self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
+            shardings = opt_state_shardings(jax.eval_shape(self.tx.init, params), params, mesh, rules)
+            self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
         self.num_updates = 0
+
+    @property
+    def params(self) -> nnx.State:
+        """The trainable parameters (a state of the model's graph)."""
+        return self._params.tree
+
+    @params.setter
+    def params(self, value: nnx.State) -> None:
+        self._params = Flat.of(value)
+
+    def block_until_ready(self) -> None:
+        """Wait until the weights of the last update are computed (without rebuilding their pytree)."""
+        jax.block_until_ready(self._params.leaves)
+
+    @property
+    def frozen(self) -> nnx.State:
+        """The model's other state (the base weights of a LoRA model)."""
+        return self._frozen.tree
+
+    @property
+    def opt_state(self):
+        """The optimizer's state."""
+        return self._opt_state.tree
+
+    @opt_state.setter
+    def opt_state(self, value) -> None:
+        self._opt_state = Flat.of(value)
 
     @property
     def graphdef(self) -> nnx.GraphDef:
@@ -252,29 +323,43 @@ class Learner:
         """The model with the current weights (shares the learner's arrays)."""
         return nnx.merge(self.graphdef, self.params, self.frozen)
 
-    def snapshot(self):
+    def snapshot(self) -> nnx.State:
         """A copy of the trainable params now (a frozen reference or feature network: the initial weights)."""
-        return _copy(self.params)
+        return _copy(self._params).tree
 
     def put(self, tree):
         """Host arrays of ``tree`` on the devices, rows sharded over the mesh's batch axes. Every process holds
         the whole host array and places only the rows of its own devices (so it works on a multi-process
         mesh)."""
-        return self._place(tree, lambda x: batch_sharding(self.mesh, x.ndim, self.rules, shape=x.shape))
+        return self._place(tree, self._row_shardings(tree))
 
     def _replicated(self, tree):
         """Step-global host values (``aux``) on every device, not split over the batch axes."""
-        everywhere = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        return self._place(tree, lambda x: everywhere)
+        return self._place(tree, self._everywhere(tree))
 
-    def _place(self, tree, sharding_of: Callable[[np.ndarray], NamedSharding]):
-        """``tree``'s host arrays placed as ``sharding_of(array)`` says: in one transfer of the whole tree where
-        this process holds every device (one small copy per array costs the accelerator a pause each), array
-        by array from each process's rows otherwise."""
+    def _put_micro_batch(self, rows, aux):
+        """(rows, aux) of one micro-batch placed as :meth:`put` and :meth:`_replicated` do, in one transfer."""
+        return self._place((rows, aux), (self._row_shardings(rows), self._everywhere(aux)))
+
+    def _row_shardings(self, tree):
+        if self.mesh is None:
+            return None
+        return jax.tree.map(lambda x: batch_sharding(self.mesh, np.ndim(x), self.rules, shape=np.shape(x)), tree)
+
+    def _everywhere(self, tree):
+        if self.mesh is None:
+            return None
+        return jax.tree.map(lambda x: NamedSharding(self.mesh, PartitionSpec()), tree)
+
+    def _place(self, tree, shardings):
+        """``tree``'s host arrays placed with ``shardings`` (a matching tree; None without a mesh): in one transfer
+        of the whole tree where this process holds every device (one small copy per array costs the accelerator
+        a pause each), array by array from each process's rows otherwise. Without a mesh the host arrays stay
+        as they are: the jitted step takes them and copies them to its device itself, at a fraction of
+        ``jax.device_put``'s cost per array."""
         tree = jax.tree.map(np.asarray, tree)
         if self.mesh is None:
-            return jax.device_put(tree)
-        shardings = jax.tree.map(sharding_of, tree)
+            return tree
         if jax.process_count() == 1:
             return jax.device_put(tree, shardings)
         return jax.tree.map(from_host, tree, shardings)
@@ -296,25 +381,23 @@ class Learner:
         """``fn(model, rows, aux)`` (hashable, returns an array with a leading row axis) without gradient,
         micro-batch by micro-batch (the last may be shorter), concatenated on the host. ``params``: other
         trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
-        params = self.params if params is None else params
+        params = self._params if params is None else Flat.of(params)
         aux = self._replicated(aux)
-        parts = [to_host(_evaluate(params, self.frozen, self.put(take_rows(rows, sl)), aux,
+        parts = [to_host(_evaluate(params, self._frozen, self.put(take_rows(rows, sl)), aux,
                                    graphdef=self._static_graphdef, fn=fn, disable_lora=disable_lora))
                  for sl in self.chunks(_num_rows(rows))]
         return np.concatenate(parts, axis=0)
 
     # ---------------------------------------------------------------- update
-    def _plan(self, terms: list[LossTerm]) -> tuple[list[tuple[LossTerm, Any, slice]], int]:
-        """The (term, its aux on the devices, micro-batch rows) an update runs, and how many micro-batches
-        it skips."""
+    def _plan(self, terms: list[LossTerm]) -> tuple[list[tuple[int, LossTerm, slice]], int]:
+        """The (term index, term, micro-batch rows) an update runs, and how many micro-batches it skips."""
         plan, skipped = [], 0
-        for term in terms:
-            aux = self._replicated(term.aux)
+        for index, term in enumerate(terms):
             for sl in self.chunks(_num_rows(term.rows)):
                 if term.keep is not None and not np.any(term.keep[sl]):
                     skipped += 1
                 else:
-                    plan.append((term, aux, sl))
+                    plan.append((index, term, sl))
         return plan, skipped
 
     def _router(self, micro_batches: int) -> tuple[float, float, int]:
@@ -322,11 +405,14 @@ class Learner:
         return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef, micro_batches
 
     def _accumulate(self, plan, collected: UpdateMetrics) -> Any:
-        acc = _zeros_like(self.params)
-        for term, aux, sl in plan:
-            acc, part = _micro(acc, self.params, self.frozen, self.put(take_rows(term.rows, sl)), aux,
+        acc = _zeros_like(self._params)
+        placed_aux: dict[int, Any] = {}  # each term's aux goes to the devices once
+        for index, term, sl in plan:
+            if index not in placed_aux:
+                placed_aux[index] = self._replicated(term.aux)
+            acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)), placed_aux[index],
                                graphdef=self._static_graphdef, loss=term.loss, router=self._router(len(plan)))
-            collected.parts.append(part)
+            collected.add(part)
         return acc
 
     def accumulate(self, terms: list[LossTerm]) -> tuple[Any, UpdateMetrics, int]:
@@ -334,12 +420,13 @@ class Learner:
         with ``loss``, number of skipped micro-batches)."""
         plan, skipped = self._plan(terms)
         collected = UpdateMetrics()
-        return self._accumulate(plan, collected), collected, skipped
+        return self._accumulate(plan, collected).tree, collected, skipped
 
     def apply(self, grads) -> Scalars:
         """One optimizer update with the summed gradient ``grads`` (params and optimizer state are donated
         and replaced); returns the gradient's global norm (``grad_norm``)."""
-        self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state, grads, tx=self.tx)
+        grads = grads if isinstance(grads, Flat) else self._params.like(grads)
+        self._params, self._opt_state, gnorm = _apply(self._params, self._opt_state, grads, tx=self.tx)
         self.num_updates += 1
         return gnorm
 
@@ -352,15 +439,16 @@ class Learner:
             learning_rate = self.schedule(self.num_updates)
         collected = UpdateMetrics(learning_rate=[learning_rate])
         if len(plan) == 1:
-            (term, aux, sl), = plan
-            self.params, self.opt_state, part = _micro_and_apply(
-                self.params, self.opt_state, self.frozen, self.put(take_rows(term.rows, sl)), aux,
+            (_, term, sl), = plan
+            rows, aux = self._put_micro_batch(take_rows(term.rows, sl), term.aux)
+            self._params, self._opt_state, part = _micro_and_apply(
+                self._params, self._opt_state, self._frozen, rows, aux,
                 graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
             self.num_updates += 1
-            collected.parts.append(part)
+            collected.add(part)
         else:
             grads = self._accumulate(plan, collected)
-            collected.parts.append(self.apply(grads))
+            collected.add(self.apply(grads))
         return collected, skipped
 
 

@@ -20,10 +20,12 @@ the initial weights for a full fine-tune.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from jrl.data.pipeline import left_pad
@@ -179,6 +181,14 @@ class GRPOLoss:
         return loss, metrics
 
 
+@functools.partial(jax.jit, static_argnames=("mask_truncated", "num_micro_batches"))
+def _step_mask_and_normalizers(completion_mask, truncated, *, mask_truncated: bool, num_micro_batches: int):
+    """(loss mask [B, T], the step's normalisers) in one program (on the host's CPU device under ``on_host``:
+    the same math as separate eager ops cost ~2 ms of dispatches per step with the accelerator waiting)."""
+    mask = loss_mask(completion_mask, None, truncated, mask_truncated_completions=mask_truncated)
+    return mask, step_normalizers(mask, num_micro_batches=num_micro_batches)
+
+
 def _grpo_reduction(name: str) -> str:
     return "sum" if name == "loss" else metric_reduction(name)
 
@@ -217,11 +227,12 @@ class PolicyUpdate:
         """The GRPO loss term of ``batch``: step-global normalisers, and the rows without learning signal
         (``has_signal``) not kept when ``skip_zero_advantage_batches``."""
         cfg = self.algo
+        num_micro_batches = len(learner.micro_slices(batch.completion_ids.shape[0]))
         with on_host():
-            mask = np.asarray(loss_mask(np.asarray(batch.completion_mask), None, np.asarray(batch.truncated),
-                                        mask_truncated_completions=cfg.mask_truncated_completions))
-            num_micro_batches = len(learner.micro_slices(batch.completion_ids.shape[0]))
-            norms = step_normalizers(mask, num_micro_batches=num_micro_batches)
+            mask, norms = _step_mask_and_normalizers(
+                np.asarray(batch.completion_mask), np.asarray(batch.truncated),
+                mask_truncated=cfg.mask_truncated_completions, num_micro_batches=num_micro_batches)
+        mask = np.asarray(mask)
         keep = None
         if cfg.skip_zero_advantage_batches:
             signal = np.ones(len(mask), bool) if batch.has_signal is None else batch.has_signal

@@ -328,9 +328,9 @@ class Learner:
         return _copy(self._params).tree
 
     def put(self, tree):
-        """Host arrays of ``tree`` on the devices, rows sharded over the mesh's batch axes. Every process holds
-        the whole host array and places only the rows of its own devices (so it works on a multi-process
-        mesh)."""
+        """Host arrays of ``tree`` for the step's programs: on a mesh placed on its devices, rows sharded over the
+        batch axes (every process holds the whole host array and places only the rows of its own devices, so it
+        works on a multi-process mesh); without a mesh the host arrays themselves (see :meth:`_place`)."""
         return self._place(tree, self._row_shardings(tree))
 
     def _replicated(self, tree):

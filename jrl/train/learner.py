@@ -94,7 +94,8 @@ class Flat:
     """A pytree held as its leaves and its structure (hashed once). The step's programs take and return the
     learner's parameters, frozen weights and optimizer state in this form: ``jax.jit`` then flattens each with
     one call instead of walking every nested module state, on the host's clock with the accelerator waiting
-    (0.1 ms per tree for a scanned 1B model, 0.6 ms to flatten and 1.5 ms to rebuild unrolled)."""
+    (a 1B model's parameters and optimizer state, on a CPU: 0.1 ms to flatten and 0.13 ms to rebuild with scanned
+    layers, 0.6 and 1.5 ms unrolled)."""
 
     __slots__ = ("structure", "leaves")
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import jax
 
+from jrl.kernels._dispatch import backend as kernel_backend
+
 #: Primitives whose outputs are a fused attention forward's results (cuDNN flash attention through
 #: ``jax.nn.dot_product_attention``): its output and softmax statistics, the residuals its backward reads.
 ATTENTION_FORWARD_PRIMITIVES = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
@@ -46,8 +48,7 @@ def resolve(name: str) -> str:
     """The policy ``name`` stands for on the default backend (``auto`` resolved)."""
     if name != "auto":
         return name
-    backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
-    return ACCELERATOR_DEFAULT.get(backend, "none")
+    return ACCELERATOR_DEFAULT.get(kernel_backend(), "none")
 
 
 def remat(fn: Callable, name: str, *, prevent_cse: bool = True) -> Callable:

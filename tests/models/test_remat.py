@@ -58,8 +58,8 @@ def test_auto_keeps_everything_on_cpu_and_names_a_policy_elsewhere():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 def test_attention_policy_runs_the_attention_forward_once_per_layer(scan_layers):
-    """Counted in the compiled gradient program: cuDNN attention forwards (``__cudnn$fmhaSoftmax`` custom calls,
-    one in a scanned body or one per unrolled layer) and the time each runs (a scanned body runs per layer)."""
+    """Counted in the compiled gradient program: cuDNN attention forwards (``__cudnn$fmhaSoftmax`` custom calls), one
+    in a scanned layer body or one per unrolled layer with the attention kept, twice that without."""
     config = dataclasses.replace(CONFIG, dtype="bfloat16", head_dim=64, num_attention_heads=4, num_key_value_heads=2,
                                  hidden_size=128, attention="cudnn", scan_layers=scan_layers)
     ids = jnp.ones((2, 128), jnp.int32)

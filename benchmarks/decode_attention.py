@@ -2,7 +2,8 @@
 
 A sampler-shaped step: ``--rows`` rows, a cache of ``--slots`` slots of which ``--filled`` are allowed per
 row (after 10 slots of left padding), ``--kv-heads`` KV heads x ``--group`` query heads, bf16. One timed call
-attends over ``--layers`` different caches (so the caches do not sit in L2), as a decode step does.
+attends over ``--layers`` layers' caches (separate K and V arrays, so they do not sit in L2), as a decode step
+does.
 Reported: time per layer and the bandwidth on the allowed part of the cache (K and V read once).
 
     python benchmarks/decode_attention.py --out results.jsonl
@@ -38,14 +39,16 @@ def main():
     b, s, kv, d = args.rows, args.slots, args.kv_heads, args.head_dim
     key = jax.random.key(0)
     q = jax.random.normal(key, (b, kv * args.group, d), jnp.bfloat16)
-    caches = [jax.random.normal(jax.random.fold_in(key, i), (b, s, kv, d), jnp.bfloat16) for i in range(args.layers)]
+    caches = [jax.random.normal(jax.random.fold_in(key, i), (b, s, kv, d), jnp.bfloat16)
+              for i in range(2 * args.layers)]  # a K and a V cache per layer
     allowed = jnp.zeros((b, s), bool).at[:, 10:10 + args.filled].set(True)
     kv_bytes = 2 * b * args.filled * kv * d * 2
-    variants = [("reference", {})] + [("pallas_gpu", dict(block_k=bk, num_warps=w))
-                                      for bk, w in ((32, 2), (64, 4), (128, 4), (128, 8), (256, 8))]
+    variants = [("reference", {})] + [("pallas_gpu", dict(block_k=bk, num_warps=w, num_stages=st))
+                                      for bk, w, st in ((32, 2, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 1),
+                                                        (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2))]
     for impl, kw in variants:
-        step = jax.jit(lambda q, caches, a, impl=impl, kw=kw: [decode_attention(q, c, c, a, impl=impl, **kw)
-                                                              for c in caches])
+        step = jax.jit(lambda q, caches, a, impl=impl, kw=kw: [decode_attention(q, k, v, a, impl=impl, **kw)
+                                                              for k, v in zip(caches[::2], caches[1::2])])
         t = bench(step, q, caches, allowed)
         per_layer = t["ms"] / args.layers
         report(dict(bench="decode_attention", impl=impl, **kw, rows=b, slots=s, filled=args.filled, kv_heads=kv,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -37,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jrl.kernels.attention import AttentionMask, attention, decode_attention
 from jrl.kernels.attention.reference import attend_dense
+from jrl.kernels.decode_linear import matmul_add
 from jrl.models.config import ModelConfig, rope_inv_freq
 from jrl.sharding.rules import logical_to_spec, with_logical_constraint
 
@@ -90,6 +92,17 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def linear_add(linear: Linear, x: jax.Array, residual: jax.Array, *, fused: bool) -> jax.Array:
+    """``residual + linear(x)``. With ``fused`` (a decode step on one device) and a plain Linear without bias, the
+    product and the sum are one :func:`jrl.kernels.decode_linear.matmul_add` over the flattened rows: one kernel
+    on a GPU for a few rows (instead of a GEMM, a split-K reduction and an add), the same two ops elsewhere."""
+    if not fused or type(linear) is not Linear or linear.bias is not None:
+        return residual + linear(x)
+    w = linear.kernel[...].astype(linear.dtype).reshape(math.prod(linear.in_shape), math.prod(linear.out_shape))
+    y = matmul_add(x.astype(linear.dtype).reshape(-1, w.shape[0]), w, residual.reshape(-1, w.shape[1]))
+    return y.reshape(residual.shape)
 
 
 class Embed(nnx.Module):
@@ -239,10 +252,11 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         return self.o_proj(attention(q, k, v, mask, impl=self.config.attention))
 
-    def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache,
-               index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+    def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache, index: jax.Array | int,
+               residual: jax.Array, *, fused: bool) -> tuple[jax.Array, KVCache]:
         """Attention of x [B, T, H] (cache slots ``index ..``) over the cache after writing x's keys and values
-        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (output, updated cache)."""
+        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (``residual`` + output, updated
+        cache); ``fused``: the output projection and the sum as one call (:func:`linear_add`)."""
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)
         scale = q.shape[-1] ** -0.5
@@ -250,7 +264,7 @@ class Attention(nnx.Module):
             out = self._attend_one(q[:, 0], cache, mask[:, 0], scale)[:, None]
         else:
             out = attend_dense(q, cache.k, cache.v, mask, scale=scale)
-        return self.o_proj(out), cache
+        return linear_add(self.o_proj, out, residual, fused=fused), cache
 
     def _attend_one(self, q: jax.Array, cache: KVCache, allowed: jax.Array, scale: float) -> jax.Array:
         """A decode step's attention; on a multi-device mesh per shard of rows and heads (``shard_map``: a
@@ -280,7 +294,12 @@ class MLP(nnx.Module):
         self.up_proj = Linear((h,), (i,), in_axes=("embed",), out_axes=("mlp",), **kw)
         self.down_proj = Linear((i,), (h,), in_axes=("mlp",), out_axes=("embed",), **kw)
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
-        """``token_mask`` is taken for the decoder layer's one call of either MLP kind (a MoE block weights its
-        router statistics with it); a dense MLP has nothing to weight."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self._hidden(x))
+
+    def add_to(self, x: jax.Array, residual: jax.Array, *, fused: bool) -> jax.Array:
+        """``residual + self(x)``; ``fused``: the down projection and the sum as one call (:func:`linear_add`)."""
+        return linear_add(self.down_proj, self._hidden(x), residual, fused=fused)
+
+    def _hidden(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)

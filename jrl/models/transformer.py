@@ -57,14 +57,20 @@ class DecoderLayer(nnx.Module):
                  cache: KVCache | None = None, cache_index: jax.Array | int = 0):
         """The block's output; with ``cache`` the attention reads and extends it (:meth:`Attention.decode`,
         ``mask`` then a dense [B, T, S_max] cache mask) and ``(output, updated cache)`` is returned."""
+        # A decode step on one device runs each output projection and its residual add as one call (a kernel
+        # on a GPU, :func:`jrl.models.layers.linear_add`); a kernel is opaque to XLA's partitioner, so not on a mesh.
+        fused = cache is not None and (self.mesh is None or self.mesh.size == 1)
         if cache is None:
-            attn = self.attn(self.input_norm(x), positions, mask)
+            h = x + self.attn(self.input_norm(x), positions, mask)
         else:
-            attn, cache = self.attn.decode(self.input_norm(x), positions, mask, cache, cache_index)
-        h = constrain(x + attn, _RESIDUAL, self.mesh, self.rules)
-        real = mask.q_segments > 0 if isinstance(mask, AttentionMask) else None  # MoE router stats: real tokens
-        y = self.mlp(self.post_attn_norm(h), token_mask=real)
-        out = constrain(h + y, _RESIDUAL, self.mesh, self.rules)
+            h, cache = self.attn.decode(self.input_norm(x), positions, mask, cache, cache_index, x, fused=fused)
+        h = constrain(h, _RESIDUAL, self.mesh, self.rules)
+        if isinstance(self.mlp, MLP):
+            out = self.mlp.add_to(self.post_attn_norm(h), h, fused=fused)
+        else:
+            real = mask.q_segments > 0 if isinstance(mask, AttentionMask) else None  # router stats: real tokens
+            out = h + self.mlp(self.post_attn_norm(h), token_mask=real)
+        out = constrain(out, _RESIDUAL, self.mesh, self.rules)
         return out if cache is None else (out, cache)
 
 

@@ -11,7 +11,8 @@ compiles once per (row bucket, prompt bucket).
 
 The decode step runs on :func:`jrl.models.lora.decoding_view` (layers sliced, LoRA adapters merged) and its
 attention through :func:`jrl.kernels.attention.decode_attention` (on a GPU a kernel that reads only each
-row's filled cache slots).
+row's filled cache slots, none of a stopped row's), its output projections with their residual adds through
+:func:`jrl.kernels.decode_linear.matmul_add`.
 
 Sampling semantics and the reported logprob are those of :mod:`jrl.rollout.sampling`.
 """
@@ -99,7 +100,8 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, us
         token = jnp.where(active, token, p.pad_id)
         stopped = c["stopped"] | (active & jnp.any(token[:, None] == stops[None, :], axis=-1))
         slot = prompt_len + i
-        key_mask = c["key_mask"].at[:, slot].set(active)
+        # A stopped row attends to no slot: the decode attention reads none of its cache (its output is unused).
+        key_mask = c["key_mask"].at[:, slot].set(active) & active[:, None]
         hidden, cache = model.decode(token[:, None], c["position"][:, None], key_mask, c["cache"], slot)
         return dict(
             step=i + 1, cache=cache, logits=model.logits(hidden[:, 0]), key_mask=key_mask,

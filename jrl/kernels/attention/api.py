@@ -104,7 +104,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
       allowed: bool [B, S], the slots each row's query attends to.
       impl: "auto" or a name of :data:`DECODE_IMPLS`.
       scale: score scale (default D ** -0.5).
-      **kwargs: implementation options (``block_k=`` / ``num_warps=`` / ``interpret=`` for pallas_gpu).
+      **kwargs: implementation options (``block_k=`` / ``num_warps=`` / ``num_stages=`` / ``interpret=`` for
+        pallas_gpu).
 
     Returns:
       [B, N, D] in v's dtype; scores and softmax in float32. The output of a row with no allowed slot is

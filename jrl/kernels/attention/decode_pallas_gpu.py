@@ -85,10 +85,13 @@ def call_unsupported(q: jax.Array, k: jax.Array) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_warps", "num_stages", "interpret"))
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, scale: float,
-                     block_k: int = 128, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
-    """See :func:`jrl.kernels.attention.api.decode_attention`."""
+                     block_k: int = 64, num_warps: int = 2, num_stages: int = 2,
+                     interpret: bool | None = None) -> jax.Array:
+    """See :func:`jrl.kernels.attention.api.decode_attention`. The default blocks (64 slots, 2 warps) measured
+    fastest on an H100 at a 64-row sampler step (``benchmarks/decode_attention.py``): small enough for every
+    program of the step to be resident at once."""
     b, n, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
@@ -105,7 +108,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
         ],
         out_specs=pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((b, n, d), v.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jrl_decode_attention",
     )(_bounds(allowed), q, k, v, allowed.astype(jnp.int8))

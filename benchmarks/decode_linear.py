@@ -1,0 +1,86 @@
+"""A decode step's output projections plus residual add (``jrl.kernels.decode_linear.matmul_add``): the
+Pallas kernel against XLA running the same ops (the reference), on a decoder layer's shapes (attention
+output ``o`` and MLP ``down``).
+
+Each timed call runs one op over ``--layers`` layers' weights (separate arrays, so every layer's weight
+comes from memory, as in a decode step; each layer's output feeds the next layer's input). Reported per op
+and implementation: microseconds per layer and the weight bandwidth (weight bytes / time). ``--sweep`` also
+times block configurations of the kernel.
+
+    python benchmarks/decode_linear.py --shape llama1b --rows 64 [--sweep] --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_common import bench, report  # noqa: E402
+from train_step_vs_torch import SHAPES  # noqa: E402
+
+SWEEP = [dict(split_k=sk, block_n=bn, block_k=bk) for sk, bn, bk in
+         itertools.product((1, 2, 4), (16, 32, 64), (128, 256))]
+
+
+def ops(shape: dict) -> dict:
+    """name -> (contraction K, output columns N) of a layer's projections followed by a residual add."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    return {"o": (shape["num_attention_heads"] * shape["head_dim"], h), "down": (i, h)}
+
+
+def timed(k: int, n: int, rows: int, layers: int, impl: str, config: dict):
+    """(jitted fn, args): ``residual + h @ w`` over ``layers`` layers' weights, each layer's output feeding
+    the next layer's input."""
+    import jax
+    import jax.numpy as jnp
+
+    from jrl.kernels.decode_linear import matmul_add
+
+    keys = jax.random.split(jax.random.key(0), layers + 2)
+    h = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+    weights = [0.02 * jax.random.normal(keys[2 + j], (k, n), jnp.bfloat16) for j in range(layers)]
+    res = jax.random.normal(keys[1], (rows, n), jnp.bfloat16)
+
+    def run(h, weights, res):
+        total = jnp.zeros((), jnp.float32)
+        for w in weights:
+            out = matmul_add(h, w, res, impl=impl, **config)
+            h = h.at[:, 0].add(out[:, 0])  # the next layer waits for this one
+            total = total + out[0, 0].astype(jnp.float32)
+        return total
+
+    return jax.jit(run), (h, weights, res)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--ops", default="o,down")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import jax
+
+    shape = SHAPES[args.shape]
+    for name in args.ops.split(","):
+        k, n = ops(shape)[name]
+        configs = [("reference", {}), ("pallas_gpu", {})] + ([("pallas_gpu", c) for c in SWEEP] if args.sweep else [])
+        for impl, config in configs:
+            try:
+                fn, fargs = timed(k, n, args.rows, args.layers, impl, config)
+                us = 1e3 * bench(fn, *fargs)["ms"] / args.layers
+                row = dict(bench="decode_linear", shape=args.shape, op=name, rows=args.rows, k=k, n=n, impl=impl,
+                           config=config, us_per_layer=round(us, 2), weight_tbs=round(2 * k * n / us / 1e6, 3))
+            except Exception as e:  # a configuration Triton cannot compile
+                row = dict(bench="decode_linear", op=name, impl=impl, config=config, error=repr(e)[:300])
+            row["device"] = jax.devices()[0].device_kind
+            report(row, args.out)
+
+
+if __name__ == "__main__":
+    main()

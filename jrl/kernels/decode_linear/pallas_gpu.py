@@ -1,0 +1,121 @@
+"""``residual + h @ w`` for a decode step's few rows as a Pallas (Triton backend) kernel for NVIDIA GPUs.
+
+In a decode step a few rows (M <= :data:`MAX_ROWS`) meet every weight once, so the matmul is bound by
+reading the weight. XLA runs an output projection and the residual add after it as a split-K GEMM, a
+reduction kernel and an add kernel; here the contraction is split over ``split_k`` programs per block of
+``block_n`` output columns (enough programs to pull the weight from memory when the output is narrow), each
+writing float32 partial sums; without a split the add is in the kernel, with one the partial sums and the
+residual are added by one XLA kernel. Off GPU it runs in Pallas interpret mode (the tests compare it with
+:mod:`.reference`).
+
+Kernels that also fused the RMSNorm before a projection (and SwiGLU after the gate / up projections) were
+measured slower than XLA's GEMM after its norm kernel on an H100 (``benchmarks/RESULTS.md``): the prologue
+between the loads and the matrix product costs more than the kernel it saves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MIN_ROWS = 16
+"""Triton's matrix product needs 16 rows and its blocks a power of two: rows are padded up to one."""
+MAX_ROWS = 64
+"""Above this many rows XLA's GEMM and add are as fast or faster (H100: equal at 256 rows for the 1B attention
+output, 1.45x faster for its down projection, `benchmarks/RESULTS.md`); the dispatcher uses them."""
+DEFAULTS = dict(split_k=2, block_k=256, block_n=32, num_warps=4, num_stages=4)
+"""Block configuration (``benchmarks/decode_linear.py --sweep`` on an H100: best for both the attention
+output and the MLP down projection of the 1B shape at 64 rows)."""
+SHARED_MEMORY = 220 * 1024
+"""Bytes of shared memory a program may ask for (an H100 SM has 227 KiB): the pipeline's stages of the h and
+weight blocks."""
+
+
+def unavailable_reason() -> str | None:
+    return None  # compiled on an NVIDIA GPU, in interpret mode elsewhere
+
+
+def _rows(m: int) -> int:
+    return max(MIN_ROWS, 1 << (m - 1).bit_length())
+
+
+def config(rows: int, k: int, n: int, **overrides) -> dict:
+    """The block configuration for ``rows`` x ``k`` times ``k`` x ``n``: :data:`DEFAULTS` updated by
+    ``overrides``, blocks no larger than the matrix, no more splits than contraction blocks, and (unless
+    given) the contraction block halved, down to 32, while the pipeline's buffers exceed :data:`SHARED_MEMORY`."""
+    c = {**DEFAULTS, **overrides}
+    c["block_k"], c["block_n"] = min(c["block_k"], k), min(c["block_n"], n)
+    c["split_k"] = max(1, min(c["split_k"], k // c["block_k"]))
+    while ("block_k" not in overrides and c["block_k"] > 32
+           and 2 * c["num_stages"] * c["block_k"] * (_rows(rows) + c["block_n"]) > SHARED_MEMORY):
+        c["block_k"] //= 2
+    return c
+
+
+def call_unsupported(rows: int, k: int, n: int, **overrides) -> str | None:
+    """Why a call with these sizes cannot use the kernel (None when it can)."""
+    c = config(rows, k, n, **overrides)
+    if rows > MAX_ROWS:
+        return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
+    if k % (c["block_k"] * c["split_k"]) or n % c["block_n"]:
+        return (f"contraction {k} / columns {n} are not multiples of block_k {c['block_k']} x split_k "
+                f"{c['split_k']} / block_n {c['block_n']}")
+    if min(c["block_k"], c["block_n"]) < 16 or (c["block_k"] | c["block_n"]) & 15:
+        return f"blocks {c['block_k']} x {c['block_n']} (Triton needs multiples of 16)"
+    return None
+
+
+def _kernel(h_ref, w_ref, *refs, block_k: int, has_residual: bool):
+    """h_ref [M, K / split_k], w_ref [K / split_k, block_n]; then the residual block [M, block_n] when
+    ``has_residual`` (no split) and the output block [M, block_n] (float32 partial sums under a split)."""
+    o_ref = refs[-1]
+    rows, k = h_ref.shape
+    exact = False if h_ref.dtype == jnp.float32 else None  # float32 inputs: no TF32 rounding
+
+    def body(j, acc):
+        cols = pl.ds(j * block_k, block_k)
+        return acc + plgpu.dot(h_ref[:, cols], w_ref[cols, :].astype(h_ref.dtype), allow_tf32=exact)
+
+    acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((rows, o_ref.shape[-1]), jnp.float32))
+    if has_residual:  # as the reference: the product rounded to h's dtype, then added
+        acc = refs[0][...].astype(jnp.float32) + acc.astype(h_ref.dtype).astype(jnp.float32)
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def matmul_add(h, w, residual, *, interpret: bool | None = None, **overrides):
+    """See :func:`jrl.kernels.decode_linear.api.matmul_add`; ``overrides``: block configuration."""
+    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    return _matmul_add(h, w, residual, interpret=interpret, **config(h.shape[0], *w.shape, **overrides))
+
+
+@functools.partial(jax.jit, static_argnames=("split_k", "block_k", "block_n", "num_warps", "num_stages",
+                                             "interpret"))
+def _matmul_add(h, w, residual, *, split_k, block_k, block_n, num_warps, num_stages, interpret):
+    rows = h.shape[0]
+    m = _rows(rows)
+    h = jnp.pad(h, ((0, m - rows), (0, 0)))
+    k, n = w.shape
+    part = k // split_k
+    common = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                  interpret=interpret, name="jrl_matmul_add")
+    if split_k == 1:
+        return pl.pallas_call(
+            functools.partial(_kernel, block_k=block_k, has_residual=True),
+            grid=(n // block_n,),
+            in_specs=[pl.BlockSpec((m, k), lambda j: (0, 0)), pl.BlockSpec((k, block_n), lambda j: (0, j)),
+                      pl.BlockSpec((m, block_n), lambda j: (0, j))],
+            out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
+            out_shape=jax.ShapeDtypeStruct((m, n), residual.dtype), **common,
+        )(h, w, jnp.pad(residual, ((0, m - rows), (0, 0))))[:rows]
+    partial = pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k, has_residual=False),
+        grid=(n // block_n, split_k),
+        in_specs=[pl.BlockSpec((m, part), lambda j, s: (0, s)), pl.BlockSpec((part, block_n), lambda j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), **common,
+    )(h, w)
+    return residual + partial[:, :rows].sum(axis=0).astype(h.dtype).astype(residual.dtype)

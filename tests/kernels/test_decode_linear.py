@@ -1,0 +1,62 @@
+"""``residual + h @ w`` of a decode step (``jrl.kernels.decode_linear``) against the reference on fresh random
+inputs: row counts below and between Triton's 16, with and without a split contraction, float32 and bf16.
+CPU: ``pallas_gpu`` in Pallas interpret mode. GPU (``-m gpu``): the compiled kernel at a sampler's shapes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.kernels.decode_linear import matmul_add
+from jrl.kernels.decode_linear.pallas_gpu import config
+from kernels_testlib import assert_close, rng_for
+
+
+def _inputs(rng, m, k, n, dtype):
+    h = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    return h, w, jnp.asarray(rng.standard_normal((m, n)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,k,n,split_k", [(5, 128, 64, 1), (20, 256, 96, 2), (16, 256, 32, 4)])
+def test_pallas_interpret_matches_reference(request, dtype, m, k, n, split_k):
+    h, w, res = _inputs(rng_for(request), m, k, n, dtype)
+    ref = matmul_add(h, w, res, impl="reference")
+    out = matmul_add(h, w, res, impl="pallas_gpu", split_k=split_k, block_k=32, block_n=32, interpret=True)
+    assert out.dtype == res.dtype and out.shape == res.shape
+    assert_close(out, ref, dtype, f"matmul_add m={m} split_k={split_k}")
+    # the product alone, so that a kernel that got it wrong cannot hide behind a large residual
+    zero = jnp.zeros_like(res)
+    assert_close(matmul_add(h, w, zero, impl="pallas_gpu", split_k=split_k, block_k=32, block_n=32, interpret=True),
+                 matmul_add(h, w, zero, impl="reference"), dtype, "product")
+
+
+def test_unsupported_sizes_fall_back_or_name_the_reason():
+    h, w, res = jnp.ones((300, 64)), jnp.ones((64, 32)), jnp.ones((300, 32))
+    with pytest.raises(RuntimeError, match="300 rows"):
+        matmul_add(h, w, res, impl="pallas_gpu")
+    assert_close(matmul_add(h, w, res), matmul_add(h, w, res, impl="reference"), jnp.float32, "auto")
+    with pytest.raises(RuntimeError, match="not multiples"):
+        matmul_add(jnp.ones((4, 96)), jnp.ones((96, 32)), jnp.ones((4, 32)), impl="pallas_gpu", block_k=64)
+    with pytest.raises(ValueError, match=r"h \[M, K\], w \[K, N\]"):
+        matmul_add(jnp.ones((4, 8)), jnp.ones((9, 4)), jnp.ones((4, 4)))
+
+
+def test_config_fits_shared_memory_and_the_contraction():
+    assert config(64, 2048, 2048)["block_k"] == 256  # the measured default at a sampler's 64 rows
+    big = config(256, 8192, 2048)
+    assert 2 * big["num_stages"] * big["block_k"] * (256 + big["block_n"]) <= 220 * 1024
+    assert config(16, 64, 64)["split_k"] == 1  # one contraction block: nothing to split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(64, 2048, 2048), (64, 8192, 2048), (33, 8192, 2048), (7, 6144, 2048)])
+def test_gpu_kernel_matches_reference(request, m, k, n):
+    h, w, res = _inputs(rng_for(request), m, k, n, jnp.bfloat16)
+    zero = jnp.zeros_like(res)
+    assert_close(matmul_add(h, w, zero, impl="pallas_gpu"), matmul_add(h, w, zero, impl="reference"),
+                 jnp.bfloat16, "compiled product")
+    assert_close(matmul_add(h, w, res, impl="pallas_gpu"), matmul_add(h, w, res, impl="reference"),
+                 jnp.bfloat16, "compiled matmul_add")

@@ -11,6 +11,7 @@ one, generated tokens/s (slots up to each row's stop), and the bandwidth limit: 
 weights once plus the KV cache written so far, at ``--bandwidth-tbs``.
 
     python benchmarks/sampler.py --shape llama1b --rows 64 --prompt 128 --new 256 --out results.jsonl
+    python benchmarks/sampler.py --rows 64 --generations 4 --new 256    # 16 prompts x 4 completions
     python benchmarks/sampler.py --backend transformers --rows 64 --prompt 128 --new 256
 """
 
@@ -53,7 +54,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     times, lengths = [], []
     for rep in range(args.reps + 1):
         t0 = time.perf_counter()
-        out = engine.generate(prompts, params, num_generations=1, seed=rep)
+        out = engine.generate(prompts, params, num_generations=args.generations, seed=rep)
         jax.block_until_ready(out.completion_ids)
         times.append(time.perf_counter() - t0)
         lengths.append(float(out.completion_mask.sum(axis=1).mean()))
@@ -61,7 +62,8 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     if args.profile:
         from kernels_common import kernel_profile
 
-        profile = kernel_profile(lambda: engine.generate(prompts, params, num_generations=1, seed=0).completion_ids,
+        profile = kernel_profile(lambda: engine.generate(prompts, params, num_generations=args.generations,
+                                                         seed=0).completion_ids,
                                  trace_dir=args.profile)
     return times, statistics.mean(lengths[1:]), profile
 
@@ -95,6 +97,8 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--lora", action="store_true", help="rank-16 LoRA on every projection (jrl)")
+    ap.add_argument("--generations", type=int, default=1,
+                    help="rows per prompt (jrl: num_generations, each prompt prefilled once; --rows / this prompts)")
     ap.add_argument("--stop-fraction", type=float, default=0.0,
                     help="share of the vocabulary that stops a row (ragged lengths; jrl)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
@@ -111,7 +115,9 @@ def main():
     shape = SHAPES[args.shape]
     cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", scan_layers=args.scan_layers)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, cfg.vocab_size, args.prompt).tolist() for _ in range(args.rows)]
+    if args.rows % args.generations:
+        raise SystemExit(f"--rows {args.rows} is not a multiple of --generations {args.generations}")
+    prompts = [rng.integers(1, cfg.vocab_size, args.prompt).tolist() for _ in range(args.rows // args.generations)]
     stop_ids = tuple(range(1, 1 + round(args.stop_fraction * cfg.vocab_size)))
     if args.backend == "jrl":
         import jax
@@ -122,14 +128,15 @@ def main():
         import torch
         import transformers
 
-        times, mean_len = run_transformers(args, shape, prompts)
+        times, mean_len = run_transformers(args, shape, [p for p in prompts for _ in range(args.generations)])
         profile = None
         device = torch.cuda.get_device_name()
         versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     med = statistics.median(times[1:])
     limit = bandwidth_limit_s(cfg, args.rows, args.prompt, args.new, args.bandwidth_tbs)
     report(dict(bench="sampler", backend=args.backend, shape=args.shape, rows=args.rows, prompt=args.prompt,
-                new=args.new, lora=args.lora, stop_fraction=args.stop_fraction, mean_length=round(mean_len, 1),
+                new=args.new, generations=args.generations, lora=args.lora, stop_fraction=args.stop_fraction,
+                mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),
                 tokens_per_s=round(args.rows * mean_len / med), limit_s=round(limit, 4),
                 fraction_of_limit=round(limit / med, 3), compile_s=round(times[0] - med, 2), device=device,

@@ -299,6 +299,14 @@ class Transformer(nnx.Module):
 
         return tuple(KVCache(zeros(), zeros()) for _ in range(c.num_hidden_layers))
 
+    def cache_rows(self, cache: tuple[KVCache, ...], source: jax.Array) -> tuple[KVCache, ...]:
+        """The cache whose row r is row ``source[r]`` of ``cache`` (a prefilled prompt copied to the rows that
+        continue it), sharded as :meth:`init_cache`'s."""
+        def take(x):
+            return constrain(x[source], _KV_CACHE, self.mesh, self.rules)
+
+        return tuple(KVCache(take(c.k), take(c.v)) for c in cache)
+
     def decode(self, input_ids: jax.Array, positions: jax.Array, key_mask: jax.Array | None,
                cache: tuple[KVCache, ...], cache_index: jax.Array | int, *,
                mask: jax.Array | None = None) -> tuple[jax.Array, tuple[KVCache, ...]]:

@@ -2,12 +2,13 @@
 
 A call to :meth:`JaxRolloutEngine.generate` repeats each prompt ``num_generations`` times (rows
 ``p*G .. p*G+G-1``), left-pads the prompts to a multiple of ``prompt_bucket`` tokens, pads the rows to a
-:func:`row_bucket`, and runs one jitted program: a prefill of the whole prompt batch into a fixed-size KV
-cache of ``prompt_len + max_new_tokens`` slots per layer (:meth:`jrl.models.Transformer.decode`), then a ``lax.while_loop`` that samples a token,
-writes it to the cache and decodes the next logits, until ``max_new_tokens`` tokens or every row has
-stopped. The program depends only on the shapes (row bucket, prompt bucket, ``max_new_tokens``), ``top_k``,
-whether top-p is on and the stop ids (temperature and top-p mass are runtime inputs), so a training run
-compiles once per (row bucket, prompt bucket).
+:func:`row_bucket`, and runs one jitted program: a prefill of each prompt once into a fixed-size KV cache of
+``prompt_len + max_new_tokens`` slots per layer (:meth:`jrl.models.Transformer.decode`; the prompt count
+padded to a :func:`row_bucket` too), copied to the ``G`` rows that continue it, then a ``lax.while_loop`` that
+samples a token, writes it to the cache and decodes the next logits, until ``max_new_tokens`` tokens or every
+row has stopped. The program depends only on the shapes (row bucket, prompt-count bucket, prompt bucket,
+``max_new_tokens``), ``top_k``, whether top-p is on and the stop ids (temperature and top-p mass are runtime
+inputs), so a training run compiles once per such bucket combination.
 
 The decode step runs on :func:`jrl.models.lora.decoding_view` (layers sliced, LoRA adapters merged) and its
 attention through :func:`jrl.kernels.attention.decode_attention` (on a GPU a kernel that reads only each
@@ -57,32 +58,38 @@ class _Program:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "program"))
-def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, used_rows: jax.Array, key: jax.Array,
-              temperature: jax.Array, top_p: jax.Array, program: _Program):
-    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for left-padded prompts [N, Lp]; rows from
-    ``used_rows`` on fill a row bucket and start stopped (they never keep the loop running).
+def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, source: jax.Array, used_rows: jax.Array,
+              key: jax.Array, temperature: jax.Array, top_p: jax.Array, program: _Program):
+    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for N rows, row r continuing the left-padded prompt
+    ``source[r]`` of ``prompt_ids`` [P, Lp]: each prompt is prefilled once and its cache and last logits copied to
+    the rows that continue it (the ``num_generations`` copies of a prompt). Rows from ``used_rows`` on fill a row
+    bucket and start stopped (they never keep the loop running).
 
     The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
     (the last iteration's decode is unused: one extra decode step instead of a branch in the loop)."""
     p = program
     model = decoding_view(nnx.merge(graphdef, state))  # layers sliced (adapters merged) once per call
     rules = dict(p.rules) if p.rules is not None else None
-    n, prompt_len = prompt_ids.shape
+    (n,), (prompts, prompt_len) = source.shape, prompt_ids.shape
     max_len = prompt_len + p.max_new_tokens
 
     def rows(x):
         return constrain(x, ("batch",) + (None,) * (x.ndim - 1), p.mesh, rules)
 
-    cache = model.init_cache(n, max_len)
-    key_mask = rows(jnp.zeros((n, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
-    positions = positions_from_mask(prompt_mask)
-    hidden, cache = model.decode(prompt_ids, positions, key_mask, cache, 0)
+    def to_rows(x):
+        """Per-prompt values [P, ...] -> per-row values [N, ...] (the identity when the prompts are the rows)."""
+        return rows(x if prompts == n else x[source])
+
+    key_mask = rows(jnp.zeros((prompts, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
+    hidden, cache = model.decode(prompt_ids, positions_from_mask(prompt_mask), key_mask,
+                                 model.init_cache(prompts, max_len), 0)
     logits = model.logits(hidden[:, -1])  # left padding: the last slot is every row's last prompt token
+    cache = cache if prompts == n else model.cache_rows(cache, source)
     stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
 
     carry = dict(
-        step=jnp.zeros((), jnp.int32), cache=cache, logits=logits, key_mask=key_mask,
-        position=jnp.sum(prompt_mask.astype(jnp.int32), axis=-1),
+        step=jnp.zeros((), jnp.int32), cache=cache, logits=to_rows(logits), key_mask=to_rows(key_mask),
+        position=to_rows(jnp.sum(prompt_mask.astype(jnp.int32), axis=-1)),
         stopped=rows(jnp.arange(n) >= used_rows),
         tokens=rows(jnp.full((n, p.max_new_tokens), p.pad_id, jnp.int32)),
         mask=rows(jnp.zeros((n, p.max_new_tokens), jnp.int32)),
@@ -195,10 +202,17 @@ class JaxRolloutEngine:
         check_generate_args(prompt_ids, num_generations)
         rows = len(prompt_ids) * num_generations
         rules = dict(self.rules) if self.rules is not None else None
-        padded_rows = row_bucket(rows, _batch_shards(self.mesh, rules))
-        # Rows past ``rows`` repeat the first prompt, start stopped and are dropped after.
-        ids, mask = left_pad([prompt_ids[(r if r < rows else 0) // num_generations] for r in range(padded_rows)],
-                             self.pad_id, multiple_of=self.prompt_bucket)
+        shards = _batch_shards(self.mesh, rules)
+        padded_rows = row_bucket(rows, shards)
+        # Row r continues prompt r // G; rows past ``rows`` continue the first one, start stopped and are dropped
+        # after. Each prompt is prefilled once (prompts bucketed like rows) unless that bucket is the rows' own.
+        source = np.array([r // num_generations if r < rows else 0 for r in range(padded_rows)], np.int32)
+        padded_prompts = row_bucket(len(prompt_ids), shards)
+        if padded_prompts >= padded_rows:  # no fewer prompts than rows to prefill: prefill the rows
+            prefill, source = source, np.arange(padded_rows, dtype=np.int32)
+        else:
+            prefill = [i if i < len(prompt_ids) else 0 for i in range(padded_prompts)]
+        ids, mask = left_pad([prompt_ids[i] for i in prefill], self.pad_id, multiple_of=self.prompt_bucket)
         with self._lock:
             graphdef, state, version = self._graphdef, self._state, self.version
         program = _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
@@ -206,10 +220,11 @@ class JaxRolloutEngine:
                            stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
                            mesh=self.mesh, rules=self.rules)
         out = _generate(graphdef, state, place(ids, _ROWS, self.mesh, rules),
-                        place(mask, _ROWS, self.mesh, rules), np.int32(rows), jax.random.key(int(seed)),
+                        place(mask, _ROWS, self.mesh, rules), source, np.int32(rows), jax.random.key(int(seed)),
                         np.float32(params.temperature), np.float32(params.top_p), program=program)
         tokens, completion_mask, logprobs, stopped = (x[:rows] for x in gather_to_host(out))
-        return RolloutBatch(prompt_ids=ids[:rows], prompt_mask=mask[:rows], completion_ids=tokens,
+        own = source[:rows]
+        return RolloutBatch(prompt_ids=ids[own], prompt_mask=mask[own], completion_ids=tokens,
                             completion_mask=completion_mask, sampling_logprobs=logprobs.astype(np.float32),
                             truncated=~stopped.astype(bool), policy_version=version)
 

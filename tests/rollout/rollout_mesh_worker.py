@@ -38,7 +38,7 @@ def main(prompts_json):
         devices = {d.id for x in jax.tree.leaves(nnx.state(weights)) for d in x.sharding.device_set}
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
         sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
-                                  num_generations=1, seed=1)
+                                  num_generations=2, seed=1)
         out[name] = dict(greedy=greedy.completion_ids.tolist(), sampled=sampled.completion_ids.tolist(),
                          sampled_mask=sampled.completion_mask.tolist(),
                          sampled_logprobs=np.asarray(sampled.sampling_logprobs).tolist(),

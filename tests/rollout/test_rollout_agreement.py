@@ -77,4 +77,6 @@ def test_row_counts_share_one_program_per_power_of_two():
     for prompts, generations in ((3, 2), (4, 2), (5, 1)):
         batch = engine.generate(random_prompts(rng, [5] * prompts), params, num_generations=generations, seed=0)
         assert batch.completion_ids.shape == (prompts * generations, 4)
-    assert _generate._cache_size() - before == 1  # 6, 8 and 5 rows all run as 8
+    # 3 x 2 and 4 x 2 rows run as 8 rows continuing 4 prefilled prompts (one program); 5 x 1 as 8 rows prefilled
+    # as rows (a second program): programs are bounded by (row bucket, prompt-count bucket) pairs
+    assert _generate._cache_size() - before == 2

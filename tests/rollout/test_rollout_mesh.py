@@ -18,7 +18,9 @@ HERE = Path(__file__).parent
 
 
 def test_two_device_mesh_matches_one_device():
-    prompts = random_prompts(np.random.default_rng(8), [5, 2, 9])  # 3 rows: padded to 4 on the data mesh
+    # greedy: 3 rows, padded to 4 on the data mesh, prefilled as rows; sampled: 2 generations of each prompt, 6 rows
+    # padded to 8, continuing 4 prefilled prompts (each prompt's cache copied across the mesh to its rows)
+    prompts = random_prompts(np.random.default_rng(8), [5, 2, 9])
     env = helpers.worker_env(4)
     env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, str(HERE / "rollout_mesh_worker.py"), json.dumps(prompts)], env=env,
@@ -29,7 +31,7 @@ def test_two_device_mesh_matches_one_device():
     engine = JaxRolloutEngine(tiny_model("llama", seed=6), pad_id=PAD, prompt_bucket=16)
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
-                              num_generations=1, seed=1)
+                              num_generations=2, seed=1)
     assert result["data"]["weight_devices"] == result["tensor"]["weight_devices"] == [0, 1]
     assert result["data"]["shares_trainer_devices"]
     own = result["own_mesh"]  # the model on devices 0 and 1, the engine's copy of the weights on 2 and 3

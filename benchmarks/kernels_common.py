@@ -88,20 +88,20 @@ def gib(x) -> str:
 
 #: Kernel-name patterns of :func:`kernel_profile`'s categories, first match wins.
 KERNEL_CATEGORIES = (
-    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "gemv")),
+    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "gemv", "triton_tem")),
     ("attention", ("cudnn", "flash", "fmha", "attention", "sdpa")),
     ("copy", ("memcpy", "memset", "copy")),
-    ("reduction", ("reduce",)),
-    ("elementwise", ("loop_", "fusion", "transpose", "concatenate", "dynamic_update_slice", "slice", "pad")),
+    ("reduction", ("reduce", "triton_red", "triton_per")),
+    ("elementwise", ("loop_", "fusion", "transpose", "concatenate", "dynamic_update_slice", "slice", "pad",
+                     "triton_poi", "elementwise", "vectorized")),
 )
 
 
-def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
+def kernel_profile(fn, *args, trace_dir: str, top: int = 40) -> dict:
     """GPU kernel time of one ``fn(*args)`` call from a profiler trace (after two warm-up calls): the total,
     per category (:data:`KERNEL_CATEGORIES`) and the ``top`` kernels by time, as a dict for :func:`report`.
 
     The trace is JAX's Perfetto export; kernels are the events on the GPU's compute streams."""
-    import collections
     import glob
     import gzip
     import json
@@ -119,17 +119,26 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
     names = [e for e in events if e.get("ph") == "M"]
     processes = {e["pid"]: e["args"]["name"] for e in names if e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
-    per_kernel = collections.defaultdict(lambda: [0.0, 0])
     kernels = []
     for e in events:
         if e.get("ph") != "X" or "GPU" not in processes.get(e["pid"], ""):
             continue
         if "Stream" not in threads.get((e["pid"], e["tid"]), ""):
             continue
-        entry = per_kernel[e["name"][:80]]
-        entry[0] += e["dur"]
+        kernels.append((float(e["ts"]), float(e["dur"]), e["name"]))
+    return summarize_kernels(kernels, top=top)
+
+
+def summarize_kernels(kernels: list[tuple[float, float, str]], *, top: int = 40) -> dict:
+    """Kernel time from (start us, duration us, name) of one step's kernels: the total, per category
+    (:data:`KERNEL_CATEGORIES`), the ``top`` kernels by time and the idle gaps (:func:`idle_gaps`)."""
+    import collections
+
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for _, dur, name in kernels:
+        entry = per_kernel[name[:80]]
+        entry[0] += dur
         entry[1] += 1
-        kernels.append((float(e["ts"]), float(e["dur"]), e["name"][:60]))
     by_category = collections.Counter()
     for name, (us, _) in per_kernel.items():
         low = name.lower()
@@ -139,7 +148,7 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 25) -> dict:
     return dict(kernel_ms=round(sum(us for us, _ in per_kernel.values()) / 1e3, 2),
                 category_ms={c: round(us / 1e3, 2) for c, us in by_category.most_common()},
                 top_kernels=[dict(name=n, ms=round(us / 1e3, 3), calls=c) for n, (us, c) in ranked],
-                **idle_gaps(kernels, top=top))
+                **idle_gaps([(ts, dur, name[:60]) for ts, dur, name in kernels], top=top))
 
 
 def idle_gaps(kernels: list[tuple[float, float, str]], *, top: int, min_us: float = 10.0) -> dict:

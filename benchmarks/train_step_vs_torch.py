@@ -190,19 +190,35 @@ def run_torch(args, shape: dict, compiled: bool) -> dict:
         return (per_token * m).sum() / m.sum()
 
     fn = torch.compile(loss_fn) if compiled else loss_fn
-    times, losses = [], []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
         loss = fn(ids, mask, positions, c_ids, c_mask, adv)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    times, losses = [], []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    return dict(times=times, peak_bytes=torch.cuda.max_memory_allocated(), loss=losses[-1],
+    peak = torch.cuda.max_memory_allocated()
+    profile = None
+    if args.profile:
+        from kernels_common import summarize_kernels
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        profile = summarize_kernels(kernels)
+    return dict(times=times, peak_bytes=peak, loss=losses[-1], profile=profile,
                 device=torch.cuda.get_device_name(), versions=f"torch {torch.__version__}, "
                                                               f"transformers {transformers.__version__}")
 
@@ -244,7 +260,7 @@ def main():
     ap.add_argument("--loss-head", default="auto", help="jrl loss head: auto, fused, logprobs")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="jrl: also trace one more step into DIR and report its GPU kernel time by category")
+                    help="also trace one more step (jrl: into DIR) and report its GPU kernel time by category")
     ap.add_argument("--out", default=None, help="append one JSON line per side here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

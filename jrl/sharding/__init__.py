@@ -27,6 +27,7 @@ from jrl.sharding.distributed import (
 from jrl.sharding.memory import MemoryReport, device_bytes, memory_report
 from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, make_mesh
 from jrl.sharding.placement import (
+    HostPack,
     from_host,
     gather_to_host,
     host_copy,
@@ -40,6 +41,7 @@ from jrl.sharding.placement import (
     state_specs,
     to_host,
     unknown_logical_axes,
+    unpack,
     variable_spec,
 )
 from jrl.sharding.roles import split_devices
@@ -54,6 +56,7 @@ from jrl.sharding.rules import (
 
 __all__ = [
     "DEFAULT_RULES",
+    "HostPack",
     "MESH_AXES",
     "MemoryReport",
     "MeshAxes",
@@ -89,6 +92,7 @@ __all__ = [
     "state_specs",
     "to_host",
     "unknown_logical_axes",
+    "unpack",
     "variable_spec",
     "with_logical_constraint",
 ]

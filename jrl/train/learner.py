@@ -34,9 +34,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jrl.kernels._dispatch import backend as kernel_backend
 from jrl.models import router_stats
 from jrl.models.lora import has_lora, lora_disabled, trainable_params
-from jrl.sharding import batch_sharding, from_host, on_host, opt_state_shardings, to_host
+from jrl.models.scan_outputs import uninitialized_scan_outputs
+from jrl.sharding import HostPack, batch_sharding, from_host, on_host, opt_state_shardings, to_host, unpack
 from jrl.train.config import OptimConfig
 
 
@@ -202,6 +204,7 @@ def _grads(params, frozen, rows, aux, graphdef, loss, router):
     (:func:`jrl.models.router_stats.summary`) and, weighted by ``router`` = (aux-loss coefficient, z-loss
     coefficient, micro-batches in the update), its loss."""
     aux_coef, z_coef, micro_batches = router
+    rows, aux = unpack(rows), unpack(aux)
 
     def f(p):
         with router_stats.collecting() as stats:
@@ -230,8 +233,10 @@ def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, *, graphdef, loss, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router"), donate_argnums=(0, 1))
-def _micro_and_apply(params: Flat, opt_state: Flat, frozen: Flat, rows, aux, *, graphdef, loss, tx, router):
-    """A whole update of one micro-batch in one program: no accumulator, params and state donated."""
+def _micro_and_apply(params: Flat, opt_state: Flat, frozen: Flat, batch, *, graphdef, loss, tx, router):
+    """A whole update of one micro-batch (``batch``: its rows and aux, see :meth:`Learner._put_micro_batch`) in one
+    program: no accumulator, params and state donated."""
+    rows, aux = unpack(batch)
     (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router)
     new_params, new_state, gnorm = _update(params.tree, opt_state.tree, grads, tx)
     return params.like(new_params), opt_state.like(new_state), Scalars.of({"loss": value, **metrics,
@@ -240,6 +245,7 @@ def _micro_and_apply(params: Flat, opt_state: Flat, frozen: Flat, rows, aux, *, 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "fn", "disable_lora"))
 def _evaluate(params: Flat, frozen: Flat, rows, aux, *, graphdef, fn, disable_lora):
+    rows, aux = unpack(rows), unpack(aux)
     model = nnx.merge(graphdef.value, params.tree, frozen.tree)
     with lora_disabled(model) if disable_lora else contextlib.nullcontext():
         return fn(model, rows, aux)
@@ -275,6 +281,9 @@ class Learner:
                 raise ValueError(f"OptimConfig.{name}={getattr(optim, name)} has no effect: the model has no MoE "
                                  f"layers; leave it at 0")
         self.optim, self.mesh, self.rules = optim, mesh, rules
+        # Gradient programs on one device allocate the forward's saved values without zero-filling them
+        # (jrl.models.scan_outputs; not on a TPU, where it is unmeasured).
+        self._unfilled_scans = (mesh is None or mesh.size == 1) and kernel_backend() != "tpu"
         self.lora = has_lora(model)
         graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
         self._params, self._frozen = Flat.of(params), Flat.of(frozen)
@@ -331,7 +340,7 @@ class Learner:
     def put(self, tree):
         """Host arrays of ``tree`` for the step's programs: on a mesh placed on its devices, rows sharded over the
         batch axes (every process holds the whole host array and places only the rows of its own devices, so it
-        works on a multi-process mesh); without a mesh the host arrays themselves (see :meth:`_place`)."""
+        works on a multi-process mesh); without a mesh all of them in one :class:`HostPack` (see :meth:`_place`)."""
         return self._place(tree, self._row_shardings(tree))
 
     def _replicated(self, tree):
@@ -339,7 +348,8 @@ class Learner:
         return self._place(tree, self._everywhere(tree))
 
     def _put_micro_batch(self, rows, aux):
-        """(rows, aux) of one micro-batch placed as :meth:`put` and :meth:`_replicated` do, in one transfer."""
+        """(rows, aux) of one micro-batch placed as :meth:`put` and :meth:`_replicated` do, in one transfer (a
+        :class:`HostPack` of the pair without a mesh)."""
         return self._place((rows, aux), (self._row_shardings(rows), self._everywhere(aux)))
 
     def _row_shardings(self, tree):
@@ -355,12 +365,12 @@ class Learner:
     def _place(self, tree, shardings):
         """``tree``'s host arrays placed with ``shardings`` (a matching tree; None without a mesh): in one transfer
         of the whole tree where this process holds every device (one small copy per array costs the accelerator
-        a pause each), array by array from each process's rows otherwise. Without a mesh the host arrays stay
-        as they are: the jitted step takes them and copies them to its device itself, at a fraction of
-        ``jax.device_put``'s cost per array."""
-        tree = jax.tree.map(np.asarray, tree)
+        a pause each), array by array from each process's rows otherwise. Without a mesh they stay on the host,
+        packed into one buffer (:class:`HostPack`) that the jitted step copies to its device itself: one copy
+        instead of one per array (six for a GRPO step), at a fraction of ``jax.device_put``'s cost."""
         if self.mesh is None:
-            return tree
+            return HostPack.of(tree) if jax.tree.leaves(tree) else tree
+        tree = jax.tree.map(np.asarray, tree)
         if jax.process_count() == 1:
             return jax.device_put(tree, shardings)
         return jax.tree.map(from_host, tree, shardings)
@@ -411,8 +421,10 @@ class Learner:
         for index, term, sl in plan:
             if index not in placed_aux:
                 placed_aux[index] = self._replicated(term.aux)
-            acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)), placed_aux[index],
-                               graphdef=self._static_graphdef, loss=term.loss, router=self._router(len(plan)))
+            with uninitialized_scan_outputs(self._unfilled_scans):
+                acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
+                                   placed_aux[index], graphdef=self._static_graphdef, loss=term.loss,
+                                   router=self._router(len(plan)))
             collected.add(part)
         return acc
 
@@ -441,10 +453,11 @@ class Learner:
         collected = UpdateMetrics(learning_rate=[learning_rate])
         if len(plan) == 1:
             (_, term, sl), = plan
-            rows, aux = self._put_micro_batch(take_rows(term.rows, sl), term.aux)
-            self._params, self._opt_state, part = _micro_and_apply(
-                self._params, self._opt_state, self._frozen, rows, aux,
-                graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
+            batch = self._put_micro_batch(take_rows(term.rows, sl), term.aux)
+            with uninitialized_scan_outputs(self._unfilled_scans):
+                self._params, self._opt_state, part = _micro_and_apply(
+                    self._params, self._opt_state, self._frozen, batch,
+                    graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
             self.num_updates += 1
             collected.add(part)
         else:

@@ -117,3 +117,22 @@ def test_rows_per_chunk():
     assert rows_per_chunk(8, 4096, 2048) == 1
     assert rows_per_chunk(6, 100, 10_000) == 6
     assert rows_per_chunk(7, 100, 500) == 1  # 7 is prime: single rows
+
+
+def test_one_pass_logsumexp_and_entropy_match_their_definitions(request):
+    """The online (one-reduction) log-sum-exp and entropy against jax.nn.logsumexp and -Σ p log p, on rows of
+    ordinary, widely spread (±3e4) and constant logits, an odd vocabulary size."""
+    from jrl.kernels.logprobs.fused_loss import _logsumexp_entropy
+
+    rng = rng_for(request)
+    logits = rng.standard_normal((6, 1001)).astype(np.float32) * np.array([1, 5, 30, 3e4, 0, 1], np.float32)[:, None]
+    logits[5, 17] = 40.0  # one dominant entry
+    x = jnp.asarray(logits)
+    lse, ent = jax.jit(_logsumexp_entropy, static_argnums=1)(x, True)
+    want_lse = jax.nn.logsumexp(x, axis=-1)
+    p = jax.nn.softmax(x, axis=-1)
+    want_ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(p), 0.0), axis=-1)
+    assert_close(lse, want_lse, jnp.float32, "logsumexp")
+    np.testing.assert_allclose(np.asarray(ent), np.asarray(want_ent), rtol=1e-5, atol=1e-4)
+    only, none = jax.jit(_logsumexp_entropy, static_argnums=1)(x, False)
+    assert none is None and bool(jnp.all(only == lse))

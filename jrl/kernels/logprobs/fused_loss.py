@@ -32,6 +32,29 @@ def rows_per_chunk(num_rows: int, row_len: int, chunk_tokens: int) -> int:
     return best
 
 
+def _logsumexp_entropy(logits: jax.Array, with_entropy: bool) -> tuple[jax.Array, jax.Array | None]:
+    """(log-sum-exp, entropy or None) of each row of float32 ``logits`` [N, V] in one pass over them.
+
+    One variadic reduction carries (running max m, Σ exp(x - m), Σ exp(x - m)·x) and rescales when the max
+    grows (an online softmax), instead of three passes (max, sum of exponentials, entropy): the logits of a
+    chunk are ``N x V`` float32, read from memory by each pass. Entropy = lse - Σ p·x."""
+
+    def combine(a, b):
+        (m1, s1, *t1), (m2, s2, *t2) = a, b
+        m = jnp.maximum(m1, m2)
+        # Where both are the identity (m = -inf), m1 - m is nan: weight 1 (their sums are 0).
+        w1 = jnp.where(m1 == m, 1.0, jnp.exp(m1 - m))
+        w2 = jnp.where(m2 == m, 1.0, jnp.exp(m2 - m))
+        return (m, s1 * w1 + s2 * w2, *(x1 * w1 + x2 * w2 for x1, x2 in zip(t1, t2)))
+
+    ones = jnp.ones_like(logits)
+    operands = (logits, ones, logits) if with_entropy else (logits, ones)
+    inits = (-jnp.inf, 0.0, 0.0)[:len(operands)]
+    m, s, *t = jax.lax.reduce(operands, tuple(jnp.float32(v) for v in inits), combine, (1,))
+    lse = m + jnp.log(s)
+    return lse, (lse - t[0] / s if with_entropy else None)
+
+
 def _chunk_grads(h, w, y, rows, aux, row_loss, inv_temp, with_entropy):
     """(loss, logp [c, T], entropy [c, T], dh [c, T, H], dW [H, V] float32) of one chunk of rows.
 
@@ -41,9 +64,8 @@ def _chunk_grads(h, w, y, rows, aux, row_loss, inv_temp, with_entropy):
     hf = h.reshape(c * t, hdim)
     yf = y.reshape(c * t)
     logits = jnp.dot(hf, w.astype(hf.dtype), preferred_element_type=jnp.float32) * inv_temp
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse, ent = _logsumexp_entropy(logits, with_entropy)
     lp = jnp.take_along_axis(logits, yf[:, None], axis=-1)[:, 0] - lse
-    ent = lse - jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1) if with_entropy else None
     ent_rows = None if ent is None else ent.reshape(c, t)
 
     def f(lp_rows, ent_rows):
@@ -74,13 +96,23 @@ def _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_en
     def split(x):
         return x.reshape((n, chunk) + x.shape[1:])
 
-    def step(dw, xs):
+    def chunk_grads(xs):
         h, y, rows_c = xs
-        loss, lp, ent, dh, dw_c = _chunk_grads(h, lm_head, y, rows_c, aux, row_loss, inv_temp, with_entropy)
+        return _chunk_grads(h, lm_head, y, rows_c, aux, row_loss, inv_temp, with_entropy)
+
+    def step(dw, xs):
+        loss, lp, ent, dh, dw_c = chunk_grads(xs)
         return dw + dw_c, (loss, lp, ent, dh)
 
-    dw0 = jnp.zeros(lm_head.shape, jnp.float32)
-    dw, (losses, lp, ent, dh) = jax.lax.scan(step, dw0, (split(hidden), split(targets), jax.tree.map(split, rows)))
+    # The first chunk's head gradient starts the sum (no zero-filled float32 [H, V] accumulator to add it to).
+    chunks = (split(hidden), split(targets), jax.tree.map(split, rows))
+    loss0, lp0, ent0, dh0, dw = chunk_grads(jax.tree.map(lambda x: x[0], chunks))
+    firsts = (loss0, lp0, ent0, dh0)
+    if n > 1:
+        dw, rest = jax.lax.scan(step, dw, jax.tree.map(lambda x: x[1:], chunks))
+        losses, lp, ent, dh = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), firsts, rest)
+    else:
+        losses, lp, ent, dh = jax.tree.map(lambda a: a[None], firsts)
     lp = lp.reshape(r, t)
     ent = None if ent is None else ent.reshape(r, t)
     return jnp.sum(losses), lp, ent, dh.reshape(r, t, hdim).astype(hidden.dtype), dw.astype(lm_head.dtype)

@@ -76,8 +76,10 @@ def _install() -> bool:
 def uninitialized_scan_outputs(enabled: bool = True):
     """Within this block (this thread only), scans lowered allocate their stacked outputs uninitialized.
 
-    Lowering happens on a jitted function's first call for given argument types: wrap the calls. ``enabled``
-    False makes it a no-op (callers pass their condition)."""
+    Lowering happens on a jitted function's first call for given argument types: wrap the calls. JAX caches a
+    lowering without regard to this switch, so a program lowered once keeps its allocation (the results are the
+    same either way: only the initial contents of buffers the loop overwrites differ). ``enabled`` False makes it
+    a no-op (callers pass their condition)."""
     if not enabled or not _install():
         yield
         return

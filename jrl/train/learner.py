@@ -204,7 +204,6 @@ def _grads(params, frozen, rows, aux, graphdef, loss, router):
     (:func:`jrl.models.router_stats.summary`) and, weighted by ``router`` = (aux-loss coefficient, z-loss
     coefficient, micro-batches in the update), its loss."""
     aux_coef, z_coef, micro_batches = router
-    rows, aux = unpack(rows), unpack(aux)
 
     def f(p):
         with router_stats.collecting() as stats:
@@ -228,7 +227,7 @@ def _update(params, opt_state, grads, tx):
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router"), donate_argnums=0)
 def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, *, graphdef, loss, router):
     """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
-    (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router)
+    (value, metrics), grads = _grads(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss, router)
     return jax.tree.map(jnp.add, acc, params.like(grads)), Scalars.of({"loss": value, **metrics})
 
 

@@ -5,7 +5,6 @@ on a GPU a scanned model's gradient is the same with and without (the buffers ar
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import jax
@@ -72,7 +71,7 @@ def test_gpu_gradient_is_unchanged():
     ids = jnp.asarray(rng.integers(0, 64, (2, 32)), jnp.int32)
 
     def grads(unfilled: bool):
-        model = create_model(dataclasses.replace(config), seed=0)
+        model = create_model(config, seed=0)
         graphdef, state = nnx.split(model)
 
         def loss(state):

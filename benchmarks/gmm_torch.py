@@ -6,8 +6,9 @@ goal (>= 70% of dense) looks like for the library a PyTorch user would run, on t
 
 Weights are stored [E, N, K] and passed transposed, as transformers does; group sizes are kernels_gmm's
 (uniform, or skewed with the last quarter of the experts empty). The backward takes the gradients of the input
-and of the weights. Times are medians of CUDA-synchronised repetitions (each a batch of back-to-back calls);
-TFLOP/s counts 2*T*K*N per matmul (x3 for forward+backward). Prints a markdown table and one JSON line.
+and of the weights. Times are kernels_common.bench's (medians of repetitions of back-to-back calls, each
+repetition synchronised at its end); TFLOP/s counts 2*T*K*N per matmul (x3 for forward+backward). Prints a
+markdown table and one JSON line.
 """
 
 from __future__ import annotations
@@ -16,34 +17,10 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
-import time
 
+from kernels_common import bench
 from kernels_gmm import group_sizes
-
-
-def cuda_ms(fn, reps: int = 7, target_s: float = 0.05) -> float:
-    """Median milliseconds per call of ``fn()``; each repetition runs enough calls back to back to last about
-    ``target_s`` and then synchronises."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    inner = max(1, min(50, int(target_s / max(time.perf_counter() - t0, 1e-6))))
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / inner * 1e3)
-    return statistics.median(times)
 
 
 def main():
@@ -66,6 +43,9 @@ def main():
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     dout = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
     w2 = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5).requires_grad_()
+
+    def cuda_ms(fn) -> float:
+        return bench(fn, wait=lambda _: torch.cuda.synchronize())["ms"]
 
     def backward_of(out_fn, weight):
         """Forward and the gradients of the input and ``weight`` (returned, not accumulated into ``.grad``)."""

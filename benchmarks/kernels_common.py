@@ -14,20 +14,25 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def bench(fn, *args, warmup: int = 2, reps: int = 7, target_s: float = 0.05, max_inner: int = 50) -> dict:
+def bench(fn, *args, warmup: int = 2, reps: int = 7, target_s: float = 0.05, max_inner: int = 50,
+          wait=None) -> dict:
     """Median device time of ``fn(*args)`` in milliseconds.
 
     Compiles and warms up first; then each rep dispatches ``inner`` calls back to back (asynchronous
     dispatch keeps the GPU queue full, so host overhead is hidden for short kernels) and blocks on the
     last. ``inner`` is sized so that a rep takes about ``target_s``. Returns median, min and max per call.
+    ``wait(out)`` blocks until ``out`` is computed: ``jax.block_until_ready`` unless given (a PyTorch side passes
+    one that synchronises CUDA).
     """
-    import jax
+    if wait is None:
+        import jax
 
-    jax.block_until_ready(fn(*args))  # compile
+        wait = jax.block_until_ready
+    wait(fn(*args))  # compile
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+        wait(fn(*args))
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    wait(fn(*args))
     one = time.perf_counter() - t0
     inner = max(1, min(max_inner, int(target_s / max(one, 1e-6))))
     times = []
@@ -36,7 +41,7 @@ def bench(fn, *args, warmup: int = 2, reps: int = 7, target_s: float = 0.05, max
         out = None
         for _ in range(inner):
             out = fn(*args)
-        jax.block_until_ready(out)
+        wait(out)
         times.append((time.perf_counter() - t0) / inner)
     return {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times),
             "inner": inner, "reps": reps}

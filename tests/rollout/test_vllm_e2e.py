@@ -146,8 +146,9 @@ def config():
 """
 
 
-@pytest.mark.slow  # 45-67 s; the default suite keeps the one-process vLLM run above and the leader engine's
-# processes (tests/rollout/test_leader_engine.py)
+# 67 s beside a second test process (2-core CPU); the default suite keeps the one-process vLLM run above and the
+# leader engine's processes (tests/rollout/test_leader_engine.py)
+@pytest.mark.slow
 def test_two_trainer_processes_share_one_driver_of_the_server(e2e_server, tmp_path):
     """scripts/train.py as 2 processes x 1 CPU device on the vLLM backend: process 0 drives the server (one adapter
     per version, written once), both train on the same completions (the sampler-trainer logprob agreement holds for

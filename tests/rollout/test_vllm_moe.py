@@ -38,8 +38,10 @@ def _log_probs(model, ids: list[int]) -> np.ndarray:
     return np.asarray(logp[jnp.arange(len(ids) - 1), jnp.asarray(ids[1:])], np.float64)
 
 
-@pytest.mark.slow  # 110-135 s (a MoE server start); the default suite checks the merged expert-LoRA export against
-# transformers + peft (tests/models/test_model_peft.py) and the LoRA sync to a real vLLM server (test_vllm_e2e.py)
+# 109 s alone, 135 s beside a second test process (2-core CPU); the default suite checks the merged expert-LoRA
+# export against transformers + peft (tests/models/test_model_peft.py) and the LoRA sync to a real vLLM server
+# (test_vllm_e2e.py)
+@pytest.mark.slow
 def test_merged_expert_lora_checkpoint_is_served_as_the_adapted_model(tmp_path):
     base_dir = save_pretrained(create_model(MOE, seed=0), tmp_path / "base", progress=False)
     save_byte_tokenizer(base_dir)

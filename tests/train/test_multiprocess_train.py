@@ -127,8 +127,9 @@ def test_two_processes_train_like_one(runs):
     assert sorted(int(p.name) for p in (base / "two" / "checkpoints").iterdir()) == [2, 4]
 
 
-@pytest.mark.slow  # 55-78 s; the default suite keeps the 2 x 4 = 1 x 8 run and the rollout mesh of its own in one
-# process (tests/rollout/test_rollout_mesh.py)
+# 78 s beside a second test process (2-core CPU); the default suite keeps the 2 x 4 = 1 x 8 run and the rollout
+# mesh of its own in one process (tests/rollout/test_rollout_mesh.py)
+@pytest.mark.slow
 def test_a_rollout_mesh_of_its_own_trains_like_one_shared_mesh(runs, tmp_path):
     """2 processes x 4 devices, each giving 2 devices to the sampler's own mesh (the learner trains on the other 4,
     the weights are copied across processes' devices at each sync): the metrics of the 1 x 8 shared-mesh run."""

@@ -1,6 +1,6 @@
-"""A decode step's output projections plus residual add (``jrl.kernels.decode_linear.matmul_add``): the
-Pallas kernel against XLA running the same ops (the reference), on a decoder layer's shapes (attention
-output ``o`` and MLP ``down``).
+"""A decode step's projections (``jrl.kernels.decode_linear``): the Pallas kernels against XLA running the same
+ops (the reference), on a decoder layer's shapes: attention output ``o`` and MLP ``down`` plus the residual
+add (``matmul_add``), and the MLP's gate and up projections with SwiGLU (``gate_up``, ``matmul_swiglu``).
 
 Each timed call runs one op over ``--layers`` layers' weights (separate arrays, so every layer's weight
 comes from memory, as in a decode step; each layer's output feeds the next layer's input). Reported per op
@@ -21,38 +21,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_common import bench, report  # noqa: E402
 from train_step_vs_torch import SHAPES  # noqa: E402
 
-SWEEP = [dict(split_k=sk, block_n=bn, block_k=bk) for sk, bn, bk in
-         itertools.product((1, 2, 4), (16, 32, 64), (128, 256))]
+SWEEP = {
+    "matmul_add": [dict(split_k=sk, block_n=bn, block_k=bk) for sk, bn, bk in
+                   itertools.product((1, 2, 4), (16, 32, 64), (128, 256))],
+    "matmul_swiglu": [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
+                      itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4))],
+}
 
 
 def ops(shape: dict) -> dict:
-    """name -> (contraction K, output columns N) of a layer's projections followed by a residual add."""
+    """name -> (kernel, contraction K, output columns N, weight matrices) of a layer's projections."""
     h, i = shape["hidden_size"], shape["intermediate_size"]
-    return {"o": (shape["num_attention_heads"] * shape["head_dim"], h), "down": (i, h)}
+    return {"o": ("matmul_add", shape["num_attention_heads"] * shape["head_dim"], h, 1),
+            "down": ("matmul_add", i, h, 1), "gate_up": ("matmul_swiglu", h, i, 2)}
 
 
-def timed(k: int, n: int, rows: int, layers: int, impl: str, config: dict):
-    """(jitted fn, args): ``residual + h @ w`` over ``layers`` layers' weights, each layer's output feeding
-    the next layer's input."""
+def timed(kernel: str, k: int, n: int, weights: int, rows: int, layers: int, impl: str, config: dict):
+    """(jitted fn, args): ``kernel`` over ``layers`` layers' weights (``residual + h @ w``, or SwiGLU of h times
+    the gate and up weights), each layer's output feeding the next layer's input."""
     import jax
     import jax.numpy as jnp
 
-    from jrl.kernels.decode_linear import matmul_add
+    from jrl.kernels import decode_linear
 
-    keys = jax.random.split(jax.random.key(0), layers + 2)
+    fn = getattr(decode_linear, kernel)
+    keys = jax.random.split(jax.random.key(0), layers * weights + 2)
     h = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
-    weights = [0.02 * jax.random.normal(keys[2 + j], (k, n), jnp.bfloat16) for j in range(layers)]
+    mats = [[0.02 * jax.random.normal(keys[2 + weights * j + i], (k, n), jnp.bfloat16) for i in range(weights)]
+            for j in range(layers)]
     res = jax.random.normal(keys[1], (rows, n), jnp.bfloat16)
 
-    def run(h, weights, res):
+    def run(h, mats, res):
         total = jnp.zeros((), jnp.float32)
-        for w in weights:
-            out = matmul_add(h, w, res, impl=impl, **config)
+        for ws in mats:
+            out = fn(h, *ws, *([res] if kernel == "matmul_add" else []), impl=impl, **config)
             h = h.at[:, 0].add(out[:, 0])  # the next layer waits for this one
             total = total + out[0, 0].astype(jnp.float32)
         return total
 
-    return jax.jit(run), (h, weights, res)
+    return jax.jit(run), (h, mats, res)
 
 
 def main():
@@ -60,7 +67,7 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--ops", default="o,down")
+    ap.add_argument("--ops", default="o,down,gate_up")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -68,14 +75,16 @@ def main():
 
     shape = SHAPES[args.shape]
     for name in args.ops.split(","):
-        k, n = ops(shape)[name]
-        configs = [("reference", {}), ("pallas_gpu", {})] + ([("pallas_gpu", c) for c in SWEEP] if args.sweep else [])
+        kernel, k, n, weights = ops(shape)[name]
+        configs = [("reference", {}), ("pallas_gpu", {})]
+        configs += [("pallas_gpu", c) for c in SWEEP[kernel]] if args.sweep else []
         for impl, config in configs:
             try:
-                fn, fargs = timed(k, n, args.rows, args.layers, impl, config)
+                fn, fargs = timed(kernel, k, n, weights, args.rows, args.layers, impl, config)
                 us = 1e3 * bench(fn, *fargs)["ms"] / args.layers
                 row = dict(bench="decode_linear", shape=args.shape, op=name, rows=args.rows, k=k, n=n, impl=impl,
-                           config=config, us_per_layer=round(us, 2), weight_tbs=round(2 * k * n / us / 1e6, 3))
+                           config=config, us_per_layer=round(us, 2),
+                           weight_tbs=round(2 * weights * k * n / us / 1e6, 3))
             except Exception as e:  # a configuration Triton cannot compile
                 row = dict(bench="decode_linear", op=name, impl=impl, config=config, error=repr(e)[:300])
             row["device"] = jax.devices()[0].device_kind

@@ -36,9 +36,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jrl.kernels.attention import AttentionMask, attention, decode_attention
+from jrl.kernels.attention import AttentionMask, attention, decode_attention, decode_attention_append
 from jrl.kernels.attention.reference import attend_dense
-from jrl.kernels.decode_linear import matmul_add
+from jrl.kernels.attention.rope import apply_rope
+from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
 from jrl.models.config import ModelConfig, rope_inv_freq
 from jrl.sharding.rules import logical_to_spec, with_logical_constraint
 
@@ -176,18 +177,6 @@ def rope_cos_sin(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, 
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, S, heads, D] (half-split "rotate_half" convention of HF Llama/Qwen), in float32. With cos/sin
-    narrower than D (partial rotary) only the leading dims rotate and the rest pass through."""
-    x32 = x.astype(jnp.float32)
-    r = cos.shape[-1]
-    x_rot, x_pass = x32[..., :r], x32[..., r:]
-    x1, x2 = jnp.split(x_rot, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x_rot * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return jnp.concatenate([out, x_pass], axis=-1).astype(x.dtype)
-
-
 # --------------------------------------------------------------------------- blocks
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +199,9 @@ class Attention(nnx.Module):
     Split into :meth:`qkv` (projections, norms, rope at explicit positions) and the attention itself so a KV
     cache can be inserted between them. A full forward runs :func:`jrl.kernels.attention.attention` (the
     implementation ``config.attention`` names) under a structured mask. A decode step (one query per row)
-    runs :func:`jrl.kernels.attention.decode_attention` (``auto``; the dense reference when
-    ``config.attention`` is ``reference``); a prefill of several tokens attends densely over the cache.
+    runs :func:`jrl.kernels.attention.decode_attention_append` on one device (rope, cache write and attention
+    in one call) and :func:`jrl.kernels.attention.decode_attention` on a mesh (``auto``; the dense reference
+    when ``config.attention`` is ``reference``); a prefill of several tokens attends densely over the cache.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules=None):
@@ -233,14 +223,19 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B,S,N,D], k, v [B,S,K,D] with q/k norm and RoPE at ``positions`` applied."""
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,S,N,D], k, v [B,S,K,D] with q/k norm applied, before RoPE."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and self.config.qk_norm_projection:  # over all heads of a token at once
             q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
             k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,S,N,D], k, v [B,S,K,D] with q/k norm and RoPE at ``positions`` applied."""
+        q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.config)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("batch", "activation_length", "heads", "head_dim"), self.mesh, self.rules)
@@ -256,21 +251,32 @@ class Attention(nnx.Module):
                residual: jax.Array, *, fused: bool) -> tuple[jax.Array, KVCache]:
         """Attention of x [B, T, H] (cache slots ``index ..``) over the cache after writing x's keys and values
         there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (``residual`` + output, updated
-        cache); ``fused``: the output projection and the sum as one call (:func:`linear_add`)."""
+        cache); ``fused`` (one device): the output projection and the sum as one call (:func:`linear_add`), and a
+        one-token step's rope, cache write and attention as one call
+        (:func:`jrl.kernels.attention.decode_attention_append`)."""
+        scale = self.config.head_dim ** -0.5
+        if fused and x.shape[1] == 1:
+            q, k, v = self._project(x)
+            cos, sin = rope_cos_sin(positions, self.config)
+            out, k_cache, v_cache = decode_attention_append(
+                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.k, cache.v, mask[:, 0], index,
+                impl=self._decode_impl(), scale=scale)
+            return linear_add(self.o_proj, out[:, None], residual, fused=True), KVCache(k_cache, v_cache)
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)
-        scale = q.shape[-1] ** -0.5
         if x.shape[1] == 1:
             out = self._attend_one(q[:, 0], cache, mask[:, 0], scale)[:, None]
         else:
             out = attend_dense(q, cache.k, cache.v, mask, scale=scale)
         return linear_add(self.o_proj, out, residual, fused=fused), cache
 
+    def _decode_impl(self) -> str:
+        return "reference" if self.config.attention == "reference" else "auto"
+
     def _attend_one(self, q: jax.Array, cache: KVCache, allowed: jax.Array, scale: float) -> jax.Array:
         """A decode step's attention; on a multi-device mesh per shard of rows and heads (``shard_map``: a
         kernel call is opaque to XLA's partitioner, which would otherwise gather the whole cache)."""
-        impl = "reference" if self.config.attention == "reference" else "auto"
-        attend = functools.partial(decode_attention, impl=impl, scale=scale)
+        attend = functools.partial(decode_attention, impl=self._decode_impl(), scale=scale)
         if self.mesh is None or self.mesh.size == 1:
             return attend(q, cache.k, cache.v, allowed)
         rules = dict(self.rules) if self.rules is not None else None
@@ -298,8 +304,17 @@ class MLP(nnx.Module):
         return self.down_proj(self._hidden(x))
 
     def add_to(self, x: jax.Array, residual: jax.Array, *, fused: bool) -> jax.Array:
-        """``residual + self(x)``; ``fused``: the down projection and the sum as one call (:func:`linear_add`)."""
-        return linear_add(self.down_proj, self._hidden(x), residual, fused=fused)
+        """``residual + self(x)``; ``fused`` (a decode step on one device): the gate and up projections with
+        SwiGLU as one call (:func:`jrl.kernels.decode_linear.matmul_swiglu`), the down projection and the sum as
+        another (:func:`linear_add`)."""
+        plain = all(type(p) is Linear and p.bias is None for p in (self.gate_proj, self.up_proj))
+        if fused and plain:
+            w_gate, w_up = (p.kernel[...].astype(p.dtype) for p in (self.gate_proj, self.up_proj))
+            hidden = matmul_swiglu(x.astype(w_gate.dtype).reshape(-1, w_gate.shape[0]), w_gate, w_up)
+            hidden = hidden.reshape(*x.shape[:-1], w_gate.shape[1])
+        else:
+            hidden = self._hidden(x)
+        return linear_add(self.down_proj, hidden, residual, fused=fused)
 
     def _hidden(self, x: jax.Array) -> jax.Array:
         return jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)

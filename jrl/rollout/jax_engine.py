@@ -10,10 +10,11 @@ row has stopped. The program depends only on the shapes (row bucket, prompt-coun
 ``max_new_tokens``), ``top_k``, whether top-p is on and the stop ids (temperature and top-p mass are runtime
 inputs), so a training run compiles once per such bucket combination.
 
-The decode step runs on :func:`jrl.models.lora.decoding_view` (layers sliced, LoRA adapters merged) and its
-attention through :func:`jrl.kernels.attention.decode_attention` (on a GPU a kernel that reads only each
-row's filled cache slots, none of a stopped row's), its output projections with their residual adds through
-:func:`jrl.kernels.decode_linear.matmul_add`.
+The decode step runs on :func:`jrl.models.lora.decoding_view` (layers sliced, LoRA adapters merged); on one
+device its rope, cache write and attention run through :func:`jrl.kernels.attention.decode_attention_append`
+(on a GPU one kernel that reads only each row's filled cache slots, none of a stopped row's), its MLP's gate and
+up projections with SwiGLU through :func:`jrl.kernels.decode_linear.matmul_swiglu` and its output projections
+with their residual adds through :func:`jrl.kernels.decode_linear.matmul_add`.
 
 Sampling semantics and the reported logprob are those of :mod:`jrl.rollout.sampling`.
 """

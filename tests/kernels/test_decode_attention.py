@@ -1,7 +1,8 @@
 """Decode attention (one query per row over a KV cache) against the dense reference on fresh random inputs:
 left padding, a partly filled cache, a row with holes (a stopped row), a single allowed slot, GQA and
-multi-head, block sizes that do not divide the cache. CPU: ``pallas_gpu`` in Pallas interpret mode. GPU
-(``-m gpu``): the compiled kernel in bf16 at a sampler's shape."""
+multi-head, block sizes that do not divide the cache; and the same step with its rope and cache write
+(``decode_attention_append``): output and both updated caches. CPU: ``pallas_gpu`` in Pallas interpret mode.
+GPU (``-m gpu``): the compiled kernels in bf16 at a sampler's shape."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.kernels.attention import decode_attention
+from jrl.kernels.attention import decode_attention, decode_attention_append
 from kernels_testlib import assert_close, rng_for
 
 
@@ -75,6 +76,63 @@ def test_shape_errors_name_the_inputs():
         decode_attention(q, k, k, jnp.ones((2, 10), bool))
     with pytest.raises(ValueError, match="allowed is for"):
         decode_attention(q, k[:, :, :2], k[:, :, :2], jnp.ones((2, 9), bool))
+
+
+def _append_inputs(rng, b, s, kv, g, d, dtype):
+    """A step at slot ``index`` = 3/4 of the cache: rows as :func:`_allowed` cut at that slot (each but row 3
+    and the last also allowing the step's slot, the last row allowing nothing), rope of random positions."""
+    index = 3 * s // 4
+    allowed = _allowed(rng, b, s)
+    allowed[:, index + 1:] = False
+    allowed[:, index] = True
+    allowed[3, :] = False
+    allowed[3, int(rng.integers(0, index))] = True
+    allowed[-1] = False
+    inv = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)
+    angles = rng.integers(0, 4 * s, (b, 1)) * inv
+    angles = np.concatenate([angles, angles], axis=1)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    return (normal(b, kv * g, d), normal(b, kv, d), normal(b, kv, d), jnp.asarray(np.cos(angles), jnp.float32),
+            jnp.asarray(np.sin(angles), jnp.float32), normal(b, s, kv, d), normal(b, s, kv, d),
+            jnp.asarray(allowed), index)
+
+
+def _assert_append_close(out, ref, dtype, what):
+    """Output (rows with an allowed slot: a row with none is unspecified), and both caches."""
+    assert out[0].shape == ref[0].shape and all(o.dtype == r.dtype for o, r in zip(out, ref))
+    assert np.isfinite(np.asarray(out[0], np.float32)).all()
+    assert_close(out[0][:-1], ref[0][:-1], dtype, f"{what}: output")
+    assert_close(out[1], ref[1], dtype, f"{what}: keys")  # rope's float32 arithmetic may round differently
+    assert_close(out[2], ref[2], dtype, f"{what}: values", tol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv,g,s,d,block_k", [(2, 4, 100, 32, 32), (3, 1, 48, 64, 16), (1, 8, 70, 32, 64)])
+def test_append_interpret_matches_reference(request, dtype, kv, g, s, d, block_k):
+    inputs = _append_inputs(rng_for(request), 6, s, kv, g, d, dtype)
+    ref = decode_attention_append(*inputs, impl="reference")
+    out = decode_attention_append(*inputs, impl="pallas_gpu", block_k=block_k, interpret=True)
+    _assert_append_close(out, ref, dtype, f"append kv={kv} g={g} s={s} d={d}")
+
+
+def test_append_unsupported_shapes_fall_back_or_name_the_reason(request):
+    q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index = _append_inputs(
+        rng_for(request), 5, 40, 2, 2, 32, jnp.float32)
+    partial = (cos[:, :16], sin[:, :16])
+    with pytest.raises(RuntimeError, match="partial rotary"):
+        decode_attention_append(q, k_new, v_new, *partial, k_cache, v_cache, allowed, index, impl="pallas_gpu")
+    auto = decode_attention_append(q, k_new, v_new, *partial, k_cache, v_cache, allowed, index)
+    ref = decode_attention_append(q, k_new, v_new, *partial, k_cache, v_cache, allowed, index, impl="reference")
+    _assert_append_close(auto, ref, jnp.float32, "auto, partial rotary")
+    with pytest.raises(ValueError, match="k_new = v_new"):
+        decode_attention_append(q, k_new[:, :1], v_new, cos, sin, k_cache, v_cache, allowed, index)
+
+
+@pytest.mark.gpu
+def test_gpu_append_kernel_matches_reference(request):
+    inputs = _append_inputs(rng_for(request), 64, 384, 8, 4, 64, jnp.bfloat16)
+    _assert_append_close(decode_attention_append(*inputs, impl="pallas_gpu"),
+                         decode_attention_append(*inputs, impl="reference"), jnp.bfloat16, "compiled append")
 
 
 @pytest.mark.gpu

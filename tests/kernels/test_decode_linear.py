@@ -1,6 +1,7 @@
-"""``residual + h @ w`` of a decode step (``jrl.kernels.decode_linear``) against the reference on fresh random
-inputs: row counts below and between Triton's 16, with and without a split contraction, float32 and bf16.
-CPU: ``pallas_gpu`` in Pallas interpret mode. GPU (``-m gpu``): the compiled kernel at a sampler's shapes."""
+"""``residual + h @ w`` and ``silu(h @ w_gate) * (h @ w_up)`` of a decode step (``jrl.kernels.decode_linear``)
+against the reference on fresh random inputs: row counts below and between Triton's 16, with and without a
+split contraction, float32 and bf16. CPU: ``pallas_gpu`` in Pallas interpret mode. GPU (``-m gpu``): the
+compiled kernels at a sampler's shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.kernels.decode_linear import matmul_add
+from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
 from jrl.kernels.decode_linear.pallas_gpu import config
 from kernels_testlib import assert_close, rng_for
 
@@ -60,3 +61,37 @@ def test_gpu_kernel_matches_reference(request, m, k, n):
                  jnp.bfloat16, "compiled product")
     assert_close(matmul_add(h, w, res, impl="pallas_gpu"), matmul_add(h, w, res, impl="reference"),
                  jnp.bfloat16, "compiled matmul_add")
+
+
+def _swiglu_inputs(rng, m, k, n, dtype):
+    h = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w_gate, w_up = (jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for _ in range(2))
+    return h, w_gate, w_up
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(5, 128, 64), (20, 256, 96), (64, 64, 32)])
+def test_swiglu_interpret_matches_reference(request, dtype, m, k, n):
+    h, w_gate, w_up = _swiglu_inputs(rng_for(request), m, k, n, dtype)
+    ref = matmul_swiglu(h, w_gate, w_up, impl="reference")
+    out = matmul_swiglu(h, w_gate, w_up, impl="pallas_gpu", block_k=32, block_n=32, interpret=True)
+    assert out.dtype == h.dtype and out.shape == (m, n)
+    assert_close(out, ref, dtype, f"matmul_swiglu m={m} k={k} n={n}")
+
+
+def test_swiglu_refuses_what_it_cannot_do():
+    h, w = jnp.ones((4, 64)), jnp.ones((64, 32))
+    with pytest.raises(ValueError, match="does not split"):
+        matmul_swiglu(h, w, w, impl="pallas_gpu", split_k=2)
+    with pytest.raises(ValueError, match=r"w_gate = w_up \[K, N\]"):
+        matmul_swiglu(h, w, w[:, :16])
+    with pytest.raises(RuntimeError, match="300 rows"):
+        matmul_swiglu(jnp.ones((300, 64)), w, w, impl="pallas_gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(64, 2048, 8192), (33, 2048, 6144), (7, 2048, 8192)])
+def test_gpu_swiglu_kernel_matches_reference(request, m, k, n):
+    h, w_gate, w_up = _swiglu_inputs(rng_for(request), m, k, n, jnp.bfloat16)
+    assert_close(matmul_swiglu(h, w_gate, w_up, impl="pallas_gpu"), matmul_swiglu(h, w_gate, w_up, impl="reference"),
+                 jnp.bfloat16, "compiled matmul_swiglu")

@@ -30,27 +30,23 @@ def unavailable_reason() -> str | None:
     return None  # compiled on an NVIDIA GPU, in interpret mode elsewhere
 
 
-def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float, block_k: int, slots: int,
-            group: int):
-    """One (row, KV head): q_ref / o_ref [N, D] (this row's heads; the program's ``group`` of them start at
-    ``head * group``), k_ref / v_ref [S, D], allowed_ref [S] int8, bounds_ref [2] int32 = (first, last + 1)
-    allowed slot of this row."""
-    heads = pl.ds(pl.program_id(1) * group, _MIN_ROWS)
-    row_ok = (jnp.arange(_MIN_ROWS) < group)[:, None]
-    q = plgpu.load(q_ref.at[heads, :], mask=row_ok, other=0.0)
-    lo, hi = bounds_ref[0], bounds_ref[1]
+def _attend_blocks(q_parts, k_ref, v_ref, allowed_ref, lo, hi, *, scale: float, block_k: int):
+    """Online softmax of one (row, KV head) over the cache blocks holding slots [lo, hi) (slots outside, and
+    slots not ``allowed``, get no weight and are not read). ``q_parts``: (queries [16, d], column slice) pairs
+    whose products with the same columns of K add up to the scores (the whole head, or rope's two halves).
+    Returns the unnormalised (acc [16, D], running max [16], running sum [16]) in float32."""
     offsets = jnp.arange(block_k)
-    exact = False if q.dtype == jnp.float32 else None  # float32 inputs: no TF32 rounding in the products
+    exact = False if q_parts[0][0].dtype == jnp.float32 else None  # float32: no TF32 rounding in the products
 
     def body(j, carry):
         acc, m, l = carry
         idx = j * block_k + offsets
-        in_cache = idx < slots
+        in_range = (idx >= lo) & (idx < hi)
         window = pl.ds(j * block_k, block_k)
-        k = plgpu.load(k_ref.at[window, :], mask=in_cache[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[window, :], mask=in_cache[:, None], other=0.0)
-        ok = (plgpu.load(allowed_ref.at[window], mask=in_cache, other=0) != 0) & (idx >= lo) & (idx < hi)
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact) * scale  # [16, block_k] float32
+        v = plgpu.load(v_ref.at[window, :], mask=in_range[:, None], other=0.0)
+        ok = (plgpu.load(allowed_ref.at[window], mask=in_range, other=0) != 0) & in_range
+        s = sum(plgpu.dot(q, plgpu.load(k_ref.at[window, cols], mask=in_range[:, None], other=0.0),
+                          trans_b=True, allow_tf32=exact) for q, cols in q_parts) * scale  # [16, block_k]
         s = jnp.where(ok[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -58,12 +54,74 @@ def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    d = q_ref.shape[1]
+    d = v_ref.shape[1]
     init = (jnp.zeros((_MIN_ROWS, d), jnp.float32), jnp.full((_MIN_ROWS,), _MASKED, jnp.float32),
             jnp.zeros((_MIN_ROWS,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, init)
+    return jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, init)
+
+
+def _store_normalised(o_ref, heads, row_ok, acc, l):
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row with no allowed slot: zeros
     plgpu.store(o_ref.at[heads, :], out.astype(o_ref.dtype), mask=row_ok)
+
+
+def _heads(group: int):
+    """The program's query heads (``group`` of them from ``head * group``, padded to Triton's 16 rows)."""
+    return pl.ds(pl.program_id(1) * group, _MIN_ROWS), (jnp.arange(_MIN_ROWS) < group)[:, None]
+
+
+def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float, block_k: int, group: int):
+    """One (row, KV head): q_ref / o_ref [N, D] (this row's heads), k_ref / v_ref [S, D], allowed_ref [S] int8,
+    bounds_ref [2] int32 = (first, last + 1) allowed slot of this row."""
+    heads, row_ok = _heads(group)
+    q = plgpu.load(q_ref.at[heads, :], mask=row_ok, other=0.0)
+    acc, _, l = _attend_blocks([(q, slice(None))], k_ref, v_ref, allowed_ref, bounds_ref[0], bounds_ref[1],
+                               scale=scale, block_k=block_k)
+    _store_normalised(o_ref, heads, row_ok, acc, l)
+
+
+def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_ref, o_ref, ko_ref, vo_ref, *,
+                   scale: float, block_k: int, group: int):
+    """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's
+    queries, then the step's keys, then its values; one array, so that XLA hands over its fused q/k/v
+    projection's output without slicing it into copies), o_ref [N, D], cos_ref / sin_ref [D], k_ref / v_ref
+    (and their aliases ko_ref / vo_ref) [S, D], allowed_ref [S] int8, bounds_ref [4] int32 = (first allowed
+    slot, one past the last allowed slot before the step's, the step's slot, whether that slot is allowed).
+    The cache is read before the step's slot only; the step's key and value enter the softmax from registers
+    and are written last."""
+    heads, row_ok = _heads(group)
+    n = o_ref.shape[0]
+    kv_heads = (qkv_ref.shape[0] - n) // 2
+    half = qkv_ref.shape[1] // 2
+    lo_cols, hi_cols = pl.ds(0, half), pl.ds(half, half)
+    cos, sin = cos_ref[lo_cols], sin_ref[lo_cols]  # the two halves of rotate_half's cos / sin are equal
+
+    def rotate(x1, x2, dtype):  # rope in float32, rounded as the reference rounds it
+        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+    dtype = qkv_ref.dtype
+    q1, q2 = rotate(plgpu.load(qkv_ref.at[heads, lo_cols], mask=row_ok, other=0.0),
+                    plgpu.load(qkv_ref.at[heads, hi_cols], mask=row_ok, other=0.0), dtype)
+    key = pl.ds(n + pl.program_id(1), 1)
+    k1, k2 = rotate(qkv_ref[key, lo_cols], qkv_ref[key, hi_cols], dtype)  # [1, D / 2] each
+    k1, k2 = k1.astype(ko_ref.dtype), k2.astype(ko_ref.dtype)
+    v_new = qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :].astype(vo_ref.dtype)  # [1, D]
+    acc, m, l = _attend_blocks([(q1, lo_cols), (q2, hi_cols)], k_ref, v_ref, allowed_ref, bounds_ref[0],
+                               bounds_ref[1], scale=scale, block_k=block_k)
+    f32 = jnp.float32
+    s = jnp.sum(q1.astype(f32) * k1.astype(f32) + q2.astype(f32) * k2.astype(f32), axis=1)
+    s = jnp.where(bounds_ref[3] != 0, s * scale, _MASKED)
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(bounds_ref[3] != 0, jnp.exp(s - m_new), 0.0)
+    p_rounded = p.astype(v_new.dtype).astype(f32)  # as the loop's probabilities before their product with V
+    acc = acc * alpha[:, None] + p_rounded[:, None] * v_new.astype(f32)
+    _store_normalised(o_ref, heads, row_ok, acc, l * alpha + p)
+    slot = pl.ds(bounds_ref[2], 1)
+    plgpu.store(ko_ref.at[slot, lo_cols], k1)
+    plgpu.store(ko_ref.at[slot, hi_cols], k2)
+    plgpu.store(vo_ref.at[slot, :], v_new)
 
 
 def _bounds(allowed: jax.Array) -> jax.Array:
@@ -85,6 +143,29 @@ def call_unsupported(q: jax.Array, k: jax.Array) -> str | None:
     return None
 
 
+def call_unsupported_append(q: jax.Array, k: jax.Array, cos: jax.Array) -> str | None:
+    """Why this call cannot use the kernel with the step's rope and cache write (None when it can)."""
+    d = q.shape[2]
+    if cos.shape[-1] != d:
+        return f"partial rotary ({cos.shape[-1]} of head_dim {d} rotate)"
+    if d < 32:
+        return f"head_dim {d} (rope's halves need at least 16 columns)"
+    return call_unsupported(q, k)
+
+
+def _params(num_warps: int, num_stages: int, interpret: bool | None) -> dict:
+    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                interpret=interpret)
+
+
+def _row_head_specs(n: int, s: int, d: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
+    """Block specs of a (row, KV head) program: its row's queries [N, D], its head's cache [S, D], its row's
+    allowed slots [S]."""
+    return (pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0)), pl.BlockSpec((None, s, None, d), lambda i, h: (i, 0, h, 0)),
+            pl.BlockSpec((None, s), lambda i, h: (i, 0)))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_warps", "num_stages", "interpret"))
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, scale: float,
                      block_k: int = 64, num_warps: int = 2, num_stages: int = 2,
@@ -94,21 +175,42 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     program of the step to be resident at once."""
     b, n, d = q.shape
     s, kv = k.shape[1], k.shape[2]
-    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
-    kernel = functools.partial(_kernel, scale=scale, block_k=block_k, slots=s, group=n // kv)
+    queries, cache, slots = _row_head_specs(n, s, d)
     return pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, scale=scale, block_k=block_k, group=n // kv),
         grid=(b, kv),
-        in_specs=[
-            pl.BlockSpec((None, 2), lambda i, h: (i, 0)),
-            pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, h: (i, 0, h, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, h: (i, 0, h, 0)),
-            pl.BlockSpec((None, s), lambda i, h: (i, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0)),
+        in_specs=[pl.BlockSpec((None, 2), lambda i, h: (i, 0)), queries, cache, cache, slots],
+        out_specs=queries,
         out_shape=jax.ShapeDtypeStruct((b, n, d), v.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="jrl_decode_attention",
+        name="jrl_decode_attention", **_params(num_warps, num_stages, interpret),
     )(_bounds(allowed), q, k, v, allowed.astype(jnp.int8))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_warps", "num_stages", "interpret"))
+def decode_attention_append(q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index, *, scale: float,
+                            block_k: int = 64, num_warps: int = 2, num_stages: int = 2,
+                            interpret: bool | None = None):
+    """See :func:`jrl.kernels.attention.api.decode_attention_append`: the step's rope, its cache write and the
+    attention in one kernel (inside a jitted decoding loop the caches are updated in place). Blocks as :func:`decode_attention`."""
+    b, n, d = q.shape
+    s, kv = k_cache.shape[1], k_cache.shape[2]
+    index = jnp.asarray(index, jnp.int32)
+    bounds = _bounds(allowed)
+    new_ok = jax.lax.dynamic_index_in_dim(allowed, index, axis=1, keepdims=False)
+    bounds = jnp.stack([bounds[:, 0], jnp.minimum(bounds[:, 1], index), jnp.broadcast_to(index, (b,)),
+                        new_ok.astype(jnp.int32)], axis=1)
+    queries, cache, slots = _row_head_specs(n, s, d)
+    rope = pl.BlockSpec((None, d), lambda i, h: (i, 0))
+    # q, k and v usually are slices of one fused projection's output: concatenated back, XLA passes that output
+    qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
+    return pl.pallas_call(
+        functools.partial(_append_kernel, scale=scale, block_k=block_k, group=n // kv),
+        grid=(b, kv),
+        in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)), pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)),
+                  rope, rope, cache, cache, slots],
+        out_specs=[queries, cache, cache],
+        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_cache.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={4: 1, 5: 2},
+        name="jrl_decode_attention_append", **_params(num_warps, num_stages, interpret),
+    )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))

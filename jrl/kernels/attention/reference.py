@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl.kernels.attention.mask import AttentionMask
+from jrl.kernels.attention.rope import apply_rope
 
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -35,3 +36,16 @@ def attention(q, k, v, mask: AttentionMask, *, scale: float) -> jax.Array:
 def decode_attention(q, k, v, allowed, *, scale: float) -> jax.Array:
     """One query per row: ``q`` [B, N, D] over ``k``/``v`` [B, S, K, D] where ``allowed`` [B, S]."""
     return attend_dense(q[:, None], k, v, allowed[:, None], scale=scale)[:, 0]
+
+
+def decode_attention_append(q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index, *, scale: float):
+    """A decode step's attention with its rope and cache write: q [B, N, D] and k_new [B, K, D] rotated by
+    cos / sin [B, R]; k_new (rotated) and v_new [B, K, D] stored at slot ``index`` of k_cache / v_cache
+    [B, S, K, D]; q attends over the ``allowed`` [B, S] slots of the updated cache. Returns (output [B, N, D],
+    k_cache, v_cache)."""
+    q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+    k_new = apply_rope(k_new[:, None], cos[:, None], sin[:, None])
+    start = (0, index, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v_new[:, None].astype(v_cache.dtype), start)
+    return decode_attention(q, k_cache, v_cache, allowed, scale=scale), k_cache, v_cache

@@ -1,9 +1,11 @@
-"""Decode-step matmul dispatcher: ``residual + h @ w`` for a few rows.
+"""Decode-step matmul dispatcher: ``residual + h @ w`` (:func:`matmul_add`) and ``silu(h @ w_gate) * (h @
+w_up)`` (:func:`matmul_swiglu`) for a few rows.
 
 | name         | where                                  | what                                                   |
 |--------------|----------------------------------------|--------------------------------------------------------|
-| `reference`  | anywhere                               | XLA's matmul, then the add (the truth)                 |
-| `pallas_gpu` | NVIDIA GPU (interpret mode elsewhere)  | one Triton kernel: split-K matmul with the add fused   |
+| `reference`  | anywhere                               | XLA's matmuls, then the add / SwiGLU (the truth)       |
+| `pallas_gpu` | NVIDIA GPU (interpret mode elsewhere)  | one Triton kernel: split-K matmul with the add fused;  |
+|              |                                        | both matmuls with SwiGLU fused                         |
 
 ``impl="auto"`` order: GPU: pallas_gpu (at most :data:`pallas_gpu.MAX_ROWS` rows, block-divisible sizes),
 reference. Elsewhere: reference.
@@ -40,3 +42,21 @@ def matmul_add(h: jax.Array, w: jax.Array, residual: jax.Array, *, impl: str = "
     config = (tuple(h.shape), tuple(w.shape), str(h.dtype))
     name, mod = _dispatch.select("matmul_add", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.matmul_add(h, w, residual, **(kwargs if name != "reference" else {}))
+
+
+def matmul_swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, impl: str = "auto", **kwargs) -> jax.Array:
+    """``silu(h @ w_gate) * (h @ w_up)``: h [M, K], w_gate = w_up [K, N] -> [M, N] in h's dtype (each product and
+    silu rounded to it, as the MLP computes them). ``kwargs`` as :func:`matmul_add` (no ``split_k``)."""
+    if h.ndim != 2 or w_gate.ndim != 2 or h.shape[1] != w_gate.shape[0] or w_up.shape != w_gate.shape:
+        raise ValueError(f"matmul_swiglu needs h [M, K], w_gate = w_up [K, N]; got {h.shape}, {w_gate.shape}, "
+                         f"{w_up.shape}")
+    blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
+
+    def call_check(name: str) -> str | None:
+        if name != "pallas_gpu":
+            return None
+        return IMPLS[name].load().call_unsupported(h.shape[0], *w_gate.shape, weights=2, **blocks)
+
+    config = ("swiglu", tuple(h.shape), tuple(w_gate.shape), str(h.dtype))
+    name, mod = _dispatch.select("matmul_swiglu", IMPLS, ORDER, impl, config=config, call_check=call_check)
+    return mod.matmul_swiglu(h, w_gate, w_up, **(kwargs if name != "reference" else {}))

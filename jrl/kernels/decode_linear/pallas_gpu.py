@@ -1,16 +1,18 @@
-"""``residual + h @ w`` for a decode step's few rows as a Pallas (Triton backend) kernel for NVIDIA GPUs.
+"""A decode step's projections for a few rows as Pallas (Triton backend) kernels for NVIDIA GPUs.
 
 In a decode step a few rows (M <= :data:`MAX_ROWS`) meet every weight once, so the matmul is bound by
 reading the weight. XLA runs an output projection and the residual add after it as a split-K GEMM, a
-reduction kernel and an add kernel; here the contraction is split over ``split_k`` programs per block of
-``block_n`` output columns (enough programs to pull the weight from memory when the output is narrow), each
-writing float32 partial sums; without a split the add is in the kernel, with one the partial sums and the
-residual are added by one XLA kernel. Off GPU it runs in Pallas interpret mode (the tests compare it with
-:mod:`.reference`).
+reduction kernel and an add kernel; :func:`matmul_add` splits the contraction over ``split_k`` programs per
+block of ``block_n`` output columns (enough programs to pull the weight from memory when the output is
+narrow), each writing float32 partial sums; without a split the add is in the kernel, with one the partial
+sums and the residual are added by one XLA kernel. :func:`matmul_swiglu` is the MLP's gate and up
+projections with SwiGLU applied to the two products in the kernel (XLA: one GEMM, then an elementwise
+kernel that reads both products back). Off GPU both run in Pallas interpret mode (the tests compare them
+with :mod:`.reference`).
 
-Kernels that also fused the RMSNorm before a projection (and SwiGLU after the gate / up projections) were
-measured slower than XLA's GEMM after its norm kernel on an H100 (``benchmarks/RESULTS.md``): the prologue
-between the loads and the matrix product costs more than the kernel it saves.
+Kernels that also fused the RMSNorm before a projection were measured slower than XLA's GEMM after its norm
+kernel on an H100 (``benchmarks/RESULTS.md``): the prologue between the loads and the matrix product costs
+more than the kernel it saves.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ MAX_ROWS = 64
 """Above this many rows XLA's GEMM and add are as fast or faster (H100: equal at 256 rows for the 1B attention
 output, 1.45x faster for its down projection, `benchmarks/RESULTS.md`); the dispatcher uses them."""
 DEFAULTS = dict(split_k=2, block_k=256, block_n=32, num_warps=4, num_stages=4)
-"""Block configuration (``benchmarks/decode_linear.py --sweep`` on an H100: best for both the attention
-output and the MLP down projection of the 1B shape at 64 rows)."""
+"""Block configuration of :func:`matmul_add` (``benchmarks/decode_linear.py --sweep`` on an H100: best for
+both the attention output and the MLP down projection of the 1B shape at 64 rows)."""
+SWIGLU_DEFAULTS = dict(split_k=1, block_k=64, block_n=64, num_warps=4, num_stages=4)
+"""Block configuration of :func:`matmul_swiglu` (``benchmarks/decode_linear.py --ops gate_up --sweep`` on an
+H100, 1B shape at 64 rows; no split: the MLP is wide enough to give every SM programs)."""
 SHARED_MEMORY = 220 * 1024
 """Bytes of shared memory a program may ask for (an H100 SM has 227 KiB): the pipeline's stages of the h and
 weight blocks."""
@@ -43,22 +48,23 @@ def _rows(m: int) -> int:
     return max(MIN_ROWS, 1 << (m - 1).bit_length())
 
 
-def config(rows: int, k: int, n: int, **overrides) -> dict:
-    """The block configuration for ``rows`` x ``k`` times ``k`` x ``n``: :data:`DEFAULTS` updated by
-    ``overrides``, blocks no larger than the matrix, no more splits than contraction blocks, and (unless
-    given) the contraction block halved, down to 32, while the pipeline's buffers exceed :data:`SHARED_MEMORY`."""
-    c = {**DEFAULTS, **overrides}
+def config(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> dict:
+    """The block configuration for ``rows`` x ``k`` times ``weights`` matrices ``k`` x ``n``: the defaults
+    (:data:`DEFAULTS`, with two weights :data:`SWIGLU_DEFAULTS`) updated by ``overrides``, blocks no larger
+    than the matrix, no more splits than contraction blocks, and (unless given) the contraction block halved,
+    down to 32, while the pipeline's buffers exceed :data:`SHARED_MEMORY`."""
+    c = {**(DEFAULTS if weights == 1 else SWIGLU_DEFAULTS), **overrides}
     c["block_k"], c["block_n"] = min(c["block_k"], k), min(c["block_n"], n)
     c["split_k"] = max(1, min(c["split_k"], k // c["block_k"]))
     while ("block_k" not in overrides and c["block_k"] > 32
-           and 2 * c["num_stages"] * c["block_k"] * (_rows(rows) + c["block_n"]) > SHARED_MEMORY):
+           and 2 * c["num_stages"] * c["block_k"] * (_rows(rows) + weights * c["block_n"]) > SHARED_MEMORY):
         c["block_k"] //= 2
     return c
 
 
-def call_unsupported(rows: int, k: int, n: int, **overrides) -> str | None:
+def call_unsupported(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> str | None:
     """Why a call with these sizes cannot use the kernel (None when it can)."""
-    c = config(rows, k, n, **overrides)
+    c = config(rows, k, n, weights=weights, **overrides)
     if rows > MAX_ROWS:
         return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
     if k % (c["block_k"] * c["split_k"]) or n % c["block_n"]:
@@ -119,3 +125,50 @@ def _matmul_add(h, w, residual, *, split_k, block_k, block_n, num_warps, num_sta
         out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32), **common,
     )(h, w)
     return residual + partial[:, :rows].sum(axis=0).astype(h.dtype).astype(residual.dtype)
+
+
+def _swiglu_kernel(h_ref, wg_ref, wu_ref, o_ref, *, block_k: int):
+    """h_ref [M, K], wg_ref / wu_ref [K, block_n], o_ref [M, block_n]: silu(h @ wg) * (h @ wu)."""
+    rows, k = h_ref.shape
+    dtype = h_ref.dtype
+    exact = False if dtype == jnp.float32 else None
+
+    def body(j, acc):
+        cols = pl.ds(j * block_k, block_k)
+        h = h_ref[:, cols]
+        return (acc[0] + plgpu.dot(h, wg_ref[cols, :].astype(dtype), allow_tf32=exact),
+                acc[1] + plgpu.dot(h, wu_ref[cols, :].astype(dtype), allow_tf32=exact))
+
+    zeros = jnp.zeros((rows, o_ref.shape[-1]), jnp.float32)
+    g, u = jax.lax.fori_loop(0, k // block_k, body, (zeros, zeros))
+    # rounded as the reference: each product, silu(gate) and the result in h's dtype
+    g, u = g.astype(dtype).astype(jnp.float32), u.astype(dtype).astype(jnp.float32)
+    silu = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(jnp.float32)
+    o_ref[...] = (silu * u).astype(o_ref.dtype)
+
+
+def matmul_swiglu(h, w_gate, w_up, *, interpret: bool | None = None, **overrides):
+    """See :func:`jrl.kernels.decode_linear.api.matmul_swiglu`; ``overrides``: block configuration."""
+    if overrides.get("split_k", 1) != 1:
+        raise ValueError(f"matmul_swiglu does not split the contraction; got split_k={overrides['split_k']}")
+    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    c = config(h.shape[0], *w_gate.shape, weights=2, **overrides)
+    return _matmul_swiglu(h, w_gate, w_up, interpret=interpret,
+                          **{k: v for k, v in c.items() if k != "split_k"})
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_warps", "num_stages", "interpret"))
+def _matmul_swiglu(h, w_gate, w_up, *, block_k, block_n, num_warps, num_stages, interpret):
+    rows = h.shape[0]
+    m = _rows(rows)
+    k, n = w_gate.shape
+    weight = pl.BlockSpec((k, block_n), lambda j: (0, j))
+    return pl.pallas_call(
+        functools.partial(_swiglu_kernel, block_k=block_k),
+        grid=(n // block_n,),
+        in_specs=[pl.BlockSpec((m, k), lambda j: (0, 0)), weight, weight],
+        out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), h.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="jrl_matmul_swiglu",
+    )(jnp.pad(h, ((0, m - rows), (0, 0))), w_gate, w_up)[:rows]

@@ -1,4 +1,4 @@
-"""Pure-JAX reference of the decode-step matmul: the decoder layer's own two ops (the truth the kernel is
+"""Pure-JAX reference of the decode-step matmuls: the decoder layer's own ops (the truth the kernels are
 tested against, and what runs where no kernel does)."""
 
 from __future__ import annotations
@@ -9,3 +9,8 @@ import jax
 def matmul_add(h: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:
     # as ``jrl.models.layers.Linear`` then the residual add: the product in h's dtype, then the sum
     return residual + jax.lax.dot(h, w.astype(h.dtype)).astype(residual.dtype)
+
+
+def matmul_swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    # as ``jrl.models.layers.MLP``'s hidden activation: silu(h @ w_gate) * (h @ w_up), all in h's dtype
+    return jax.nn.silu(jax.lax.dot(h, w_gate.astype(h.dtype))) * jax.lax.dot(h, w_up.astype(h.dtype))

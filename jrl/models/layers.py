@@ -256,11 +256,10 @@ class Attention(nnx.Module):
         (:func:`jrl.kernels.attention.decode_attention_append`)."""
         scale = self.config.head_dim ** -0.5
         if fused and x.shape[1] == 1:
-            q, k, v = self._project(x)
+            qkv = jnp.concatenate(self._project(x), axis=-2)[:, 0]  # [B, N + 2K, D]
             cos, sin = rope_cos_sin(positions, self.config)
-            out, k_cache, v_cache = decode_attention_append(
-                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.k, cache.v, mask[:, 0], index,
-                impl=self._decode_impl(), scale=scale)
+            out, k_cache, v_cache = decode_attention_append(qkv, cos[:, 0], sin[:, 0], cache.k, cache.v, mask[:, 0],
+                                                            index, impl=self._decode_impl(), scale=scale)
             return linear_add(self.o_proj, out[:, None], residual, fused=True), KVCache(k_cache, v_cache)
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)

@@ -92,7 +92,7 @@ def _append_inputs(rng, b, s, kv, g, d, dtype):
     angles = rng.integers(0, 4 * s, (b, 1)) * inv
     angles = np.concatenate([angles, angles], axis=1)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
-    return (normal(b, kv * g, d), normal(b, kv, d), normal(b, kv, d), jnp.asarray(np.cos(angles), jnp.float32),
+    return (normal(b, kv * g + 2 * kv, d), jnp.asarray(np.cos(angles), jnp.float32),
             jnp.asarray(np.sin(angles), jnp.float32), normal(b, s, kv, d), normal(b, s, kv, d),
             jnp.asarray(allowed), index)
 
@@ -116,16 +116,15 @@ def test_append_interpret_matches_reference(request, dtype, kv, g, s, d, block_k
 
 
 def test_append_unsupported_shapes_fall_back_or_name_the_reason(request):
-    q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index = _append_inputs(
-        rng_for(request), 5, 40, 2, 2, 32, jnp.float32)
+    qkv, cos, sin, k_cache, v_cache, allowed, index = _append_inputs(rng_for(request), 5, 40, 2, 2, 32, jnp.float32)
     partial = (cos[:, :16], sin[:, :16])
     with pytest.raises(RuntimeError, match="partial rotary"):
-        decode_attention_append(q, k_new, v_new, *partial, k_cache, v_cache, allowed, index, impl="pallas_gpu")
-    auto = decode_attention_append(q, k_new, v_new, *partial, k_cache, v_cache, allowed, index)
-    ref = decode_attention_append(q, k_new, v_new, *partial, k_cache, v_cache, allowed, index, impl="reference")
+        decode_attention_append(qkv, *partial, k_cache, v_cache, allowed, index, impl="pallas_gpu")
+    auto = decode_attention_append(qkv, *partial, k_cache, v_cache, allowed, index)
+    ref = decode_attention_append(qkv, *partial, k_cache, v_cache, allowed, index, impl="reference")
     _assert_append_close(auto, ref, jnp.float32, "auto, partial rotary")
-    with pytest.raises(ValueError, match="k_new = v_new"):
-        decode_attention_append(q, k_new[:, :1], v_new, cos, sin, k_cache, v_cache, allowed, index)
+    with pytest.raises(ValueError, match=r"qkv \[B, N \+ 2K, D\]"):
+        decode_attention_append(qkv[:, :5], cos, sin, k_cache, v_cache, allowed, index)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,9 @@ CONFIGS = {
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                             num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=3,
                             max_position_embeddings=256, initializer_range=0.3, pad_token_id=PAD),
+    "qwen2_bias": dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, qkv_bias=True, max_position_embeddings=256,
+                       initializer_range=0.3, pad_token_id=PAD),
 }
 
 

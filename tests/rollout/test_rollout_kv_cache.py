@@ -2,18 +2,23 @@
 prompts of different lengths) and greedy generations of the engine against re-running the full forward."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from rollout_testlib import PAD, greedy_by_full_forward, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
 
 
-@pytest.mark.parametrize("kind", ["llama", "moe", "mixtral_sliding"])
+@pytest.mark.parametrize("kind", ["llama", "moe", "mixtral_sliding", "qwen2_bias"])
 def test_decode_logits_match_full_forward(kind):
     model = tiny_model(kind, seed=1)
     rng = np.random.default_rng(0)
+    for path, bias in nnx.iter_graph(model):  # q/k/v biases start at zero: make them count
+        if path and path[-1] == "bias" and isinstance(bias, nnx.Param):
+            bias.set_value(jnp.asarray(rng.standard_normal(bias.shape), bias.dtype))
     lengths, lp, t = [5, 2, 7], 8, 6
     prompts = random_prompts(rng, lengths)
     completion = rng.integers(1, model.config.vocab_size, size=(len(prompts), t)).astype(np.int32)

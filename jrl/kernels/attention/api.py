@@ -22,7 +22,7 @@ configuration on the ``jrl.kernels`` logger.
 ``impl="auto"`` order: GPU: pallas_gpu, reference. Elsewhere: reference.
 
 :func:`decode_attention_append` is the same step with the step's own rope and cache write folded in (same
-implementations; the kernel rotates the query and the new key, stores the new key and value in the cache in
+implementations; the kernel rotates the queries and the new keys, stores the new keys and values in the cache in
 place, and reads the cache only before the step's slot).
 """
 
@@ -132,14 +132,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     return mod.decode_attention(q, k, v, allowed, scale=scale, **kwargs)
 
 
-def decode_attention_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cos: jax.Array, sin: jax.Array,
-                            k_cache: jax.Array, v_cache: jax.Array, allowed: jax.Array, index: jax.Array | int, *,
-                            impl: str = "auto", scale: float | None = None,
-                            **kwargs) -> tuple[jax.Array, jax.Array, jax.Array]:
+def decode_attention_append(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                            allowed: jax.Array, index: jax.Array | int, *, impl: str = "auto",
+                            scale: float | None = None, **kwargs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's attention including the step's rope and KV-cache write.
 
     Args:
-      q: [B, N, D] queries and k_new, v_new: [B, K, D] the step's keys and values, before rope.
+      qkv: [B, N + 2K, D] the step's queries (N heads), keys and values (K heads each), in that order, before
+        rope: one array, so that a fused q/k/v projection's output is handed over without being sliced.
       cos, sin: [B, R] the rope of each row's position (R <= D; "rotate_half" layout, see
         :func:`jrl.kernels.attention.rope.apply_rope`).
       k_cache, v_cache: [B, S, K, D] the cache (rope applied), N % K == 0.
@@ -150,23 +150,24 @@ def decode_attention_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, co
     Returns:
       (output [B, N, D] in the cache's dtype, k_cache, v_cache with slot ``index`` written).
     """
-    b, n, d = q.shape
-    kv = k_cache.shape[2] if k_cache.ndim == 4 else 0
-    if (k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d
-            or n % kv or k_new.shape != (b, kv, d) or v_new.shape != k_new.shape):
-        raise ValueError(f"decode_attention_append needs q [B, N, D], k_new = v_new [B, K, D] and k_cache = v_cache "
-                         f"[B, S, K, D] with N % K == 0; got {q.shape}, {k_new.shape}, {v_new.shape}, "
-                         f"{k_cache.shape}, {v_cache.shape}")
-    if allowed.shape != (b, k_cache.shape[1]) or cos.shape != sin.shape or cos.shape[0] != b or cos.shape[1] > d:
-        raise ValueError(f"allowed must be [B, S] = {(b, k_cache.shape[1])} and cos = sin [B, R <= D]; got "
-                         f"{allowed.shape}, {cos.shape}, {sin.shape}")
+    b, s, kv, d = k_cache.shape if k_cache.ndim == 4 else (0, 0, 0, 0)
+    n = qkv.shape[1] - 2 * kv if qkv.ndim == 3 else 0
+    if (k_cache.ndim != 4 or k_cache.shape != v_cache.shape or qkv.ndim != 3 or qkv.shape[0] != b
+            or qkv.shape[2] != d or n <= 0 or n % kv):
+        raise ValueError(f"decode_attention_append needs qkv [B, N + 2K, D] and k_cache = v_cache [B, S, K, D] with "
+                         f"N % K == 0; got {qkv.shape}, {k_cache.shape}, {v_cache.shape}")
+    if allowed.shape != (b, s) or cos.shape != sin.shape or cos.shape[0] != b or cos.shape[1] > d:
+        raise ValueError(f"allowed must be [B, S] = {(b, s)} and cos = sin [B, R <= D]; got {allowed.shape}, "
+                         f"{cos.shape}, {sin.shape}")
     scale = d ** -0.5 if scale is None else float(scale)
-    config = ("append", tuple(q.shape), tuple(k_cache.shape), str(q.dtype), cos.shape[1])
+    queries = jax.ShapeDtypeStruct((b, n, d), qkv.dtype)
+    config = ("append", tuple(qkv.shape), tuple(k_cache.shape), str(qkv.dtype), cos.shape[1])
 
     def call_check(name: str) -> str | None:
-        return DECODE_IMPLS[name].load().call_unsupported_append(q, k_cache, cos) if name == "pallas_gpu" else None
+        if name != "pallas_gpu":
+            return None
+        return DECODE_IMPLS[name].load().call_unsupported_append(queries, k_cache, cos)
 
     _, mod = _dispatch.select("decode_attention_append", DECODE_IMPLS, DECODE_ORDER, impl, config=config,
                               call_check=call_check)
-    return mod.decode_attention_append(q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index, scale=scale,
-                                       **kwargs)
+    return mod.decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, scale=scale, **kwargs)

@@ -83,8 +83,7 @@ def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float
 def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_ref, o_ref, ko_ref, vo_ref, *,
                    scale: float, block_k: int, group: int):
     """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's
-    queries, then the step's keys, then its values; one array, so that XLA hands over its fused q/k/v
-    projection's output without slicing it into copies), o_ref [N, D], cos_ref / sin_ref [D], k_ref / v_ref
+    queries, then the step's keys, then its values), o_ref [N, D], cos_ref / sin_ref [D], k_ref / v_ref
     (and their aliases ko_ref / vo_ref) [S, D], allowed_ref [S] int8, bounds_ref [4] int32 = (first allowed
     slot, one past the last allowed slot before the step's, the step's slot, whether that slot is allowed).
     The cache is read before the step's slot only; the step's key and value enter the softmax from registers
@@ -144,7 +143,8 @@ def call_unsupported(q: jax.Array, k: jax.Array) -> str | None:
 
 
 def call_unsupported_append(q: jax.Array, k: jax.Array, cos: jax.Array) -> str | None:
-    """Why this call cannot use the kernel with the step's rope and cache write (None when it can)."""
+    """Why this call cannot use the kernel with the step's rope and cache write (None when it can); ``q``
+    [B, N, D] stands for the queries' shape."""
     d = q.shape[2]
     if cos.shape[-1] != d:
         return f"partial rotary ({cos.shape[-1]} of head_dim {d} rotate)"
@@ -187,13 +187,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_warps", "num_stages", "interpret"))
-def decode_attention_append(q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index, *, scale: float,
-                            block_k: int = 64, num_warps: int = 2, num_stages: int = 2,
-                            interpret: bool | None = None):
+def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, scale: float, block_k: int = 64,
+                            num_warps: int = 2, num_stages: int = 2, interpret: bool | None = None):
     """See :func:`jrl.kernels.attention.api.decode_attention_append`: the step's rope, its cache write and the
-    attention in one kernel (inside a jitted decoding loop the caches are updated in place). Blocks as :func:`decode_attention`."""
-    b, n, d = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    attention in one kernel (inside a jitted decoding loop the caches are updated in place). Blocks as
+    :func:`decode_attention`."""
+    b, s, kv, d = k_cache.shape
+    n = qkv.shape[1] - 2 * kv
     index = jnp.asarray(index, jnp.int32)
     bounds = _bounds(allowed)
     new_ok = jax.lax.dynamic_index_in_dim(allowed, index, axis=1, keepdims=False)
@@ -201,16 +201,14 @@ def decode_attention_append(q, k_new, v_new, cos, sin, k_cache, v_cache, allowed
                         new_ok.astype(jnp.int32)], axis=1)
     queries, cache, slots = _row_head_specs(n, s, d)
     rope = pl.BlockSpec((None, d), lambda i, h: (i, 0))
-    # q, k and v usually are slices of one fused projection's output: concatenated back, XLA passes that output
-    qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
     return pl.pallas_call(
         functools.partial(_append_kernel, scale=scale, block_k=block_k, group=n // kv),
         grid=(b, kv),
-        in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)), pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)),
-                  rope, rope, cache, cache, slots],
+        in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
+                  pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)), rope, rope, cache, cache, slots],
         out_specs=[queries, cache, cache],
-        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_cache.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_cache.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
         input_output_aliases={4: 1, 5: 2},
         name="jrl_decode_attention_append", **_params(num_warps, num_stages, interpret),
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))

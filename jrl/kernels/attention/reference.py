@@ -38,11 +38,14 @@ def decode_attention(q, k, v, allowed, *, scale: float) -> jax.Array:
     return attend_dense(q[:, None], k, v, allowed[:, None], scale=scale)[:, 0]
 
 
-def decode_attention_append(q, k_new, v_new, cos, sin, k_cache, v_cache, allowed, index, *, scale: float):
-    """A decode step's attention with its rope and cache write: q [B, N, D] and k_new [B, K, D] rotated by
-    cos / sin [B, R]; k_new (rotated) and v_new [B, K, D] stored at slot ``index`` of k_cache / v_cache
-    [B, S, K, D]; q attends over the ``allowed`` [B, S] slots of the updated cache. Returns (output [B, N, D],
-    k_cache, v_cache)."""
+def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, scale: float):
+    """A decode step's attention with its rope and cache write: of ``qkv`` [B, N + 2K, D], the queries q (the
+    first N) and the step's keys k_new (the next K) rotated by cos / sin [B, R]; k_new (rotated) and the values
+    v_new (the last K) stored at slot ``index`` of k_cache / v_cache [B, S, K, D]; q attends over the
+    ``allowed`` [B, S] slots of the updated cache. Returns (output [B, N, D], k_cache, v_cache)."""
+    kv = k_cache.shape[2]
+    n = qkv.shape[1] - 2 * kv
+    q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
     q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
     k_new = apply_rope(k_new[:, None], cos[:, None], sin[:, None])
     start = (0, index, 0, 0)

@@ -7,7 +7,12 @@ cache blocks between the row's first and last allowed slot with an online softma
 unfilled tail (and the padding head) of the cache is never read, the ``G = N / K`` query heads of a KV head
 share each loaded block (no repeated KV), and the output is normalised in the same kernel.
 
-Off GPU it runs in Pallas interpret mode (tests compare it with :func:`reference.decode_attention`).
+:func:`decode_attention_append` is the same walk with the step's own work folded in: the program rotates its
+queries and the step's key (rope), attends over the cache before the step's slot, adds the step's key and value
+to the softmax from registers and writes them to the cache (aliased, so updated in place), instead of three
+XLA kernels for rope and the cache writes before the attention.
+
+Off GPU both run in Pallas interpret mode (tests compare them with :mod:`.reference`).
 """
 
 from __future__ import annotations
@@ -162,8 +167,8 @@ def _params(num_warps: int, num_stages: int, interpret: bool | None) -> dict:
 def _row_head_specs(n: int, s: int, d: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
     """Block specs of a (row, KV head) program: its row's queries [N, D], its head's cache [S, D], its row's
     allowed slots [S]."""
-    return (pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0)), pl.BlockSpec((None, s, None, d), lambda i, h: (i, 0, h, 0)),
-            pl.BlockSpec((None, s), lambda i, h: (i, 0)))
+    return (pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0)),
+            pl.BlockSpec((None, s, None, d), lambda i, h: (i, 0, h, 0)), pl.BlockSpec((None, s), lambda i, h: (i, 0)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_warps", "num_stages", "interpret"))
@@ -207,8 +212,8 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
         in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
                   pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)), rope, rope, cache, cache, slots],
         out_specs=[queries, cache, cache],
-        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_cache.dtype),
-                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_cache.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
         input_output_aliases={4: 1, 5: 2},
         name="jrl_decode_attention_append", **_params(num_warps, num_stages, interpret),
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))

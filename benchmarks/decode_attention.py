@@ -72,7 +72,7 @@ def time_append(args):
     import jax.numpy as jnp
 
     from jrl.kernels.attention import decode_attention, decode_attention_append
-    from jrl.kernels.attention.rope import apply_rope
+    from jrl.kernels.attention.reference import rope_and_write
 
     b, s, kv, d, n = args.rows, args.slots, args.kv_heads, args.head_dim, args.kv_heads * args.group
     first = 10 + args.filled
@@ -86,12 +86,8 @@ def time_append(args):
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     kv_bytes = 2 * b * (args.filled + args.steps / 2) * kv * d * 2
 
-    def split(qkv, cos, sin, k_cache, v_cache, allowed, index, **kw):
-        q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
-        q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
-        k_new = apply_rope(k_new[:, None], cos[:, None], sin[:, None])
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, (0, index, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v_new[:, None], (0, index, 0, 0))
+    def split(qkv, cos, sin, k_cache, v_cache, allowed, index, **kw):  # rope and cache write by XLA, then the kernel
+        q, k_cache, v_cache = rope_and_write(qkv, cos, sin, k_cache, v_cache, index)
         return decode_attention(q, k_cache, v_cache, allowed, impl="pallas_gpu", **kw), k_cache, v_cache
 
     variants = [("reference", {}), ("split", {})] + [

@@ -95,11 +95,16 @@ class Linear(nnx.Module):
         return y
 
 
+def _plain(linear: nnx.Module) -> bool:
+    """A Linear without bias or adapter (what the decode-step kernels take as a bare weight)."""
+    return type(linear) is Linear and linear.bias is None
+
+
 def linear_add(linear: Linear, x: jax.Array, residual: jax.Array, *, fused: bool) -> jax.Array:
     """``residual + linear(x)``. With ``fused`` (a decode step on one device) and a plain Linear without bias, the
     product and the sum are one :func:`jrl.kernels.decode_linear.matmul_add` over the flattened rows: one kernel
     on a GPU for a few rows (instead of a GEMM, a split-K reduction and an add), the same two ops elsewhere."""
-    if not fused or type(linear) is not Linear or linear.bias is not None:
+    if not fused or not _plain(linear):
         return residual + linear(x)
     w = linear.kernel[...].astype(linear.dtype).reshape(math.prod(linear.in_shape), math.prod(linear.out_shape))
     y = matmul_add(x.astype(linear.dtype).reshape(-1, w.shape[0]), w, residual.reshape(-1, w.shape[1]))
@@ -306,8 +311,7 @@ class MLP(nnx.Module):
         """``residual + self(x)``; ``fused`` (a decode step on one device): the gate and up projections with
         SwiGLU as one call (:func:`jrl.kernels.decode_linear.matmul_swiglu`), the down projection and the sum as
         another (:func:`linear_add`)."""
-        plain = all(type(p) is Linear and p.bias is None for p in (self.gate_proj, self.up_proj))
-        if fused and plain:
+        if fused and _plain(self.gate_proj) and _plain(self.up_proj):
             w_gate, w_up = (p.kernel[...].astype(p.dtype) for p in (self.gate_proj, self.up_proj))
             hidden = matmul_swiglu(x.astype(w_gate.dtype).reshape(-1, w_gate.shape[0]), w_gate, w_up)
             hidden = hidden.reshape(*x.shape[:-1], w_gate.shape[1])

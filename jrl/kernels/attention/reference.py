@@ -38,11 +38,10 @@ def decode_attention(q, k, v, allowed, *, scale: float) -> jax.Array:
     return attend_dense(q[:, None], k, v, allowed[:, None], scale=scale)[:, 0]
 
 
-def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, scale: float):
-    """A decode step's attention with its rope and cache write: of ``qkv`` [B, N + 2K, D], the queries q (the
-    first N) and the step's keys k_new (the next K) rotated by cos / sin [B, R]; k_new (rotated) and the values
-    v_new (the last K) stored at slot ``index`` of k_cache / v_cache [B, S, K, D]; q attends over the
-    ``allowed`` [B, S] slots of the updated cache. Returns (output [B, N, D], k_cache, v_cache)."""
+def rope_and_write(qkv, cos, sin, k_cache, v_cache, index):
+    """A decode step's work before its attention: of ``qkv`` [B, N + 2K, D], the queries q (the first N) and the
+    step's keys k_new (the next K) rotated by cos / sin [B, R]; k_new (rotated) and the values v_new (the last
+    K) stored at slot ``index`` of k_cache / v_cache [B, S, K, D]. Returns (q, k_cache, v_cache)."""
     kv = k_cache.shape[2]
     n = qkv.shape[1] - 2 * kv
     q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
@@ -51,4 +50,11 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     start = (0, index, 0, 0)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_new[:, None].astype(v_cache.dtype), start)
+    return q, k_cache, v_cache
+
+
+def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, scale: float):
+    """A decode step's attention with its rope and cache write (:func:`rope_and_write`): q attends over the
+    ``allowed`` [B, S] slots of the updated cache. Returns (output [B, N, D], k_cache, v_cache)."""
+    q, k_cache, v_cache = rope_and_write(qkv, cos, sin, k_cache, v_cache, index)
     return decode_attention(q, k_cache, v_cache, allowed, scale=scale), k_cache, v_cache

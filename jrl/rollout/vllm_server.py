@@ -69,7 +69,8 @@ class VLLMServer:
 
     ``start()`` launches it with its output going to ``log_file`` (None: this process's stdout) and waits
     until ``/health`` answers (at most ``startup_timeout``; an early exit raises with the log's tail). ``stop()`` sends SIGTERM to
-    the server's process group, then SIGKILL after ``stop_timeout`` seconds. Usable as a context manager.
+    the server's process group, then SIGKILL after ``stop_timeout`` seconds, and returns once no process of the group
+    is left running. Usable as a context manager.
     """
 
     def __init__(self, argv: list[str], env: dict[str, str], *, base_url: str, log_file: str | os.PathLike | None,
@@ -145,6 +146,7 @@ class VLLMServer:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(self.stop_timeout)
         _signal_group(proc.pid, signal.SIGKILL)  # workers it left behind in its group, if any
+        self._wait_group_gone(proc.pid)
         return proc.returncode
 
     def kill(self) -> None:
@@ -153,12 +155,46 @@ class VLLMServer:
         if proc is not None:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait(self.stop_timeout)
+            self._wait_group_gone(proc.pid)
+
+    def _wait_group_gone(self, pgid: int) -> None:
+        """Return once no live process is left in the server's group (a worker still holding its GPU memory
+        would make the next server's start fail); raise after ``stop_timeout`` seconds."""
+        deadline = time.monotonic() + self.stop_timeout
+        while (left := _live_group_members(pgid)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {left} of the vLLM server's group {pgid} are still running "
+                                   f"{self.stop_timeout:g} s after SIGKILL")
+            time.sleep(0.01)
 
     def __enter__(self) -> VLLMServer:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that are not zombies (a zombie holds no memory; its parent or init reaps it).
+
+    Reads ``/proc`` where there is one; elsewhere any group member, zombie or not, counts (``killpg(pgid, 0)``).
+    """
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    live = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
 
 
 def _signal_group(pid: int, sig: int) -> None:

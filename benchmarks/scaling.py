@@ -5,7 +5,8 @@ expert-parallel MoE layer.
 the first ``n`` devices for each ``n`` of ``--devices``: ``fsdp=n`` and, with ``--tensor T``, ``fsdp=n/T,
 tensor=T``. Weak scaling: ``--rows-per-device`` rows of ``--seq`` tokens per device (a layout over ``n`` devices
 trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per device, scaling efficiency
-(tokens/s per device against the run's one-device layout, when it has one), peak memory of the first device.
+(tokens/s per device against the run's one-device layout, when it has one), and the process's peak memory on its
+first device so far (JAX keeps one peak per process, so a layout's own peak needs a run of that layout alone).
 Numerics: before the timed steps each layout makes one update on the same ``--check-rows`` batch from the same
 initial weights (``create_model`` draws the same values on any mesh); its loss and gradient norm, and their
 relative difference from the first layout's, are reported.
@@ -95,7 +96,7 @@ def train(args) -> None:
                    tensor=tensor, processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    check_loss=checked["loss"],
-                   check_grad_norm=checked["grad_norm"], peak_gib_device0=_gib(C.peak_bytes()),
+                   check_grad_norm=checked["grad_norm"], process_peak_gib_device0=_gib(C.peak_bytes()),
                    device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}")
         first = first or row
         row["efficiency"] = (round(row["tokens_per_s_per_device"] / first["tokens_per_s_per_device"], 4)

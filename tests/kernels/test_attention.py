@@ -117,7 +117,7 @@ def test_mask_rules_by_hand():
     np.testing.assert_array_equal(seg, np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_xla_blocked_matches_reference(request, dtype):
     rng = rng_for(request)
     _compare("xla", rng, dtype, b=3, t=45, n=4, kh=2, d=16, block_q=16, block_k=8)
@@ -147,7 +147,9 @@ def test_auto_never_builds_dense_scores_for_long_rows():
     assert "64x64" in short, "auto should take the dense path for a short row"
 
 
-@pytest.mark.slow  # 23 s; test_auto_never_builds_dense_scores_for_long_rows checks the pick in the default suite
+# ~2 min beside a second test process (2-core CPU); test_auto_never_builds_dense_scores_for_long_rows checks the pick
+# in the default suite
+@pytest.mark.slow
 def test_long_row_forward_and_backward_of_a_small_model():
     """An 8192-token forward + backward runs on CPU through the blocked path (the dense one would need
     8192² float32 scores per head and layer)."""

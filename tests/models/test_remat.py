@@ -34,7 +34,7 @@ def _grads(remat: str, scan_layers: bool):
     return nnx.state(nnx.grad(loss)(model), nnx.Param)
 
 
-@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scan_layers", [True, False])
 def test_policies_match_no_remat(scan_layers):
     want = jax.tree.leaves(_grads("none", scan_layers))
     for name in ("full", "dots_with_no_batch_dims_saveable", "dots_and_attention_saveable"):

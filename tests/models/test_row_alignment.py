@@ -33,7 +33,7 @@ def _rows(rng, batch: int, seq: int):
     return ids, mask, right_ids, right_mask, starts
 
 
-@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_left_padded_rows_equal_right_padded_rows(scan):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")

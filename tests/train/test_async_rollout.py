@@ -299,9 +299,7 @@ def test_resume_with_prefetch_reproduces_the_uninterrupted_run(tiny_model_dir, t
     assert _log(tmp_path / "b") == _log(tmp_path / "a")
 
 
-@pytest.mark.parametrize("rollout_devices", [
-    pytest.param(0, marks=pytest.mark.slow),  # ~23 s on 2 CPU cores; the default suite keeps the rollout mesh
-    1])
+@pytest.mark.parametrize("rollout_devices", [0, 1])
 def test_two_device_prefetch(tiny_model_dir, tmp_path, rollout_devices):
     """Prefetching on 2 devices: the sampler and the update take turns on both (rollout.devices 0), or each has a
     device of its own and nothing waits for the other (rollout.devices 1: the weights are copied to device 1)."""

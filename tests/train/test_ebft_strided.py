@@ -237,7 +237,6 @@ def _run_config(model_dir, out, **kw):
                        output_dir=str(out), **kw)
 
 
-@pytest.mark.slow  # ~27 s on 2 CPU cores; resume exactness stays tested for GRPO and EBFT structured
 def test_strided_run_writes_metrics_and_resumes_exactly(tiny_model_dir, tmp_path):
     from jrl.train.trainer import train
 

@@ -120,7 +120,6 @@ def test_sampler_and_trainer_logprobs_agree(tiny_model_dir):
     assert np.max(np.abs(trainer_lp[m] - batch.sampler_logprobs[m])) <= 1e-4
 
 
-@pytest.mark.slow  # 26 s; test_multiprocess_train runs the trainer on an 8-device mesh in the default suite
 def test_two_device_mesh_run(tiny_model_dir, tmp_path):
     reward = write_reward_file(tmp_path, "reward_mesh")
     out = run_worker("e2e_worker.py", tiny_model_dir, tmp_path / "run", reward, "2")

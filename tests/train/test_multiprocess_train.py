@@ -127,9 +127,6 @@ def test_two_processes_train_like_one(runs):
     assert sorted(int(p.name) for p in (base / "two" / "checkpoints").iterdir()) == [2, 4]
 
 
-# 78 s beside a second test process (2-core CPU); the default suite keeps the 2 x 4 = 1 x 8 run and the rollout
-# mesh of its own in one process (tests/rollout/test_rollout_mesh.py)
-@pytest.mark.slow
 def test_a_rollout_mesh_of_its_own_trains_like_one_shared_mesh(runs, tmp_path):
     """2 processes x 4 devices, each giving 2 devices to the sampler's own mesh (the learner trains on the other 4,
     the weights are copied across processes' devices at each sync): the metrics of the 1 x 8 shared-mesh run."""
@@ -138,7 +135,6 @@ def test_a_rollout_mesh_of_its_own_trains_like_one_shared_mesh(runs, tmp_path):
     _assert_close(_metrics(tmp_path / "run"), _metrics(base / "one"))
 
 
-@pytest.mark.slow  # 52 s; the default suite keeps the 2 x 4 = 1 x 8 run and the lost-peer exit
 def test_checkpoints_resume_across_process_counts(runs, tmp_path):
     """A checkpoint of the 2-process run resumes in 1 process, and the reverse, with the same next steps."""
     base, _ = runs
@@ -152,7 +148,7 @@ def test_checkpoints_resume_across_process_counts(runs, tmp_path):
         _assert_close(_metrics(tmp_path / f"from_{source}"), want)
 
 
-@pytest.mark.slow  # 66 s
+@pytest.mark.slow  # ~100 s beside a second test process (2-core CPU)
 def test_a_signal_to_one_process_stops_both_after_one_step(runs, tmp_path):
     """SIGTERM reaches only process 1, in step 2: both finish step 2, write its checkpoint and exit 0; --resume
     reproduces the uninterrupted run."""

@@ -13,7 +13,7 @@ from child_processes import FAST_COMPILE_XLA_FLAGS
 
 
 def _cpu_only_jax() -> bool:
-    """JAX can only run on the CPU here: no accelerator plugin (CUDA, ROCm) or libtpu installed, or JAX_PLATFORMS=cpu."""
+    """JAX can only run on the CPU here: JAX_PLATFORMS=cpu, or no accelerator plugin (CUDA, ROCm) nor libtpu."""
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         return True
     return not entry_points(group="jax_plugins") and importlib.util.find_spec("libtpu") is None

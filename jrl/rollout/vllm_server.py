@@ -68,9 +68,9 @@ class VLLMServer:
     """A vLLM server child process (own process group), stopped by its process id.
 
     ``start()`` launches it with its output going to ``log_file`` (None: this process's stdout) and waits
-    until ``/health`` answers (at most ``startup_timeout``; an early exit raises with the log's tail). ``stop()`` sends SIGTERM to
-    the server's process group, then SIGKILL after ``stop_timeout`` seconds, and returns once no process of the group
-    is left running. Usable as a context manager.
+    until ``/health`` answers (at most ``startup_timeout``; an early exit raises with the log's tail).
+    ``stop()`` sends SIGTERM to the server's process group, then SIGKILL after ``stop_timeout`` seconds, and returns
+    once no process of the group is left running. Usable as a context manager.
     """
 
     def __init__(self, argv: list[str], env: dict[str, str], *, base_url: str, log_file: str | os.PathLike | None,

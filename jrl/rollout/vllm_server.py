@@ -143,23 +143,23 @@ class VLLMServer:
             try:
                 proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(self.stop_timeout)
-        _signal_group(proc.pid, signal.SIGKILL)  # workers it left behind in its group, if any
-        self._wait_group_gone(proc.pid)
+                pass  # the SIGKILL below ends it
+        self._kill_group(proc)  # and the workers it left behind in its group, if any
         return proc.returncode
 
     def kill(self) -> None:
         """Kill the server and its workers at once (SIGKILL to its process group), as a crash would."""
         proc, self.process = self.process, None
         if proc is not None:
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait(self.stop_timeout)
-            self._wait_group_gone(proc.pid)
+            self._kill_group(proc)
 
-    def _wait_group_gone(self, pgid: int) -> None:
-        """Return once no live process is left in the server's group (a worker still holding its GPU memory
-        would make the next server's start fail); raise after ``stop_timeout`` seconds."""
+    def _kill_group(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the server's process group, reap the server, and return once no live process is left in the group
+        (a worker still holding its GPU memory would make the next server's start fail); raise after
+        ``stop_timeout`` seconds."""
+        pgid = proc.pid
+        _signal_group(pgid, signal.SIGKILL)
+        proc.wait(self.stop_timeout)
         deadline = time.monotonic() + self.stop_timeout
         while (left := _live_group_members(pgid)):
             if time.monotonic() > deadline:

@@ -93,6 +93,8 @@ def gib(x) -> str:
 
 #: Kernel-name patterns of :func:`kernel_profile`'s categories, first match wins.
 KERNEL_CATEGORIES = (
+    ("collective", ("nccl", "allgather", "reducescatter", "allreduce", "all_gather", "reduce_scatter", "all_reduce",
+                    "alltoall", "sendrecv")),
     ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "gemv", "triton_tem")),
     ("attention", ("cudnn", "flash", "fmha", "attention", "sdpa")),
     ("copy", ("memcpy", "memset", "copy")),
@@ -106,7 +108,8 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 40) -> dict:
     """GPU kernel time of one ``fn(*args)`` call from a profiler trace (after two warm-up calls): the total,
     per category (:data:`KERNEL_CATEGORIES`) and the ``top`` kernels by time, as a dict for :func:`report`.
 
-    The trace is JAX's Perfetto export; kernels are the events on the GPU's compute streams."""
+    The trace is JAX's Perfetto export; kernels are the events on the streams of the first GPU in it (with several
+    GPUs, each runs the same program: one is the step's timeline)."""
     import glob
     import gzip
     import json
@@ -124,9 +127,11 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 40) -> dict:
     names = [e for e in events if e.get("ph") == "M"]
     processes = {e["pid"]: e["args"]["name"] for e in names if e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
+    gpus = sorted((name, pid) for pid, name in processes.items() if "GPU" in name)
+    first = gpus[0][1] if gpus else None
     kernels = []
     for e in events:
-        if e.get("ph") != "X" or "GPU" not in processes.get(e["pid"], ""):
+        if e.get("ph") != "X" or e["pid"] != first:
             continue
         if "Stream" not in threads.get((e["pid"], e["tid"]), ""):
             continue
@@ -152,8 +157,44 @@ def summarize_kernels(kernels: list[tuple[float, float, str]], *, top: int = 40)
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(kernel_ms=round(sum(us for us, _ in per_kernel.values()) / 1e3, 2),
                 category_ms={c: round(us / 1e3, 2) for c, us in by_category.most_common()},
+                **exposed_collectives(kernels),
                 top_kernels=[dict(name=n, ms=round(us / 1e3, 3), calls=c) for n, (us, c) in ranked],
                 **idle_gaps([(ts, dur, name[:60]) for ts, dur, name in kernels], top=top))
+
+
+def _is_collective(name: str) -> bool:
+    low = name.lower()
+    return any(k in low for k in KERNEL_CATEGORIES[0][1])
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def exposed_collectives(kernels: list[tuple[float, float, str]]) -> dict:
+    """How much of the collective kernels' time (NCCL) no compute kernel runs beside, from one device's kernels
+    (start us, duration us, name): the collectives' busy time (their union) and the part of it not covered by any
+    other kernel, i.e. what the step waits for communication."""
+    comm = _union([(ts, ts + dur) for ts, dur, name in kernels if _is_collective(name)])
+    compute = _union([(ts, ts + dur) for ts, dur, name in kernels if not _is_collective(name)])
+    if not comm:
+        return {}
+    busy = sum(b - a for a, b in comm)
+    covered, j = 0.0, 0
+    for a, b in comm:
+        while j < len(compute) and compute[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < b:
+            covered += min(b, compute[k][1]) - max(a, compute[k][0])
+            k += 1
+    return dict(collective_busy_ms=round(busy / 1e3, 2), collective_exposed_ms=round((busy - covered) / 1e3, 2))
 
 
 def idle_gaps(kernels: list[tuple[float, float, str]], *, top: int, min_us: float = 10.0) -> dict:

@@ -1,15 +1,23 @@
-"""Multi-device scaling: the train step on 1..N devices, one process or one per device group, and an
-expert-parallel MoE layer.
+"""Multi-device scaling: the train step on 1..N devices, one process or one per device group, its PyTorch peers,
+and an expert-parallel MoE layer.
 
-``train``: the GRPO update of ``benchmarks/train_step_vs_torch.py`` (same shapes, batch and loss) on a mesh over
-the first ``n`` devices for each ``n`` of ``--devices``: ``fsdp=n`` and, with ``--tensor T``, ``fsdp=n/T,
-tensor=T``. Weak scaling: ``--rows-per-device`` rows of ``--seq`` tokens per device (a layout over ``n`` devices
-trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per device, scaling efficiency
+``train``: the GRPO update of ``benchmarks/train_step_vs_torch.py`` (same shapes, batch and loss) on meshes over
+the first ``n`` devices for each ``n`` of ``--devices``, in each layout of ``--layouts`` (``fsdp``: fsdp=n;
+``data``: data=n; ``hsdp:K``: data=n/K x fsdp=K; ``tensor:T``: fsdp=n/T x tensor=T; ``--tensor T`` adds the
+last). Weak scaling: ``--rows-per-device`` rows of ``--seq`` tokens per device (a layout over ``n`` devices
+trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per device, MFU, scaling efficiency
 (tokens/s per device against the run's one-device layout, when it has one), and the process's peak memory on its
-first device so far (JAX keeps one peak per process, so a layout's own peak needs a run of that layout alone).
+first device so far (JAX keeps one peak per process, so a layout's own peak needs a run of that layout alone);
+with ``--profile DIR`` one more traced step's GPU kernels on the first device (time by category, the collectives'
+busy time and the part of it with no other kernel beside, idle gaps). ``--no-fsdp-prefetch`` leaves the FSDP
+collectives to XLA (``ModelConfig.fsdp_prefetch``).
 Numerics: before the timed steps each layout makes one update on the same ``--check-rows`` batch from the same
 initial weights (``create_model`` draws the same values on any mesh); its loss and gradient norm, and their
 relative difference from the first layout's, are reported.
+
+``torch``: the same model (transformers), batch shape and loss under PyTorch FSDP2 (``fully_shard`` per decoder
+layer and the root) and DDP, bf16, fused AdamW, one process per GPU under torchrun (``--wraps``; ``--torch-remat``
+turns on transformers' gradient checkpointing); tokens/s per device against FSDP2 on one GPU.
 
 ``--processes P``: the same as ``P`` processes joined by :func:`jrl.sharding.initialize` (the ``JRL_*``
 variables), each seeing ``1/P`` of the devices (``CUDA_VISIBLE_DEVICES`` on GPU, fake CPU devices on CPU); only
@@ -22,7 +30,8 @@ one device, on ``n`` devices with the experts gathered over ``fsdp`` (``expert=1
 alone (each device sends ``n x tokens x top_k`` rows of ``hidden``: the padded exchange of
 ``jrl.models.expert_parallel``, which runs twice per forward).
 
-    python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --tensor 2 --out scaling.jsonl
+    python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --layouts fsdp,data,hsdp:2 --out scaling.jsonl
+    python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
 
@@ -35,10 +44,12 @@ On CPU (fake devices show the mechanism and the numerics, not speed):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,24 +58,46 @@ import train_step_vs_torch as T  # noqa: E402
 from moe_layer_vs_torch import moe_config  # noqa: E402
 
 
-def _layouts(devices: list[int], tensor: int, available: int) -> list[tuple[int, int]]:
-    """(devices, tensor size) of every layout the run takes, one device first."""
+LAYOUTS = ("fsdp", "data", "hsdp:K", "tensor:T")
+
+
+def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple[int, dict]]:
+    """(devices, mesh axis sizes) of every layout the run takes, per device count in the order of ``names``:
+    ``fsdp`` (fsdp=n), ``data`` (data=n: replicated weights), ``hsdp:K`` (data=n/K x fsdp=K), ``tensor:T``
+    (fsdp=n/T x tensor=T). One device runs once, unsharded."""
     out = []
     for n in devices:
         if n > available:
             raise SystemExit(f"--devices asks for {n} devices but {available} are visible")
-        out.append((n, 1))
-        if tensor > 1 and n >= tensor and n % tensor == 0:
-            out.append((n, tensor))
+        seen = set()
+        for name in names:
+            kind, _, k = name.partition(":")
+            if kind not in ("fsdp", "data", "hsdp", "tensor") or (kind in ("hsdp", "tensor")) != bool(k):
+                raise SystemExit(f"--layouts: {name!r} is not one of {', '.join(LAYOUTS)}")
+            k = int(k or 1)
+            if n == 1:
+                sizes = dict(fsdp=1)
+            elif kind == "fsdp":
+                sizes = dict(fsdp=n)
+            elif kind == "data":
+                sizes = dict(data=n, fsdp=1)
+            elif n % k or n == k and kind == "hsdp":
+                continue
+            else:
+                sizes = dict(data=n // k, fsdp=k) if kind == "hsdp" else dict(fsdp=n // k, tensor=k)
+            key = tuple(sorted(sizes.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append((n, sizes))
     return out
 
 
-def _mesh(n: int, tensor: int):
+def _mesh(n: int, sizes: dict):
     import jax
 
     from jrl.sharding import MeshConfig, make_mesh
 
-    cfg = MeshConfig(fsdp=n // tensor, tensor=tensor)
+    cfg = MeshConfig(**sizes)
     return make_mesh(cfg, devices=jax.devices()[:n]), cfg.logical_rules()
 
 
@@ -84,20 +117,26 @@ def train(args) -> None:
     count = jax.device_count()
     devices = [count] if multi else [int(d) for d in args.devices.split(",")]
     first = None
-    for n, tensor in _layouts(devices, args.tensor, count):
-        mesh, rules = _mesh(n, tensor)
+    names = args.layouts.split(",") + ([f"tensor:{args.tensor}"] if args.tensor > 1 else [])
+    for n, sizes in _layouts(devices, names, count):
+        mesh, rules = _mesh(n, sizes)
         learner, update = T.jrl_update(args, shape, mesh, rules)
         checked = update(learner, T.step_batch(args.check_rows, args.seq, shape["vocab_size"], seed=1))
         batch = T.step_batch(n * args.rows_per_device, args.seq, shape["vocab_size"])
         times, _ = T.time_updates(learner, update, batch, args.steps)
         step = T.steady_median(times)
         tokens = n * args.rows_per_device * args.seq
-        row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp=n // tensor,
-                   tensor=tensor, processes=jax.process_count(), rows_per_device=args.rows_per_device,
+        row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
+                   layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-",
+                   processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
-                   check_loss=checked["loss"],
+                   mfu=round(6 * T.num_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
+                   compile_s=round(times[0] - step, 2), check_loss=checked["loss"],
                    check_grad_norm=checked["grad_norm"], process_peak_gib_device0=_gib(C.peak_bytes()),
                    device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}")
+        if args.profile:
+            row["profile"] = _profile(os.path.join(args.profile, row["layout"].replace(",", "_").replace("=", "")),
+                                      learner, update, batch)
         first = first or row
         row["efficiency"] = (round(row["tokens_per_s_per_device"] / first["tokens_per_s_per_device"], 4)
                              if first["devices"] == 1 else None)
@@ -107,6 +146,15 @@ def train(args) -> None:
             C.report(row, args.out)
         del learner, update, batch
         jax.clear_caches()
+
+
+def _profile(trace_dir: str, learner, update, batch) -> dict:
+    """One traced update's kernels on the first device (:func:`kernels_common.kernel_profile`)."""
+    def step():
+        update(learner, batch)
+        learner.block_until_ready()
+
+    return C.kernel_profile(step, trace_dir=trace_dir, top=12)
 
 
 def _gib(x) -> float | None:
@@ -164,6 +212,100 @@ def moe(args) -> None:
             jax.clear_caches()
 
 
+def torch_sides(args) -> None:
+    """The PyTorch peers of ``train``: transformers' model under FSDP2 (``fully_shard`` per decoder layer and the
+    root) or DDP, bf16, fused AdamW, the same batch shape and loss, one process per GPU under torchrun."""
+    single = {}
+    for wrap in args.wraps.split(","):
+        for n in (int(d) for d in args.devices.split(",")):
+            if wrap == "ddp" and n == 1:
+                continue
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
+                   "torch-worker", "--wraps", wrap, "--shape", args.shape,
+                   "--rows-per-device", str(args.rows_per_device), "--seq", str(args.seq), "--steps", str(args.steps)]
+            cmd += (["--layers", str(args.layers)] if args.layers else []) + (["--torch-remat"] if args.torch_remat
+                                                                               else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                log = (proc.stdout + proc.stderr).splitlines()
+                first = next((i for i, ln in enumerate(log) if "Traceback" in ln), max(0, len(log) - 30))
+                error = "\n".join(log[first:first + 40])[-3000:]
+                C.report(dict(bench="scaling_torch", wrap=wrap, devices=n, error=error), args.out)
+                continue
+            row = dict(json.loads(lines[-1][len("RESULT "):]), torch_remat=args.torch_remat)
+            single.setdefault(wrap, row["tokens_per_s_per_device"] if n == 1 else None)
+            base = single.get(wrap) or single.get("fsdp2")
+            row["efficiency"] = round(row["tokens_per_s_per_device"] / base, 4) if base else None
+            C.report(row, args.out)
+
+
+def torch_worker(args) -> None:
+    """One rank of :func:`torch_sides` (started by torchrun)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    shape = dict(T.SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    torch.manual_seed(0)
+    model = T.hf_model(shape, args.seq)
+    if args.torch_remat:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    if args.wraps == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    ids, mask, c_ids, c_mask, adv = (torch.from_numpy(np.asarray(x)).cuda() for x in T.make_batch(
+        args.rows_per_device, args.seq, shape["vocab_size"], seed=rank))
+    ids, c_ids = ids.long(), c_ids.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
+    t = c_ids.shape[1]
+
+    def step():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=t + 1).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, c_ids[..., None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        a = adv[:, None]
+        per_token = -torch.minimum(ratio * a, ratio.clamp(1 - T.CLIP_LOW, 1 + T.CLIP_HIGH) * a)
+        m = c_mask.float()
+        loss = (per_token * m).sum() / m.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    med = T.steady_median(times)
+    if rank == 0:
+        print("RESULT " + json.dumps(dict(
+            bench="scaling_torch", wrap=args.wraps, shape=args.shape, devices=world,
+            rows_per_device=args.rows_per_device,
+            seq=args.seq, step_s=round(med, 4), tokens_per_s_per_device=round(args.rows_per_device * args.seq / med),
+            mfu=round(6 * T.num_params(shape) * args.rows_per_device * args.seq / med / (args.peak_tflops * 1e12), 4),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), device=torch.cuda.get_device_name(),
+            versions=f"torch {torch.__version__}")), flush=True)
+    dist.destroy_process_group()
+
+
 def launch(args, argv: list[str]) -> int:
     """Run ``train`` as ``--processes`` processes over ``max(--devices)`` devices; returns the worst exit code."""
     total = max(int(d) for d in args.devices.split(","))
@@ -189,7 +331,7 @@ def launch(args, argv: list[str]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("train", "moe"))
+    ap.add_argument("what", choices=("train", "torch", "moe", "torch-worker"))
     ap.add_argument("--devices", default="1,2,4,8", help="comma list of device counts (the first n devices)")
     ap.add_argument("--out", default=None, help="append one JSON line per layout here")
     train_args = ap.add_argument_group("train")
@@ -200,13 +342,25 @@ def main() -> None:
     train_args.add_argument("--seq", type=int, default=1024)
     train_args.add_argument("--check-rows", type=int, default=8,
                             help="rows of the numerics batch every layout updates on (divisible by every fsdp size)")
+    train_args.add_argument("--layouts", default="fsdp",
+                            help=f"comma list of layouts per device count: {', '.join(LAYOUTS)}")
     train_args.add_argument("--tensor", type=int, default=1, help="also run fsdp=n/T, tensor=T layouts")
+    train_args.add_argument("--profile", default=None, metavar="DIR",
+                            help="also trace one step per layout into DIR and report its GPU kernels (first device): "
+                                 "time by category, collectives' busy and exposed time, idle gaps")
     train_args.add_argument("--steps", type=int, default=6)
     train_args.add_argument("--processes", type=int, default=1, help="one process per device group")
     train_args.add_argument("--timeout-s", type=float, default=1800, help="multi-process: wait this long at most")
     for name, default in (("attention", "auto"), ("remat", "auto"), ("logprobs", "auto"), ("loss_head", "auto")):
         train_args.add_argument("--" + name.replace("_", "-"), default=default, help=f"jrl {name} implementation")
     train_args.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    train_args.add_argument("--fsdp-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                            help="jrl's per-device FSDP path (ModelConfig.fsdp_prefetch)")
+    train_args.add_argument("--peak-tflops", type=float, default=989.0,
+                            help="dense bf16 peak of one GPU, for MFU (H100 SXM: 989)")
+    train_args.add_argument("--wraps", default="fsdp2,ddp", help="torch: comma list of fsdp2, ddp")
+    train_args.add_argument("--torch-remat", action="store_true",
+                            help="torch: transformers' gradient checkpointing of every decoder layer")
     train_args.add_argument("--process-worker", action="store_true", help=argparse.SUPPRESS)
     moe_args = ap.add_argument_group("moe")
     moe_args.add_argument("--tokens-per-device", type=int, default=8192)
@@ -217,6 +371,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "moe":
         moe(args)
+    elif args.what == "torch":
+        torch_sides(args)
+    elif args.what == "torch-worker":
+        torch_worker(args)
     elif args.processes > 1 and not args.process_worker:
         sys.exit(launch(args, sys.argv[1:]))
     else:

@@ -39,6 +39,14 @@ SHAPES = {
     "qwen3_1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        rope_theta=1000000.0, tie_word_embeddings=True, qk_norm=True),
+    # Llama-3.1-8B
+    "llama8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    rope_theta=500000.0, tie_word_embeddings=False, qk_norm=False),
+    # Qwen3-8B
+    "qwen3_8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True),
     # a smoke-test size for CPU
     "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
@@ -88,7 +96,7 @@ def jrl_update(args, shape: dict, mesh=None, rules=None):
     from jrl.train.learner import Learner
 
     cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat,
-                      scan_layers=args.scan_layers)
+                      scan_layers=args.scan_layers, fsdp_prefetch=getattr(args, "fsdp_prefetch", True))
     model = create_model(cfg, seed=0, mesh=mesh, rules=rules)
     if args.mode == "lora":
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
@@ -150,13 +158,18 @@ def hf_model(shape: dict, max_len: int):
     kw = dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
               intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
               num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
-              head_dim=shape["head_dim"], rope_theta=shape["rope_theta"], tie_word_embeddings=True,
+              head_dim=shape["head_dim"], rope_theta=shape["rope_theta"],
+              tie_word_embeddings=shape["tie_word_embeddings"],
               max_position_embeddings=max(4096, max_len), attn_implementation="sdpa")
-    if shape["model_type"] == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
-    return model.to("cuda", torch.bfloat16)
+    cls, config = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if shape["model_type"] == "llama"
+                   else (transformers.Qwen3ForCausalLM, transformers.Qwen3Config))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialised in bf16 on the GPU: an 8B model's host init takes minutes
+    try:
+        with torch.device("cuda"):
+            return cls(config(**kw))
+    finally:
+        torch.set_default_dtype(default)
 
 
 def run_torch(args, shape: dict, compiled: bool) -> dict:

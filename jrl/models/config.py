@@ -180,6 +180,17 @@ class ModelConfig:
     """Store the decoder layers as one stacked module (every parameter gets a leading layer axis) and run
     them with ``jax.lax.scan``, so compile time does not grow with depth. Applies when every layer has the
     same structure (see :attr:`stacked_layers`). Runtime only: not part of the HF config."""
+    fsdp_prefetch: bool = True
+    """On a mesh of ``data`` and ``fsdp`` axes (``fsdp`` > 1), a dense model with stacked layers runs its layers and
+    loss-fused head per device (:mod:`jrl.models.fsdp`): each layer's weight shards are gathered while the layer
+    before it computes, its gradient reduce-scattered while the layer before it runs its backward, and the head's
+    gradient reduced once per step. Keeps every layer's gathered weights for the backward (the model's weights in
+    the compute dtype on every device); ``False`` leaves the collectives to XLA's partitioner (slower, less memory).
+    Runtime only: not part of the HF config."""
+    grad_reduce_dtype: str | None = None
+    """Dtype in which the per-device path (:attr:`fsdp_prefetch`) reduce-scatters weight gradients: ``None`` =
+    ``param_dtype``, ``float32`` to sum bf16 weights' gradients in float32 (twice the bytes). Weights are always
+    gathered in the compute ``dtype``. Runtime only: not part of the HF config."""
 
     def __post_init__(self):
         def fix(name, value):
@@ -201,8 +212,10 @@ class ModelConfig:
         fix("mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         if isinstance(self.eos_token_id, list):
             fix("eos_token_id", tuple(self.eos_token_id))
-        for name in ("dtype", "param_dtype"):
+        for name in ("dtype", "param_dtype", "grad_reduce_dtype"):
             value = getattr(self, name)
+            if value is None and name == "grad_reduce_dtype":
+                continue
             if not isinstance(value, str):
                 value = np.dtype(value).name
                 fix(name, value)

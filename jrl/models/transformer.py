@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -25,11 +26,12 @@ from jrl.models.layers import (
     positions_from_mask,
     positions_from_segments,
 )
-from jrl.models import router_stats
+from jrl.kernels.logprobs import fused_head_loss
+from jrl.models import fsdp, router_stats
 from jrl.models.moe import MoE
 from jrl.models.remat import remat
 from jrl.sharding.placement import from_host
-from jrl.sharding.rules import logical_sharding
+from jrl.sharding.rules import DEFAULT_RULES, logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
 _KV_CACHE = ("batch", None, "kv_heads", "head_dim")
@@ -246,7 +248,7 @@ class Transformer(nnx.Module):
         remat_name = self.config.remat
         with_stats = router_stats.active()
 
-        def run(step, state, h):
+        def run(step, state, h, positions=positions, mask=mask):
             """The layer's output, its router statistics recorded (or handed out of a scan body)."""
             out = step(state, h, positions, mask)
             return out if with_stats else (out, None)
@@ -263,6 +265,14 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         if depth < self.config.num_hidden_layers:
             state = jax.tree.map(lambda a: a[:depth], state)
+        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), x.shape[0])
+        if axes is not None:  # per device, weights gathered a layer ahead (jrl.models.fsdp)
+            local = nnx.split(on_mesh(nnx.merge(graphdef, state), None))[0]
+            step = remat(_layer_step(local), remat_name, prevent_cse=False)
+            x, stacked = fsdp.scan_layers(functools.partial(run, step), state, x, positions, mask,
+                                          mesh=self.mesh, rules=self._rules(), axes=axes, collect=collect,
+                                          dtype=self.config.dtype, reduce_dtype=self.config.grad_reduce_dtype)
+            return x, tuple(stacked[i] for i in range(depth)) if collect else ()
         step = remat(_layer_step(graphdef), remat_name, prevent_cse=False)  # scan already keeps CSE away
 
         def body(h, layer_state):
@@ -340,6 +350,24 @@ class Transformer(nnx.Module):
         if self.lm_head is None:
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
+
+    def _rules(self) -> dict:
+        return DEFAULT_RULES if self.rules is None else dict(self.rules)
+
+    def head_loss(self, hidden: jax.Array, targets: jax.Array, row_loss: Callable, rows, aux=None, *,
+                  temperature: float = 1.0, with_entropy: bool = False):
+        """:func:`jrl.kernels.logprobs.fused_head_loss` of ``hidden`` [R, T, H] predicting ``targets`` [R, T] under
+        this model's LM head: (loss, logp [R, T], entropy or None). On a ``data``/``fsdp`` mesh each device computes
+        its own rows against the gathered head (:func:`jrl.models.fsdp.head_loss`)."""
+        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), hidden.shape[0])
+        if axes is None:
+            return fused_head_loss(hidden, self.lm_head_weight(), targets, row_loss, rows, aux,
+                                   temperature=temperature, with_entropy=with_entropy)
+        tied = self.lm_head is None
+        return fsdp.head_loss(self.embed.embedding if tied else self.lm_head.kernel, tied, hidden, targets, row_loss,
+                              rows, aux, mesh=self.mesh, rules=self._rules(), axes=axes, dtype=self.config.dtype,
+                              reduce_dtype=self.config.grad_reduce_dtype, temperature=temperature,
+                              with_entropy=with_entropy)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from final hidden states [..., H]."""

@@ -65,6 +65,14 @@ class ModelSpec:
     """Keep the decoder layers stacked and run them with ``jax.lax.scan``: one compiled layer body, so the first
     step compiles in about the same time at any depth. Models whose layers differ (Qwen3-MoE with dense
     ``mlp_only_layers``) always run unrolled. ``False`` unrolls a Python loop over separate layers."""
+    fsdp_prefetch: bool = True
+    """On a mesh of ``data`` and ``fsdp`` axes, run the scanned layers and the loss-fused head per device with their
+    weights gathered one layer ahead and their gradients reduce-scattered as the backward leaves each layer (a dense
+    model; measured in benchmarks/RESULTS.md "Scale-out"). Keeps every layer's gathered weights for the backward (the
+    model's weights in the compute dtype per device); ``False`` leaves the collectives to XLA (less memory, slower)."""
+    grad_reduce_dtype: str | None = None
+    """Dtype of the weight gradients' reduce-scatter on that path: ``None`` = the weights' storage dtype, ``float32``
+    to sum bf16 weights' gradients in float32 (twice the bytes)."""
 
     def __post_init__(self):
         check_choice(self, "dtype", DTYPES)
@@ -72,6 +80,8 @@ class ModelSpec:
             check_choice(self, "param_dtype", DTYPES)
         check_choice(self, "attention", tuple(available_impls()))
         check_choice(self, "remat", REMAT_NAMES)
+        if self.grad_reduce_dtype is not None:
+            check_choice(self, "grad_reduce_dtype", DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 
 from jrl.data.pipeline import left_pad
 from jrl.kernels._dispatch import backend as kernel_backend
-from jrl.kernels.logprobs import fused_head_loss, token_logprobs
+from jrl.kernels.logprobs import token_logprobs
 from jrl.losses import (
     GRPOConfig,
     LossInputs,
@@ -161,7 +161,7 @@ def fused_head_supported(algo: GRPOConfig) -> bool:
 class GRPOLoss:
     """``grpo_loss`` of a micro-batch under ``model`` at the sampling temperature (``aux``: the step's
     normalisers). With ``fused_head`` the loss and its head gradients come from the loss-fused LM head
-    (:func:`jrl.kernels.logprobs.fused_head_loss`), else from the ``impl`` log-prob kernel."""
+    (:meth:`jrl.models.transformer.Transformer.head_loss`), else from the ``impl`` log-prob kernel."""
 
     algo: GRPOConfig
     temperature: float
@@ -174,9 +174,9 @@ class GRPOLoss:
                                           with_entropy=self.algo.needs_entropy)
             return grpo_loss(_loss_inputs(batch, lp, ent), self.algo, normalizers)
         rows = batch._replace(input_ids=None, attention_mask=None, has_signal=None)
-        loss, lp, ent = fused_head_loss(completion_hidden(model, batch), model.lm_head_weight(),
-                                        batch.completion_ids, GRPORowLoss(self.algo), rows, normalizers,
-                                        temperature=self.temperature, with_entropy=self.algo.needs_entropy)
+        loss, lp, ent = model.head_loss(completion_hidden(model, batch), batch.completion_ids, GRPORowLoss(self.algo),
+                                        rows, normalizers, temperature=self.temperature,
+                                        with_entropy=self.algo.needs_entropy)
         _, metrics = grpo_loss(_loss_inputs(batch, lp, ent), self.algo, normalizers)
         return loss, metrics
 

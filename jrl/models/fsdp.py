@@ -1,0 +1,114 @@
+"""The model's two large pieces, the scanned decoder layers and the loss-fused LM head, run per device on a mesh
+of ``data`` and ``fsdp`` axes, with their weights' FSDP collectives placed by hand (:mod:`jrl.sharding.collectives`).
+
+Layers: inside one ``shard_map`` the scan over the stacked layers carries the gathered weights of the next layer:
+iteration ``i`` starts the gather of layer ``i + 1``'s shards and computes layer ``i`` with the weights the previous
+iteration gathered, so the gather runs while the layer computes. In the backward the scan's transpose receives
+layer ``i + 1``'s weight gradient from the iteration before and reduce-scatters it while it computes layer ``i``'s
+backward. The gathered weights of every layer are kept for the backward (the whole model's weights per device, in
+the compute dtype) instead of being gathered a second time.
+
+Head: the hidden rows stay split over the devices and each device computes its rows' loss against the gathered
+head weight; the head's gradient is summed over the rows of a device and reduce-scattered once.
+
+Without this, XLA's partitioner gathers each layer's weights in the iteration that uses them (nothing to overlap
+with), and splits the head matmul on the hidden dimension with float32 all-reduces of every chunk's logits:
+``benchmarks/RESULTS.md`` ("Scale-out") has the profiles. Both paths compute the same function; the automatic one
+is the reference the tests compare with, and the one used for meshes with ``tensor`` or ``expert`` axes and MoE
+models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jrl.kernels.logprobs import fused_head_loss
+from jrl.sharding.collectives import batch_axes, gather_shards, only_axes, spec_gathers
+from jrl.sharding.placement import variable_spec
+from jrl.sharding.rules import DEFAULT_RULES
+
+#: The mesh axes the per-device path handles (any others leave the model to XLA's partitioner).
+AXES = ("data", "fsdp")
+
+
+def explicit_axes(config, mesh: Mesh | None, rules: Mapping | None, rows: int) -> tuple[str, ...] | None:
+    """The batch axes of the per-device path when it applies to ``rows`` rows on ``mesh``: ``config.fsdp_prefetch``,
+    a dense model, only ``data``/``fsdp`` axes with ``fsdp`` > 1, and rows that divide among the batch axes."""
+    if mesh is None or not config.fsdp_prefetch or config.is_moe or not only_axes(mesh, AXES):
+        return None
+    if mesh.shape.get("fsdp", 1) == 1:
+        return None
+    return batch_axes(mesh, DEFAULT_RULES if rules is None else rules, rows)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def scan_layers(run: Callable, state, x: jax.Array, positions: jax.Array, mask, *, mesh: Mesh, rules: Mapping,
+                axes: tuple[str, ...], collect: bool, dtype: str, reduce_dtype: str | None):
+    """``jax.lax.scan`` of ``run(layer_state, h, positions, mask) -> (h, stats)`` over the stacked layer ``state``
+    (module docstring).
+
+    ``run`` must build its layer from a graph definition without a mesh (it runs per device). Returns (output,
+    every layer's output stacked [L, B, T, H] when ``collect``, else None)."""
+    variables, treedef = jax.tree.flatten(state, is_leaf=_is_variable)
+    values = [v.get_value() for v in variables]
+    specs = [variable_spec(v, mesh, rules) for v in variables]
+    gathers = [spec_gathers(spec, np.ndim(a), skip=1) for spec, a in zip(specs, values)]
+    rows = PartitionSpec(axes)
+
+    def layer(arrays):
+        return jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, arrays)])
+
+    def gather(arrays):
+        return [gather_shards(a, g, dtype, reduce_dtype) if g else a for a, g in zip(arrays, gathers)]
+
+    def per_device(values, x, positions, mask):
+        # Iteration i gathers layer i + 1 (the last one layer 0, unused).
+        ahead = [jnp.roll(a, -1, axis=0) for a in values]
+
+        def body(carry, next_shards):
+            h, weights = carry
+            h, stats = run(layer(weights), h, positions, mask)
+            if stats is not None:
+                raise ValueError("the per-device layer scan has no router statistics (MoE models use XLA's)")
+            return (h, gather(next_shards)), h if collect else None
+
+        (h, _), stacked = jax.lax.scan(body, (x, gather([a[0] for a in values])), ahead)
+        return h, stacked
+
+    out_specs = (rows, PartitionSpec(None, axes) if collect else PartitionSpec())
+    fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
+                       in_specs=(specs, rows, rows, jax.tree.map(lambda _: rows, mask)), out_specs=out_specs)
+    return fn(values, x, positions, mask)
+
+
+def head_loss(weight: nnx.Variable, transpose: bool, hidden: jax.Array, targets: jax.Array, row_loss: Callable, rows,
+              aux, *, mesh: Mesh, rules: Mapping, axes: tuple[str, ...], dtype: str, reduce_dtype: str | None,
+              temperature: float, with_entropy: bool):
+    """:func:`jrl.kernels.logprobs.fused_head_loss` of each device's rows against the gathered head ``weight`` (the
+    embedding [V, H] with ``transpose``, else the head kernel [H, V]); the loss summed over the devices, log-probs and
+    entropies split like the rows (module docstring)."""
+    spec = variable_spec(weight, mesh, rules)
+    gathers = spec_gathers(spec, weight.get_value().ndim)
+    split = PartitionSpec(axes)
+
+    def per_device(w, hidden, targets, rows, aux):
+        w = gather_shards(w, gathers, dtype, reduce_dtype) if gathers else w.astype(dtype)
+        loss, lp, ent = fused_head_loss(hidden, w.T if transpose else w, targets, row_loss, rows, aux,
+                                        temperature=temperature, with_entropy=with_entropy)
+        return loss[None], lp, ent
+
+    fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
+                       in_specs=(spec, split, split, jax.tree.map(lambda _: split, rows),
+                                 jax.tree.map(lambda _: PartitionSpec(), aux)),
+                       out_specs=(split, split, split if with_entropy else PartitionSpec()))
+    loss, lp, ent = fn(weight.get_value(), hidden, targets, rows, aux)
+    return jnp.sum(loss), lp, ent

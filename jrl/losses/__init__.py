@@ -7,7 +7,8 @@
 - :mod:`~jrl.losses.metrics`: metric dicts and their names;
 - :mod:`~jrl.losses.registry`: name → function tables for ``objective``, ``loss_type``,
   ``advantage_estimator`` and ``importance_sampling_mode``;
-- :mod:`~jrl.losses.cispo`: the CISPO objective (one registered unit);
+- :mod:`~jrl.losses.cispo`, :mod:`~jrl.losses.sapo`, :mod:`~jrl.losses.vespo`: the CISPO, SAPO and VESPO objectives
+  (one registered unit each);
 - :mod:`~jrl.losses.config`: :class:`GRPOConfig`;
 - :mod:`~jrl.losses.ebft`: EBFT pooling, whitening, feature-matching rewards, advantages and losses;
 - :mod:`~jrl.losses.grpo`: :func:`grpo_loss`, the micro-batch loss that ties them together.
@@ -63,6 +64,8 @@ from jrl.losses.policy import (
     step_normalizers,
 )
 from jrl.losses import cispo as _cispo  # noqa: F401  (registers the ``cispo`` objective)
+from jrl.losses import sapo as _sapo  # noqa: F401  (registers the ``sapo`` objective)
+from jrl.losses import vespo as _vespo  # noqa: F401  (registers the ``vespo`` objective)
 from jrl.losses.registry import (
     ADVANTAGE_ESTIMATORS,
     IS_MODES,

@@ -11,12 +11,16 @@ The config is frozen and hashable, so it can be a static argument of ``jax.jit``
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Literal
 
 # Importing the implementing modules registers the built-in names that validation checks against.
 from jrl.losses import advantages as _advantages
 from jrl.losses import importance as _importance  # noqa: F401  (registers IS modes)
+from jrl.losses import cispo as _cispo  # noqa: F401  (registers the objectives validation checks against)
 from jrl.losses import policy as _policy
+from jrl.losses import sapo as _sapo  # noqa: F401
+from jrl.losses import vespo as _vespo  # noqa: F401
 from jrl.losses.registry import ADVANTAGE_ESTIMATORS, IS_MODES, LOSS_TYPES, OBJECTIVES
 from jrl.validation import invalid, is_real
 
@@ -41,8 +45,10 @@ class GRPOConfig:
 
     # --- policy loss (§3–§5) ---
     objective: str = "ppo_clip"
-    """Registered per-token surrogate: ``ppo_clip`` (GRPO / DAPO / GSPO clipped ratio) or ``cispo``
-    (clipped, gradient-stopped IS weight times logπ; :mod:`jrl.losses.cispo`)."""
+    """Registered per-token surrogate: ``ppo_clip`` (GRPO / DAPO / GSPO clipped ratio), ``cispo`` (capped,
+    gradient-stopped IS weight times logπ; :mod:`jrl.losses.cispo`), ``sapo`` (sigmoid-gated ratio;
+    :mod:`jrl.losses.sapo`) or ``vespo`` (gamma-weighted sequence REINFORCE; :mod:`jrl.losses.vespo`).
+    docs/algorithms/grpo.md §4 maps each to TRL's ``loss_type`` and parameters."""
     loss_type: str = "dapo"
     """Registered aggregation: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (§5; normalisers §12.3)."""
     max_completion_length: int | None = None
@@ -50,9 +56,22 @@ class GRPOConfig:
     epsilon: float = 0.2
     """ε_low: lower clip bound 1 − ε."""
     epsilon_high: float | None = None
-    """ε_high: upper clip bound 1 + ε_high; None means = ``epsilon`` (DAPO clip-higher uses 0.28)."""
+    """ε_high: upper clip bound 1 + ε_high; None means = ``epsilon`` (DAPO clip-higher uses 0.28). With
+    ``objective='cispo'`` it is the absolute cap ε_max of the IS weight, as in TRL (None: 5.0)."""
     delta: float | None = None
     """Two-sided GRPO cap δ on the unclipped branch, min(ρ, δ)·A (§4); must be > 1. None: off."""
+    sapo_temperature_pos: float = 1.0
+    """``objective='sapo'``: gate temperature τ for tokens with A > 0 (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """``objective='sapo'``: gate temperature τ for tokens with A ≤ 0 (TRL's default)."""
+    vespo_k_pos: float = 2.0
+    """``objective='vespo'``: gamma shape k for sequences with A ≥ 0."""
+    vespo_lambda_pos: float = 3.0
+    """``objective='vespo'``: gamma rate λ for sequences with A ≥ 0."""
+    vespo_k_neg: float = 3.0
+    """``objective='vespo'``: gamma shape k for sequences with A < 0."""
+    vespo_lambda_neg: float = 2.0
+    """``objective='vespo'``: gamma rate λ for sequences with A < 0."""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
     """PPO ratio level: per token (§3.1), per sequence (GSPO, §3.2) or GSPO-token (§3.3)."""
 
@@ -138,6 +157,7 @@ class GRPOConfig:
             raise invalid("GRPOConfig", "epsilon_high", self.epsilon_high, "use e.g. 0.28, or None", why="it must be >= 0 or None")
         if self.delta is not None and (not is_real(self.delta) or self.delta <= 1.0):
             raise invalid("GRPOConfig", "delta", self.delta, "use a value above 1 + epsilon_high (e.g. 2.0), or None", why="the cap on the unclipped ratio must be > 1")
+        self._check_objective_fields()
         if self.importance_sampling_level not in _policy.IMPORTANCE_SAMPLING_LEVELS:
             raise invalid("GRPOConfig", "importance_sampling_level", self.importance_sampling_level, f"use one of {_policy.IMPORTANCE_SAMPLING_LEVELS}", why="unknown value")
         if not is_real(self.beta) or self.beta < 0.0:
@@ -166,3 +186,36 @@ class GRPOConfig:
             raise invalid("GRPOConfig", "off_policy_mask_threshold", t, "use e.g. 0.5, or None", why="it must be a finite number or None")
         if self.metrics not in ("basic", "full"):
             raise invalid("GRPOConfig", "metrics", self.metrics, "use 'basic' or 'full'", why="unknown level")
+
+    def _check_objective_fields(self) -> None:
+        """Each objective's own parameters: valid under it, left at their defaults under the others."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for owner, names in OBJECTIVE_FIELDS.items():
+            for name in names:
+                value = getattr(self, name)
+                if self.objective != owner and value != defaults[name]:
+                    raise invalid("GRPOConfig", name, value, f"leave it at {defaults[name]!r} or set objective='{owner}'",
+                                  why=f"only objective='{owner}' reads it (objective={self.objective!r})")
+                positive = name.startswith(("sapo_temperature", "vespo_lambda"))
+                if not is_real(value) or value < 0.0 or (positive and value == 0.0):
+                    raise invalid("GRPOConfig", name, value, f"use e.g. {defaults[name]!r}",
+                                  why="it must be a finite number " + ("> 0" if positive else ">= 0"))
+        if self.delta is not None and self.objective != "ppo_clip":
+            raise invalid("GRPOConfig", "delta", self.delta, "leave it None",
+                          why=f"only objective='ppo_clip' reads it (objective={self.objective!r})")
+        if self.objective == "vespo" and self.importance_sampling_level != "token":
+            raise invalid("GRPOConfig", "importance_sampling_level", self.importance_sampling_level, "use 'token'",
+                          why="vespo weighs each sequence by its own product of token ratios")
+        if self.objective == "cispo" and self.epsilon_high is not None and self.epsilon_high < 1.0:
+            warnings.warn(
+                f"GRPOConfig.epsilon_high={self.epsilon_high} with objective='cispo' caps the IS weight at "
+                f"{self.epsilon_high}, below 1, so every on-policy token is scaled down: CISPO's cap is absolute "
+                "(TRL's epsilon_high, ScaleRL's epsilon_max, e.g. 5.0), not ppo_clip's 1 + epsilon_high",
+                UserWarning, stacklevel=3)
+
+
+#: The parameters read by one objective only (refused under the others).
+OBJECTIVE_FIELDS = {
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}

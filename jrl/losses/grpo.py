@@ -135,7 +135,7 @@ def grpo_loss(
 
     # 2. ratio and the registered objective (``ppo_clip``: the clipped surrogate)
     rho, log_rho = policy.policy_ratio(lp, old, m, cfg.importance_sampling_level)
-    per_token = OBJECTIVES.get(cfg.objective)(rho, lp, adv, cfg)
+    per_token = OBJECTIVES.get(cfg.objective)(rho, lp, adv, cfg, mask=m)
     out: dict[str, jax.Array] = {}
 
     samp = None if inputs.sampler_logprobs is None else to_float(inputs.sampler_logprobs)

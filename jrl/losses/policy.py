@@ -221,9 +221,9 @@ def clipped_surrogate(
 
 
 @register_objective("ppo_clip")
-def ppo_clip_objective(ratio: jax.Array, logprobs: jax.Array, advantages: jax.Array, config) -> jax.Array:
+def ppo_clip_objective(ratio: jax.Array, logprobs: jax.Array, advantages: jax.Array, config, mask=None) -> jax.Array:
     """The PPO clipped surrogate of GRPO / DAPO / GSPO (:func:`clipped_surrogate` with the config's ε, δ)."""
-    del logprobs  # the ratio carries the gradient
+    del logprobs, mask  # the ratio carries the gradient; per token
     return clipped_surrogate(ratio, advantages, config.epsilon_low, config.effective_epsilon_high, config.delta)
 
 

@@ -149,7 +149,7 @@ def _vllm_backend_reads(cfg: TrainConfig, tmp: Path) -> None:
 
 def _split_run_reads(cfg: TrainConfig, tmp: Path) -> None:
     """A ``mode='train'`` run of ``cfg`` fed by one explorer (``mode='explore'``) in a thread of this process, every
-    ``explore`` field set."""
+    ``explore`` field set; its trainer uses the ``sapo`` objective."""
     from jrl.train.exploration import explore
     from jrl.train.explore_config import ExploreConfig
     from jrl.train.trainer import train
@@ -158,7 +158,9 @@ def _split_run_reads(cfg: TrainConfig, tmp: Path) -> None:
                             name="walker", max_queued=3, max_batches=50, timeout_s=120.0, keep_versions=2)
     trainer = dataclasses.replace(cfg, mode="train", explore=section, output_dir=str(tmp / "split"), rollout=
                                   RolloutConfig(max_new_tokens=6), eval_every=0, eval=EvalConfig(),
-                                  reroll=RerollConfig(), wandb=WandbConfig())
+                                  reroll=RerollConfig(), wandb=WandbConfig(),
+                                  algo=dataclasses.replace(cfg.algo, objective="sapo", sapo_temperature_pos=1.5,
+                                                           sapo_temperature_neg=2.0))
     errors = []
 
     def explorer():
@@ -239,6 +241,10 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
             backend="vllm", vllm=VLLMConfig(base_urls=("http://127.0.0.1:9",), startup_timeout=0.2, max_retries=0))),
             tmp_path)
         _split_run_reads(runs[0], tmp_path)
+        train(dataclasses.replace(runs[0], max_steps=1, output_dir=str(tmp_path / "vespo"), eval_every=0,
+                                  eval=EvalConfig(), wandb=WandbConfig(), algo=GRPOConfig(num_generations=2, objective="vespo", vespo_k_pos=1.5,
+                                                  vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)),
+              progress=False)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
     # dataset (tests/data reads them); for these runs' built-in source they are refused.

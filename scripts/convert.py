@@ -4,6 +4,7 @@
 import sys
 
 from jrl.cli.convert import convert, demo, main, verify  # noqa: F401
+from jrl.errors import report
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report(main))

@@ -3,6 +3,7 @@
 import sys
 
 from jrl.cli.explore import main
+from jrl.errors import report
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report(main))

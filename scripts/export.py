@@ -3,6 +3,7 @@
 import sys
 
 from jrl.cli.export import main  # noqa: F401
+from jrl.errors import report
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report(main))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from jrl.errors import report
+
 #: Subcommand → module whose ``main(argv)`` runs it, and what it does.
 COMMANDS = {
     "train": ("jrl.cli.train", "train with GRPO or EBFT from a config file (--config FILE, tyro overrides)"),
@@ -19,7 +21,8 @@ COMMANDS = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
-    return "usage: jrl COMMAND [ARGS...]\n\ncommands:\n" + "\n".join(lines) + "\n\n'jrl COMMAND --help' for its options"
+    return ("usage: jrl COMMAND [ARGS...] [--debug]\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n'jrl COMMAND --help' for its options; --debug prints the traceback of any error")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,4 +35,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jrl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     sys.argv = [f"jrl {name}", *rest]  # what the command's --help and errors call it
-    return importlib.import_module(COMMANDS[name][0]).main(rest)
+    return report(importlib.import_module(COMMANDS[name][0]).main, rest)

@@ -6,7 +6,8 @@ and the model and LoRA settings (written by :meth:`jrl.train.trainer.Trainer.sav
 
 Atomicity: orbax writes each step into a temporary directory and renames it into place when it is
 complete, and :meth:`CheckpointManager.latest_step` only lists finalised steps; a crash mid-save
-leaves the previous checkpoint as the latest. A finalised checkpoint damaged later (a truncated file) is
+leaves the previous checkpoint as the latest; a checkpoint that would not fit on the disk is refused before it is
+written, and a failed write's temporary directory is removed. A finalised checkpoint damaged later (a truncated file) is
 caught when it is restored: :meth:`TrainCheckpointer.restore` then falls back to the next older one.
 
 Several processes save and restore together (every process calls :meth:`TrainCheckpointer.save` and
@@ -17,16 +18,30 @@ global arrays, so a run of another process count or mesh restores it.
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jrl.errors import DiskFullError, UserError, free_bytes
 from jrl.sharding import barrier, is_main_process
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointRestoreError(UserError, RuntimeError):
+    """No checkpoint restores (damaged, or from a run with other model / LoRA settings)."""
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of every array in ``tree`` (global arrays: their whole size)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
 
 
 def _one_line(error: Exception, limit: int = 240) -> str:
@@ -49,12 +64,40 @@ class TrainCheckpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
-        """Write checkpoint ``step`` and wait until it is finalised on disk."""
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+        """Write checkpoint ``step`` and wait until it is finalised on disk.
+
+        A checkpoint that does not fit on the disk raises :class:`jrl.errors.DiskFullError` before anything is
+        written (the arrays' bytes against the free space); a write that fails anyway leaves no partial directory
+        behind. Either way the previous checkpoint stays the latest."""
+        needed = _nbytes((params, opt_state)) + len(json.dumps(meta))
+        needed += max(2**20, needed // 50)  # the writer's metadata and file-system blocks
+        free = free_bytes(self.directory)
+        if free is not None and needed > free:
+            raise DiskFullError(self.directory, needed, f"checkpoint {step}", after=self._previous_note())
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave(meta)))
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._discard_partial(step)
+            if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
+                raise DiskFullError(self.directory, needed, f"checkpoint {step}", after=self._previous_note()) from e
+            raise
+
+    def _previous_note(self) -> str:
+        latest = self.latest_step()
+        if latest is None:
+            return "; no earlier checkpoint exists"
+        return f"; checkpoint {latest} is intact and --resume continues from it"
+
+    def _discard_partial(self, step: int) -> None:
+        """Remove what a failed save of ``step`` left (orbax's temporary directories of that step)."""
+        if is_main_process():
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        barrier(f"jrl-checkpoint-discarded-{step}")
 
     def restore(self, params_like: Any, opt_state_like: Any, step: int | None = None):
         """(params, opt_state, meta) of ``step``, placed like the given trees. Without ``step``: the newest
@@ -74,7 +117,7 @@ class TrainCheckpointer:
             except Exception as e:  # whatever orbax / tensorstore raise on a damaged file
                 reason = _one_line(e)
                 if step is not None:
-                    raise RuntimeError(f"checkpoint {step} in {self.directory} is damaged: {reason}") from e
+                    raise CheckpointRestoreError(f"checkpoint {step} in {self.directory} is damaged: {reason}") from e
                 failed.append((candidate, reason))
                 continue
             # An older checkpoint restores, so the newer ones are damaged (not a mismatch with this run's
@@ -83,9 +126,9 @@ class TrainCheckpointer:
                 logger.warning("checkpoint %d is damaged (%s); moved to %s, resuming from checkpoint %d", bad,
                                reason, self._move_aside(bad), candidate)
             return restored
-        raise RuntimeError(f"no checkpoint in {self.directory} restores (a damaged file, or a run whose model / "
-                           "LoRA settings differ from the checkpoint's): "
-                           + "; ".join(f"{s} ({r})" for s, r in failed))
+        raise CheckpointRestoreError(
+            f"no checkpoint in {self.directory} restores (a damaged file, or a run whose model / LoRA settings differ "
+            "from the checkpoint's): " + "; ".join(f"{s} ({r})" for s, r in failed))
 
     def _move_aside(self, step: int) -> Path:
         """Rename the damaged checkpoint ``step`` to ``damaged-<step>[-n]`` (kept for inspection, out of the

@@ -164,19 +164,49 @@ class MetricsWriter:
             self._tb.close()
 
 
-def plot_curves(history: list[dict], out_file: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss")) -> Path:
-    """A PNG with one panel per metric in ``keys`` against ``step`` (matplotlib, Agg backend)."""
+def smooth(values: list[float]) -> list[float]:
+    """An exponential moving average of ``values`` with a span of about a tenth of them (2 to 50 points),
+    bias-corrected so that the first points are not pulled towards 0."""
+    span = min(50, max(2, len(values) // 10))
+    alpha, avg, weight, out = 2.0 / (span + 1), 0.0, 0.0, []
+    for v in values:
+        avg, weight = (1 - alpha) * avg + alpha * v, (1 - alpha) * weight + alpha
+        out.append(avg / weight)
+    return out
+
+
+def plot_curves(history: list[dict], out_file: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss"), *,
+                eval_history: list[dict] = (), best_reward: float | None = None) -> Path:
+    """A PNG with one panel per metric in ``keys`` against ``step``: each step's value as faint points under a smoothed
+    line (:func:`smooth`); a panel of the held-out ``eval/<decoding>/reward/mean`` when ``eval_history`` has any; the
+    reward's best possible value (``best_reward``, see :func:`jrl.train.rewards.best_total`) as a dashed line on the
+    reward panels. matplotlib, Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
-    for ax, key in zip(axes if len(keys) > 1 else [axes], keys):
-        pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker=".")
-        ax.set_title(key)
+    eval_keys = sorted({k for h in eval_history for k in h if k.startswith("eval/") and k.endswith("/reward/mean")})
+    panels = [*keys, *(["eval"] if eval_keys else [])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "eval":
+            for k in eval_keys:
+                pts = [(h["step"], h[k]) for h in eval_history if h.get(k) is not None]
+                ax.plot(*zip(*pts), marker="o", label=k.split("/")[1])
+            ax.legend(loc="best", fontsize="small")
+            ax.set_title("held-out reward/mean")
+        else:
+            pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+            if pts:
+                steps, values = zip(*pts)
+                ax.plot(steps, values, ".", color="tab:blue", alpha=0.25, markersize=4)
+                ax.plot(steps, smooth(list(values)), color="tab:blue", linewidth=1.8)
+            ax.set_title(key)
+        if best_reward is not None and (key == "eval" or key.startswith("reward/mean")):
+            ax.axhline(best_reward, color="tab:green", linestyle="--", linewidth=1)
+            ax.annotate(f"best {best_reward:g}", (0.01, best_reward), xycoords=("axes fraction", "data"),
+                        va="bottom", fontsize="small", color="tab:green")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()

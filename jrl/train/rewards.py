@@ -387,6 +387,15 @@ def compute_rewards(
     return out, names
 
 
+def best_total(fns: Sequence[Callable], weights: Sequence[float] | None = None) -> float | None:
+    """The best possible weighted reward sum, when every function declares its best value as a ``max_reward``
+    attribute (e.g. ``exact_match.max_reward = 1.0``); None when one does not."""
+    best = [getattr(fn.fn if isinstance(fn, RewardFunction) else fn, "max_reward", None) for fn in fns]
+    if not fns or any(not isinstance(b, (int, float)) or isinstance(b, bool) for b in best):
+        return None
+    return float(np.dot(resolve_weights(fns, weights).astype(np.float64), best))
+
+
 def resolve_weights(fns: Sequence[Callable], weights: Sequence[float] | None) -> np.ndarray:
     """Weights as float32 ``[F]``: ``weights`` if given (checked), else each function's own."""
     if weights is None:

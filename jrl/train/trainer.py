@@ -57,6 +57,7 @@ from jrl.train.evaluation import split_eval_prompts
 from jrl.train.exploration import QueueSource
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
+from jrl.train.rewards import best_total, load_reward_functions
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
 from jrl.train.rollout_source import RolloutSource, make_rollout_engine
@@ -229,8 +230,15 @@ class Trainer:
                 sink.close()
         history = writer.history()
         if main:
-            plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys)
+            plot_curves(history, self.out_dir / "curves.png", keys=algorithm.plot_keys,
+                        eval_history=eval_writer.history() if eval_writer else [], best_reward=self._best_reward())
         return history
+
+    def _best_reward(self) -> float | None:
+        """The best possible reward of the run's reward functions (when they declare it and the algorithm uses them)."""
+        if "rewards" in self.algorithm.ignores:
+            return None
+        return best_total(load_reward_functions(self.cfg.rewards), self.cfg.algo.reward_weights)
 
     def close(self) -> None:
         self.source.close()

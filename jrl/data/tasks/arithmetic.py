@@ -165,9 +165,15 @@ def exact_match(prompts, completions, completion_ids=None, *, answer, **kwargs) 
     return [1.0 if g is not None and g == e else 0.0 for g, e in zip(got, expected)]
 
 
+exact_match.max_reward = 1.0  # the best value, drawn on the run's curves.png
+
+
 def format_reward(prompts, completions, completion_ids=None, **kwargs) -> list[float]:
     """1.0 where the whole completion (whitespace-stripped) is ``<answer>INTEGER</answer>``."""
     return [1.0 if FORMAT_RE.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+format_reward.max_reward = 1.0
 
 
 #: Reward import paths of this task, for configs.

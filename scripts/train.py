@@ -2,7 +2,8 @@
 
 import sys
 
-from jrl.cli.train import SUMMARY_METRICS, main, parse_config, summary  # noqa: F401
+from jrl.cli.train import main, parse_config, summary  # noqa: F401
+from jrl.errors import report
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report(main))

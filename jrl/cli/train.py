@@ -21,11 +21,6 @@ import os
 import sys
 from pathlib import Path
 
-#: Metrics of the last logged step that the closing summary prints, per kind of run.
-SUMMARY_METRICS = {"grpo": ("reward/mean",), "ebft_structured": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward"),
-                   "ebft_strided": ("ebft/alignment", "ebft/cfm_loss", "ebft/reward")}
-
-
 def parse_config(argv: list[str]):
     """(TrainConfig) from ``--config FILE`` plus tyro overrides in ``argv``."""
     import tyro
@@ -44,9 +39,11 @@ def parse_config(argv: list[str]):
 
 
 def summary(cfg, history: list[dict]) -> str:
-    """The closing line of a run: steps logged, the run kind's :data:`SUMMARY_METRICS` of the last step
-    (those it logged), and where the log and the plot are."""
-    keys = SUMMARY_METRICS[cfg.algorithm]
+    """The closing line of a run: steps logged, the algorithm's ``summary_keys`` of the last step (those it logged),
+    and where the log and the plot are."""
+    from jrl.train.algorithms import ALGORITHMS
+
+    keys = ALGORITHMS.get(cfg.algorithm).summary_keys
     last = history[-1]
     values = ", ".join(f"{k} {last[k]:.4f}" for k in keys if last.get(k) is not None)
     return (f"done: {len(history)} steps logged in {cfg.output_dir}/metrics.jsonl; "

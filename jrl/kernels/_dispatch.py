@@ -111,7 +111,7 @@ def select(
                 f"{kernel} impl {impl!r} cannot run here: {reason}. "
                 f"Runnable on backend {here!r}: {', '.join(repr(n) for n in ['auto', *runnable])}"
             )
-        log_once(logging.INFO, (kernel, here, impl, config), "jrl.kernels.%s: using %r on %s (requested) for %s",
+        log_once(logging.DEBUG, (kernel, here, impl, config), "jrl.kernels.%s: using %r on %s (requested) for %s",
                  kernel, impl, here, config)
         return impl, spec.load()
     skipped = []
@@ -120,7 +120,7 @@ def select(
         reason = _why_unavailable(spec, here, call_check)
         if reason is None:
             extra = f"; skipped {'; '.join(skipped)}" if skipped else ""
-            level = logging.WARNING if skipped and any("import failed" in s for s in skipped) else logging.INFO
+            level = logging.WARNING if skipped and any("import failed" in s for s in skipped) else logging.DEBUG
             log_once(level, (kernel, here, "auto", config), "jrl.kernels.%s: using %r on %s for %s%s",
                      kernel, name, here, config, extra)
             return name, spec.load()

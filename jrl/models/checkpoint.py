@@ -38,7 +38,7 @@ from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
 from jrl.models.lora import has_lora
 from jrl.models.transformer import Transformer, named_params, param_units, unit_placer
-from jrl.sharding.placement import to_host
+from jrl.sharding.placement import check_placement, to_host
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -330,6 +330,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
                          grad_reduce_dtype=grad_reduce_dtype)
     files = _weight_files(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
+    if mesh is not None:
+        check_placement(model, mesh, rules)
     model.source_dir = str(path.resolve())
     params = named_params(model)
     tasks = _plan(config, params, _tensor_headers(files))

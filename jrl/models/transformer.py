@@ -30,7 +30,7 @@ from jrl.kernels.logprobs import fused_head_loss
 from jrl.models import fsdp, router_stats
 from jrl.models.moe import MoE
 from jrl.models.remat import remat
-from jrl.sharding.placement import from_host
+from jrl.sharding.placement import check_placement, from_host
 from jrl.sharding.rules import DEFAULT_RULES, logical_sharding
 
 _RESIDUAL = ("batch", "activation_length", "embed")
@@ -441,6 +441,8 @@ def create_model(config: ModelConfig, *, seed: int = 0, mesh=None, rules: Mappin
     ``(seed, index)``, so the values depend neither on the mesh nor on ``scan_layers``) and placed sharded by
     their logical axes when ``mesh`` is given."""
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
+    if mesh is not None:
+        check_placement(model, mesh, rules)
     params = named_params(model)
     units = param_units(config, params)
     by_name = sorted(units, key=lambda unit: unit_name(*unit))  # the same values stacked or not

@@ -123,10 +123,11 @@ def pad_columns(x, width: int, value, *, left: bool = False) -> np.ndarray:
     return np.pad(x, ((0, 0), (extra, 0) if left else (0, extra)), constant_values=value)
 
 
-def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """One batch of the rows of ``parts`` (in order, all of one policy version): prompts left-padded to the
-    longest, completions right-padded (``pad_id``, mask 0, NaN log-probs) to the longest."""
-    versions = {p.policy_version for p in parts}
+def concat_rollouts(parts: list[RolloutBatch], pad_id: int, *, policy_version: int | None = None) -> RolloutBatch:
+    """One batch of the rows of ``parts`` (in order): prompts left-padded to the longest, completions right-padded
+    (``pad_id``, mask 0, NaN log-probs) to the longest. The parts must share one policy version, unless
+    ``policy_version`` tags the joined batch (e.g. the oldest of them)."""
+    versions = {p.policy_version for p in parts} if policy_version is None else {policy_version}
     if len(versions) != 1:
         raise ValueError(f"cannot join rollout batches of different policy versions {sorted(versions)}")
     lp = max(p.prompt_ids.shape[1] for p in parts)

@@ -28,6 +28,7 @@ from jrl.sharding.memory import MemoryReport, device_bytes, memory_report
 from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, make_mesh
 from jrl.sharding.placement import (
     HostPack,
+    check_placement,
     from_host,
     gather_to_host,
     host_copy,
@@ -51,6 +52,7 @@ from jrl.sharding.rules import (
     logical_sharding,
     logical_to_spec,
     merge_rules,
+    undivided_dims,
     with_logical_constraint,
 )
 
@@ -65,6 +67,7 @@ __all__ = [
     "any_process",
     "barrier",
     "batch_sharding",
+    "check_placement",
     "device_bytes",
     "device_grid",
     "from_host",
@@ -92,6 +95,7 @@ __all__ = [
     "state_specs",
     "to_host",
     "unknown_logical_axes",
+    "undivided_dims",
     "unpack",
     "variable_spec",
     "with_logical_constraint",

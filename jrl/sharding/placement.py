@@ -9,6 +9,7 @@ on plain pytrees of arrays.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -18,9 +19,10 @@ from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec
+from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec, undivided_dims
 
 Rules = Mapping[str, MeshAxes]
+logger = logging.getLogger("jrl.sharding")
 
 
 def _is_variable(x: Any) -> bool:
@@ -103,6 +105,7 @@ def shard_model(model: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
     copy is returned). For a model too large for one device use :func:`init_sharded` instead, which
     never materialises the unsharded parameters."""
     state = _as_state(model)
+    check_placement(state, mesh, rules)
     placed = jax.device_put(state, state_shardings(state, mesh, rules))
     if isinstance(model, nnx.Module):
         nnx.update(model, placed)
@@ -125,6 +128,7 @@ def init_sharded(factory: Callable[[], Any], mesh: Mesh, rules: Rules | None = N
             "create the Rngs inside the factory, e.g. lambda: Model(cfg, rngs=nnx.Rngs(0))"
         ) from e
     graphdef, abstract_state = nnx.split(abstract)
+    check_placement(abstract_state, mesh, rules)
     shardings = state_shardings(abstract_state, mesh, rules)
 
     def build():
@@ -319,6 +323,43 @@ def host_copy(model: nnx.Module, only: Any = None) -> nnx.Module:
         return nnx.merge(graphdef, gather_to_host(state))
     graphdef, chosen, rest = nnx.split(model, only, ...)
     return nnx.merge(graphdef, gather_to_host(chosen), rest)
+
+
+def check_placement(tree: Any, mesh: Mesh, rules: Rules | None = None) -> list[str]:
+    """The guardrails of placing ``tree`` (a module, an abstract one from ``nnx.eval_shape`` too) on ``mesh``: a
+    logical name the rules do not know is an error naming the parameters; a dimension its rule would shard but whose
+    size does not divide the mesh axes stays replicated, and is named in one warning (once per mesh and rules) with
+    the bytes per device that costs. Returns the warned lines."""
+    rules = DEFAULT_RULES if rules is None else rules
+    unknown = unknown_logical_axes(tree, rules)
+    if unknown:
+        names = sorted({a for axes in unknown.values() for a in axes if a is not None and a not in rules})
+        raise ValueError(f"logical axis names {names} have no sharding rule (parameters {sorted(unknown)[:5]}); add "
+                         "them to MeshConfig.rules, e.g. (('name', None),) to replicate them")
+    lines, extra = [], 0
+    for path, x in jax.tree_util.tree_leaves_with_path(_as_state(tree), is_leaf=_is_variable):
+        axes = x.get_metadata().get("logical_axes") if _is_variable(x) else None
+        if axes is None:
+            continue
+        value = _var_value(x)
+        shape, itemsize = tuple(value.shape), np.dtype(value.dtype).itemsize
+        for dim, name, mesh_axes, size in undivided_dims(tuple(axes), mesh, rules, shape):
+            spec = logical_to_spec(tuple(axes), mesh, rules, shape)
+            shards = int(np.prod([mesh.shape[a] for p in spec if p for a in ((p,) if isinstance(p, str) else p)]))
+            per_device = int(np.prod(shape)) * itemsize // shards
+            extra += per_device - per_device // size
+            lines.append(f"{path_str(path)} dim {dim} ({name!r}, {shape[dim]}) over {'x'.join(mesh_axes)}={size}")
+    key = (tuple(mesh.shape.items()), tuple(sorted((k, str(v)) for k, v in rules.items())), tuple(lines))
+    if lines and key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning("%d parameter dimension(s) stay replicated because their size does not divide their mesh axes "
+                       "(%.1f MiB more per device than sharded): %s%s; pad them or map their logical name elsewhere "
+                       "in MeshConfig.rules", len(lines), extra / 2**20, "; ".join(lines[:4]),
+                       f" and {len(lines) - 4} more" if len(lines) > 4 else "")
+    return lines
+
+
+_WARNED: set = set()
 
 
 def unknown_logical_axes(tree: Any, rules: Rules | None = None) -> dict[str, tuple]:

@@ -21,7 +21,7 @@ MeshAxes = str | tuple[str, ...] | None
 #: and the MoE layers exchange tokens between the expert shards.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
-    "activation_length": "sequence",
+    "activation_length": None,
     "embed": "fsdp",
     "vocab": "tensor",
     "mlp": "tensor",
@@ -58,11 +58,28 @@ def logical_to_spec(
 
     A mesh axis is used at most once per tensor (the first dimension that asks for it wins), axes of
     size 1 are dropped, and when ``shape`` is given a dimension that does not divide evenly by its mesh
-    axes stays replicated rather than failing at placement time.
+    axes stays replicated rather than failing at placement time (:func:`undivided_dims` lists them; model
+    placement warns of them, :func:`jrl.sharding.check_placement`).
     """
+    return _resolve(logical_axes, mesh, rules, shape)[0]
+
+
+def undivided_dims(
+    logical_axes: Sequence[str | None],
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] | None,
+    shape: Sequence[int],
+) -> list[tuple[int, str, tuple[str, ...], int]]:
+    """(dimension, logical name, mesh axes, their size) of each dimension of a ``shape`` tensor that its rule would
+    shard but that stays replicated because its size does not divide by the mesh axes' product."""
+    return _resolve(logical_axes, mesh, rules, shape)[1]
+
+
+def _resolve(logical_axes, mesh, rules, shape):
     rules = DEFAULT_RULES if rules is None else rules
     used: set[str] = set()
     spec: list[MeshAxes] = []
+    undivided = []
     for dim, name in enumerate(logical_axes):
         target = rules.get(name) if name is not None else None
         axes = (target,) if isinstance(target, str) else tuple(target or ())
@@ -72,10 +89,11 @@ def logical_to_spec(
             for a in axes:
                 size *= mesh.shape[a]
             if shape[dim] % size:
+                undivided.append((dim, name, axes, size))
                 axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*spec)
+    return PartitionSpec(*spec), undivided
 
 
 def logical_sharding(

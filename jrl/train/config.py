@@ -25,6 +25,7 @@ from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
 from jrl.train.explore_config import ExploreConfig
 from jrl.train.observability import WandbConfig
+from jrl.train.optim_config import OptimConfig
 from jrl.train.replay import ReplayConfig
 from jrl.train.reroll import RerollConfig
 from jrl.train.rewards import RewardSpec
@@ -82,50 +83,6 @@ class ModelSpec:
         check_choice(self, "remat", REMAT_NAMES)
         if self.grad_reduce_dtype is not None:
             check_choice(self, "grad_reduce_dtype", DTYPES)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with warmup + schedule, global-norm clipping and gradient accumulation."""
-
-    learning_rate: float = 1e-5
-    """Peak learning rate."""
-    b1: float = 0.9
-    """Adam beta1."""
-    b2: float = 0.999
-    """Adam beta2."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW)."""
-    warmup_steps: int = 0
-    """Linear warmup from 0 to ``learning_rate`` over this many optimizer steps."""
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """Learning-rate shape after warmup, decaying to 0 at ``max_steps`` for cosine/linear."""
-    max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this (None = no clipping)."""
-    micro_batch_size: int | None = None
-    """Sequences per forward/backward pass; the step's ``prompts_per_batch x num_generations``
-    sequences are split into micro-batches whose gradients are summed (None = one micro-batch)."""
-    router_aux_loss_coef: float = 0.0
-    """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
-    balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""
-    router_z_loss_coef: float = 0.0
-    """MoE models: weight of the router z-loss (mean ``logsumexp(router logits)²``) added to every update's loss;
-    0 = off."""
-
-    def __post_init__(self):
-        check_real(self, "learning_rate", gt=0, fix="use a finite number > 0")
-        check_real(self, "eps", gt=0, fix="use a finite number > 0")
-        check_real(self, "b1", ge=0, lt=1, fix="use a number in [0, 1)")
-        check_real(self, "b2", ge=0, lt=1, fix="use a number in [0, 1)")
-        check_real(self, "weight_decay", ge=0, fix="use a number >= 0")
-        check_int(self, "warmup_steps", lo=0)
-        check_choice(self, "schedule", ("constant", "cosine", "linear"))
-        check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
-        check_int(self, "micro_batch_size", lo=1, optional=True)
-        check_real(self, "router_aux_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
-        check_real(self, "router_z_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +218,7 @@ class TrainConfig:
     events, plot and checkpoints (without it, or ``resume``, such a directory is an error)."""
 
     def __post_init__(self):
-        from jrl.train.algorithms import ALGORITHMS  # the algorithms import this module
+        from jrl.train.algorithms import ALGORITHMS
 
         if self.algorithm not in ALGORITHMS:
             raise invalid("TrainConfig", "algorithm", self.algorithm, f"use one of {ALGORITHMS.names()} "

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from jrl.data.pipeline import PromptLoader, build_prompt_dataset
-from jrl.rollout.base import RolloutBatch, pad_columns
+from jrl.rollout.base import RolloutBatch, concat_rollouts
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.algorithms.grpo import ScoredRollout, rollout_metrics
 from jrl.train.async_rollout import ProducedRollout
@@ -83,17 +83,12 @@ def scored_rollout(groups: list[ExperienceGroup], *, pad_id: int, group_size: in
                              f"{list(grp.reward_names)}; this trainer has algo.num_generations={group_size} and "
                              f"{num_rewards} reward functions {list(groups[0].reward_names)}: start explorers and "
                              "trainer with the same config")
-    lp = max(len(grp.prompt_ids) for grp in groups)
-    t = max(grp.completion_ids.shape[1] for grp in groups)
-    rows = [np.repeat(grp.prompt_ids[None], group_size, 0) for grp in groups]
-    rollout = RolloutBatch(
-        prompt_ids=np.concatenate([pad_columns(x, lp, pad_id, left=True) for x in rows]),
-        prompt_mask=np.concatenate([pad_columns(np.ones_like(x), lp, 0, left=True) for x in rows]),
-        completion_ids=np.concatenate([pad_columns(grp.completion_ids, t, pad_id) for grp in groups]),
-        completion_mask=np.concatenate([pad_columns(grp.completion_mask, t, 0) for grp in groups]),
-        sampling_logprobs=np.concatenate([pad_columns(grp.sampling_logprobs, t, np.nan) for grp in groups]),
-        truncated=np.concatenate([grp.truncated for grp in groups]),
-        policy_version=min(grp.policy_version for grp in groups))
+    prompts = [np.repeat(grp.prompt_ids[None], group_size, 0) for grp in groups]
+    parts = [RolloutBatch(prompt_ids=ids, prompt_mask=np.ones_like(ids),
+                          completion_ids=grp.completion_ids, completion_mask=grp.completion_mask,
+                          sampling_logprobs=grp.sampling_logprobs, truncated=grp.truncated,
+                          policy_version=grp.policy_version) for grp, ids in zip(groups, prompts)]
+    rollout = concat_rollouts(parts, pad_id, policy_version=min(grp.policy_version for grp in groups))
     return ScoredRollout(rollout, np.concatenate([grp.rewards for grp in groups]).astype(np.float32),
                          groups[0].reward_names)
 

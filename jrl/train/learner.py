@@ -39,7 +39,7 @@ from jrl.models import router_stats
 from jrl.models.lora import has_lora, lora_disabled, trainable_params
 from jrl.models.scan_outputs import uninitialized_scan_outputs
 from jrl.sharding import HostPack, batch_sharding, from_host, on_host, opt_state_shardings, to_host, unpack
-from jrl.train.config import OptimConfig
+from jrl.train.optim_config import OptimConfig
 
 
 class LossTerm(NamedTuple):
@@ -261,6 +261,12 @@ _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
+def row_slices(n: int, size: int | None) -> list[slice]:
+    """Slices of ``size`` rows covering ``n`` rows, the last one shorter when they do not divide (None: one slice)."""
+    size = size or n
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
 def take_rows(tree, sl: slice):
     """Rows ``sl`` of every array of a pytree of arrays with a leading row axis (``None`` leaves stay)."""
     return jax.tree.map(lambda x: x[sl], tree)
@@ -376,8 +382,7 @@ class Learner:
 
     def chunks(self, n: int) -> list[slice]:
         """Row slices of ``optim.micro_batch_size`` rows covering ``n`` rows (the last may be shorter)."""
-        mb = self.optim.micro_batch_size or n
-        return [slice(i, i + mb) for i in range(0, n, mb)]
+        return row_slices(n, self.optim.micro_batch_size)
 
     def micro_slices(self, n: int) -> list[slice]:
         """:meth:`chunks` of a step of ``n`` rows, which must split evenly into micro-batches."""

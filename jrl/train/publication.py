@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jrl.models.checkpoint import atomic_replace
 from jrl.models.lora import trainable_params
 from jrl.sharding import is_main_process
 from jrl.sharding.placement import iter_to_host, path_str
@@ -93,12 +94,14 @@ class WeightPublisher:
         tmp = self.root / f".{final.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "weights.safetensors"))
-        (tmp / "meta.json").write_text(json.dumps({"version": int(version), "lora": bool(lora),
-                                                   "tensors": len(tensors), "run": self.run_id()}))
-        if final.exists():  # a resumed run publishes a restored version again
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "weights.safetensors"))
+            (tmp / "meta.json").write_text(json.dumps({"version": int(version), "lora": bool(lora),
+                                                       "tensors": len(tensors), "run": self.run_id()}))
+            atomic_replace(tmp, final)  # a resumed run publishes a restored version again: the old one is replaced
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         (self.root / FINISHED).unlink(missing_ok=True)
         for old in published_versions(self.root)[:-self.keep]:
             shutil.rmtree(version_dir(self.root, old), ignore_errors=True)

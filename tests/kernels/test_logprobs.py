@@ -219,7 +219,7 @@ def test_triton_off_gpu_is_a_clear_error():
 def test_auto_picks_xla_on_cpu_and_logs_once(request, caplog):
     rng = rng_for(request)
     hidden, lm_head, targets, *_ = make_inputs(rng, 7, 8, 91, jnp.float32)
-    with caplog.at_level(logging.INFO, logger="jrl.kernels"):
+    with caplog.at_level(logging.DEBUG, logger="jrl.kernels"):
         lp1, _ = logprobs.token_logprobs(hidden, lm_head, targets)
         lp2, _ = logprobs.token_logprobs(hidden, lm_head, targets)
     lines = [r.getMessage() for r in caplog.records if "logprobs" in r.getMessage() and "(7, 8)" in r.getMessage()]

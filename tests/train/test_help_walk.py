@@ -242,7 +242,8 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
             tmp_path)
         _split_run_reads(runs[0], tmp_path)
         train(dataclasses.replace(runs[0], max_steps=1, output_dir=str(tmp_path / "vespo"), eval_every=0,
-                                  eval=EvalConfig(), wandb=WandbConfig(), algo=GRPOConfig(num_generations=2, objective="vespo", vespo_k_pos=1.5,
+                                  eval=EvalConfig(), wandb=WandbConfig(),
+                                  algo=GRPOConfig(num_generations=2, objective="vespo", vespo_k_pos=1.5,
                                                   vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)),
               progress=False)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)

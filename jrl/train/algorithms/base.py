@@ -36,6 +36,8 @@ class Algorithm(Protocol):
     """Label of the progress bar."""
     plot_keys: ClassVar[tuple[str, ...]]
     """Metrics of the final plot (``curves.png``)."""
+    summary_keys: ClassVar[tuple[str, ...]]
+    """Metrics of the last step that the command line's closing line prints."""
     samples_field: ClassVar[str]
     """The config field (dotted path) holding the samples per prompt: a step has ``prompts_per_batch`` x that
     rows."""

@@ -266,6 +266,7 @@ class EBFTStrided:
                "ebft.gt_length_multiplier", "ebft.adaptive_min_tokens")
     progress_desc = "ebft-strided"
     plot_keys = tuple(key for _, key in PROGRESS) + ("loss",)
+    summary_keys = tuple(key for _, key in PROGRESS)
     samples_field = "ebft.n_samples_per_prompt"
 
     def __init__(self, cfg, policy, learner):

@@ -117,6 +117,7 @@ class EBFTStructured:
                "ebft.min_completion_prefix")
     progress_desc = "ebft"
     plot_keys = ("reward/mean", "loss")
+    summary_keys = ("ebft/alignment", "ebft/cfm_loss", "ebft/reward")
     samples_field = "algo.num_generations"
 
     def __init__(self, cfg, policy, learner):

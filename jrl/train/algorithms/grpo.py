@@ -48,7 +48,7 @@ from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts
 from jrl.sharding import on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
-from jrl.train.learner import LossTerm, reduce_metrics, take_rows
+from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
 from jrl.train.replay import ReplayBuffer
 from jrl.train.reroll import RerollBuffer, all_fail_groups
 from jrl.train.reward_pool import RewardScorer, StartedScoring
@@ -209,8 +209,7 @@ class PolicyUpdate:
 
     def parts(self, n: int) -> list[slice]:
         """The rows of each optimizer update of one pass over a batch of ``n`` rows."""
-        size = self.docs or n
-        return [slice(i, i + size) for i in range(0, n, size)]
+        return row_slices(n, self.docs)
 
     def prepare(self, learner, batch: StepBatch) -> StepBatch:
         """``batch`` with the reference log-probs (``beta > 0``) and the old log-probs (more than one update per
@@ -404,6 +403,7 @@ class GRPO:
     ignores = ("ebft",)
     progress_desc = "grpo"
     plot_keys = ("reward/mean", "loss")
+    summary_keys = ("reward/mean",)
     samples_field = "algo.num_generations"
     explorer = GroupSampler
     """What an explorer process runs (``mode='explore'``, :mod:`jrl.train.exploration`)."""

@@ -1,0 +1,53 @@
+"""The optimizer's config (:class:`OptimConfig`): a leaf module, so the learner that reads it and the run config
+that holds it both import it without importing each other."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jrl.validation import check_choice, check_int, check_real
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup + schedule, global-norm clipping and gradient accumulation."""
+
+    learning_rate: float = 1e-5
+    """Peak learning rate."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to ``learning_rate`` over this many optimizer steps."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate shape after warmup, decaying to 0 at ``max_steps`` for cosine/linear."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (None = no clipping)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward pass; the step's ``prompts_per_batch x num_generations``
+    sequences are split into micro-batches whose gradients are summed (None = one micro-batch)."""
+    router_aux_loss_coef: float = 0.0
+    """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
+    balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""
+    router_z_loss_coef: float = 0.0
+    """MoE models: weight of the router z-loss (mean ``logsumexp(router logits)²``) added to every update's loss;
+    0 = off."""
+
+    def __post_init__(self):
+        check_real(self, "learning_rate", gt=0, fix="use a finite number > 0")
+        check_real(self, "eps", gt=0, fix="use a finite number > 0")
+        check_real(self, "b1", ge=0, lt=1, fix="use a number in [0, 1)")
+        check_real(self, "b2", ge=0, lt=1, fix="use a number in [0, 1)")
+        check_real(self, "weight_decay", ge=0, fix="use a number >= 0")
+        check_int(self, "warmup_steps", lo=0)
+        check_choice(self, "schedule", ("constant", "cosine", "linear"))
+        check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
+        check_int(self, "micro_batch_size", lo=1, optional=True)
+        check_real(self, "router_aux_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
+        check_real(self, "router_z_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")

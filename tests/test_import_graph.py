@@ -1,5 +1,6 @@
 """No import circle anywhere in ``jrl/``: the module graph of every ``import`` statement (module level and inside
-functions, where a circle used to hide) read from the source, must have no strongly connected component."""
+functions, where a circle used to hide) read from the source, must have no strongly connected component; and each
+room imports only the rooms below it (the layout table of docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,23 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     out.append(sorted(component))
     return out
+
+
+#: Rooms each room may import (besides the shared helpers :data:`HELPERS`).
+BELOW = {
+    "kernels": set(), "sharding": set(), "data": set(), "losses": {"kernels"}, "models": {"kernels", "sharding"},
+    "rollout": {"models", "data", "sharding"}, "rewards": {"sharding"}, "sources": {"rollout", "data"},
+    "train": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources"},
+    "cli": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "train"},
+}
+HELPERS = {"_lazy", "validation", "registry", "errors"}
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    wrong = sorted((a, b) for a, targets in import_graph().items() for b in targets
+                   if (ra := a.split(".")[1]) != (rb := b.split(".")[1]) and ra in BELOW
+                   and rb not in BELOW[ra] | HELPERS)
+    assert wrong == []
 
 
 def test_no_import_circle_in_jrl():

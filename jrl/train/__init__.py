@@ -1,8 +1,7 @@
-"""The training loop composed of parts (rollout source, algorithm, learner), the algorithms (GRPO, EBFT),
-rollout producer, reward runner, checkpointing and logging.
+"""The training loop composed of parts (a batch source from :mod:`jrl.sources`, an algorithm, the learner), the
+algorithms (GRPO, EBFT), policy loading, checkpointing, evaluation, logging, and the explorer/trainer split.
 
-Names are imported lazily, so a reward worker process that imports :mod:`jrl.train.rewards` does not
-import the models, losses or the trainer.
+Names are imported lazily: importing the package imports none of the trainer's modules.
 """
 
 from jrl._lazy import lazy_exports
@@ -11,7 +10,7 @@ _EXPORTS = {
     "TrainConfig": "jrl.train.config",
     "ModelSpec": "jrl.train.config",
     "RolloutConfig": "jrl.rollout.config",
-    "OptimConfig": "jrl.train.config",
+    "OptimConfig": "jrl.train.optim_config",
     "ScoringConfig": "jrl.train.config",
     "EvalConfig": "jrl.train.evaluation",
     "load_config_file": "jrl.train.config",
@@ -24,7 +23,7 @@ _EXPORTS = {
     "train": "jrl.train.trainer",
     "TrainCheckpointer": "jrl.train.checkpoint",
     "export_checkpoint": "jrl.train.export",
-    "RewardSpec": "jrl.train.rewards",
+    "RewardSpec": "jrl.rewards.functions",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports("jrl.train", _EXPORTS)

@@ -26,9 +26,9 @@ from jrl.train.evaluation import EvalConfig
 from jrl.train.explore_config import ExploreConfig
 from jrl.train.observability import WandbConfig
 from jrl.train.optim_config import OptimConfig
-from jrl.train.replay import ReplayConfig
-from jrl.train.reroll import RerollConfig
-from jrl.train.rewards import RewardSpec
+from jrl.sources.replay import ReplayConfig
+from jrl.sources.reroll import RerollConfig
+from jrl.rewards.functions import RewardSpec
 from jrl.validation import check_choice, check_int, check_real, invalid
 
 #: Rewards of the built-in arithmetic task (exact answer, plus partial credit for the format).
@@ -87,7 +87,7 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ScoringConfig:
-    """How the reward functions run (:mod:`jrl.train.reward_pool`): in worker processes, each call (one function
+    """How the reward functions run (:mod:`jrl.rewards.pool`): in worker processes, each call (one function
     on a block of whole groups) with a timeout, so a function that hangs, crashes its process or raises costs
     only the rows of that call (they get no reward, and the failure is counted and logged)."""
 

@@ -8,7 +8,7 @@
   ``explore.max_queued`` untrained groups, picks up a newer version before each batch, and exits when the trainer
   marks the run finished (or on SIGTERM, after its batch). Explorers can be started and stopped at any time.
 - The **trainer** (``mode='train'``) reads its steps from a :class:`QueueSource` in place of the
-  :class:`~jrl.train.rollout_source.RolloutSource`: ``data.prompts_per_batch`` whole groups per step, of policy
+  :class:`~jrl.sources.rollout.RolloutSource`: ``data.prompts_per_batch`` whole groups per step, of policy
   versions within ``rollout.max_staleness`` of its own (older and newer ones are marked stale), and publishes its
   weights after every ``rollout.sync_interval`` steps. A restarted trainer hands the groups of steps after its
   checkpoint back to the queue and withdraws the versions it published after it, so each group is trained on once.
@@ -35,7 +35,7 @@ from jrl.data.pipeline import PromptLoader, build_prompt_dataset
 from jrl.rollout.base import RolloutBatch, concat_rollouts
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.algorithms.grpo import ScoredRollout, rollout_metrics
-from jrl.train.async_rollout import ProducedRollout
+from jrl.sources.prefetch import ProducedRollout
 from jrl.train.experience_queue import ExperienceGroup, open_queue
 from jrl.train.observability import MetricsWriter, truncate_jsonl_after
 from jrl.train.policy import load_policy
@@ -48,7 +48,7 @@ from jrl.train.publication import (
     read_meta,
     read_weights,
 )
-from jrl.train.rollout_source import make_rollout_engine, step_seed
+from jrl.sources.rollout import make_rollout_engine, step_seed
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def explorer_metrics(groups: list[ExperienceGroup], step: int) -> dict[str, floa
 class QueueSource:
     """The trainer's rollouts with ``mode='train'``: scored groups from the experience queue, and its weights
     published for the explorers. It offers what the trainer asks of a
-    :class:`~jrl.train.rollout_source.RolloutSource` (``next``, ``consumed``, ``sync_after_step``,
+    :class:`~jrl.sources.rollout.RolloutSource` (``next``, ``consumed``, ``sync_after_step``,
     ``restored``...)."""
 
     def __init__(self, cfg, *, loader, learner, pad_id: int, output_dir: Path):

@@ -179,7 +179,7 @@ def plot_curves(history: list[dict], out_file: str | Path, keys: tuple[str, ...]
                 eval_history: list[dict] = (), best_reward: float | None = None) -> Path:
     """A PNG with one panel per metric in ``keys`` against ``step``: each step's value as faint points under a smoothed
     line (:func:`smooth`); a panel of the held-out ``eval/<decoding>/reward/mean`` when ``eval_history`` has any; the
-    reward's best possible value (``best_reward``, see :func:`jrl.train.rewards.best_total`) as a dashed line on the
+    reward's best possible value (``best_reward``, see :func:`jrl.rewards.functions.best_total`) as a dashed line on the
     reward panels. matplotlib, Agg backend."""
     import matplotlib
 

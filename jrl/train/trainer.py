@@ -1,6 +1,6 @@
 """The training loop: one class composed of parts chosen by name (docs/architecture.md).
 
-- a :class:`~jrl.train.rollout_source.RolloutSource` (``rollout.backend``, ``rollout.sync``): rollouts and
+- a :class:`~jrl.sources.rollout.RolloutSource` (``rollout.backend``, ``rollout.sync``): rollouts and
   weight syncs, synchronous or prefetched in a background thread; with ``mode='train'`` a
   :class:`~jrl.train.exploration.QueueSource` instead: scored groups that explorer processes put in the experience
   queue, and weights published for them;
@@ -26,7 +26,7 @@ boundary and :meth:`Trainer.train` returns (the script exits 0); ``--resume`` co
 
 Several processes (:func:`jrl.sharding.initialize`, docs/multihost.md) run the same loop on one global mesh: each
 builds the same prompt batches and places only its devices' rows, the sampler's completions are gathered to every
-host, each process scores its share of them (:mod:`jrl.train.reward_pool`), and every host-side decision is then
+host, each process scores its share of them (:mod:`jrl.rewards.pool`), and every host-side decision is then
 the same everywhere. Only process 0 writes the output directory's logs, plots and samples; checkpoints are written
 by all of them together (orbax). A stop signal that reaches any process stops all of them after the same step.
 
@@ -57,10 +57,10 @@ from jrl.train.evaluation import split_eval_prompts
 from jrl.train.exploration import QueueSource
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
-from jrl.train.rewards import best_total, load_reward_functions
+from jrl.rewards.functions import best_total, load_reward_functions
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
-from jrl.train.rollout_source import RolloutSource, make_rollout_engine
+from jrl.sources.rollout import RolloutSource, make_rollout_engine
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,13 @@
-"""Random micro-batches for the loss tests (NumPy float64) and their conversion to ``LossInputs``."""
+"""Random micro-batches for the loss tests (NumPy float64), their conversion to ``LossInputs``, and a loss with its
+gradient in float64."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.losses import LossInputs
+from jrl.losses import LossInputs, grpo_loss
 
 
 def random_batch(seed: int, b: int = 4, t: int = 6, *, empty_row: bool = True, missing_samp: bool = True) -> dict:
@@ -57,3 +59,15 @@ def ref_kwargs(batch: dict, **overrides) -> dict:
     kw = {k: batch[k] for k in ("lp", "adv", "cm", "old", "ref", "samp", "ent", "tool", "trunc")}
     kw.update(overrides)
     return kw
+
+
+def loss_and_grad(cfg, lp, old, adv, cm) -> tuple[float, np.ndarray]:
+    """(loss, d loss / d lp) of log-probs ``lp`` against ``old`` with advantages ``adv`` and completion mask ``cm``."""
+    def loss(x):
+        inputs = LossInputs(advantages=jnp.asarray(adv), completion_mask=jnp.asarray(cm), logprobs=x,
+                            old_logprobs=jnp.asarray(old))
+        return grpo_loss(inputs, cfg)[0]
+
+    with jax.enable_x64(True):
+        got, grad = jax.value_and_grad(loss)(jnp.asarray(lp))
+    return float(got), np.asarray(grad)

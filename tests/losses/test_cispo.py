@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from losses_testutil import loss_and_grad
 
 from jrl.losses import OBJECTIVES, GRPOConfig, LossInputs, grpo_loss
 
@@ -35,23 +36,12 @@ def _inputs(seed):
     return lp, old, adv, cm
 
 
-def _loss_and_grad(cfg, lp, old, adv, cm):
-    def loss(x):
-        inputs = LossInputs(advantages=jnp.asarray(adv), completion_mask=jnp.asarray(cm), logprobs=x,
-                            old_logprobs=jnp.asarray(old))
-        return grpo_loss(inputs, cfg)[0]
-
-    with jax.enable_x64(True):
-        got, grad = jax.value_and_grad(loss)(jnp.asarray(lp))
-    return float(got), np.asarray(grad)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cispo_matches_trl_in_float64(seed):
     lp, old, adv, cm = _inputs(seed)
     assert (np.exp(lp - old) > 5.0).any() and (np.exp(lp - old) < 0.8).any()  # both sides exercised
     want, want_grad = trl_cispo(lp, old, adv, cm, 5.0)
-    got, grad = _loss_and_grad(GRPOConfig(**CFG), lp, old, adv, cm)
+    got, grad = loss_and_grad(GRPOConfig(**CFG), lp, old, adv, cm)
     assert np.isfinite(got)
     assert abs(got - want) <= 1e-12 * max(1.0, abs(want))
     np.testing.assert_allclose(grad, want_grad, rtol=1e-12, atol=1e-15)
@@ -60,7 +50,7 @@ def test_cispo_matches_trl_in_float64(seed):
 def test_cispo_default_cap_is_five():
     lp, old, adv, cm = _inputs(3)
     want, _ = trl_cispo(lp, old, adv, cm, 5.0)
-    got, _ = _loss_and_grad(GRPOConfig(**{**CFG, "epsilon_high": None}), lp, old, adv, cm)
+    got, _ = loss_and_grad(GRPOConfig(**{**CFG, "epsilon_high": None}), lp, old, adv, cm)
     assert abs(got - want) <= 1e-12 * max(1.0, abs(want))
 
 

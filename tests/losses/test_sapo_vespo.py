@@ -2,12 +2,11 @@
 ``loss_type="sapo"`` / ``"vespo"`` implement with the same defaults): value and gradient on fresh random inputs,
 and their config fields refused under other objectives."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from losses_testutil import loss_and_grad
 
-from jrl.losses import OBJECTIVES, GRPOConfig, LossInputs, grpo_loss
+from jrl.losses import OBJECTIVES, GRPOConfig
 
 
 def _inputs(seed, b=6, t=9):
@@ -18,17 +17,6 @@ def _inputs(seed, b=6, t=9):
     adv[0] = 0.0  # A = 0 takes the negative branch in SAPO, the non-negative one in VESPO
     cm = (np.arange(t)[None] < rng.integers(1, t + 1, b)[:, None]).astype(np.float64)
     return lp, old, adv, cm
-
-
-def _loss_and_grad(cfg, lp, old, adv, cm):
-    def loss(x):
-        inputs = LossInputs(advantages=jnp.asarray(adv), completion_mask=jnp.asarray(cm), logprobs=x,
-                            old_logprobs=jnp.asarray(old))
-        return grpo_loss(inputs, cfg)[0]
-
-    with jax.enable_x64(True):
-        got, grad = jax.value_and_grad(loss)(jnp.asarray(lp))
-    return float(got), np.asarray(grad)
 
 
 def sapo_ref(lp, old, adv, cm, tau_pos, tau_neg):
@@ -61,7 +49,7 @@ def test_sapo_matches_float64_reference(seed, temps):
     cfg = GRPOConfig(objective="sapo", loss_type="dapo", sapo_temperature_pos=temps[0], sapo_temperature_neg=temps[1],
                      importance_sampling_correction=False, metrics="basic")
     want, want_grad = sapo_ref(lp, old, adv, cm, *temps)
-    got, grad = _loss_and_grad(cfg, lp, old, adv, cm)
+    got, grad = loss_and_grad(cfg, lp, old, adv, cm)
     assert np.isfinite(got)
     assert abs(got - want) <= 1e-12 * max(1.0, abs(want))
     np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-15)
@@ -70,7 +58,7 @@ def test_sapo_matches_float64_reference(seed, temps):
 def test_sapo_on_policy_gradient_is_the_policy_gradient():
     lp, _, adv, cm = _inputs(4)
     cfg = GRPOConfig(objective="sapo", importance_sampling_correction=False, metrics="basic")
-    _, grad = _loss_and_grad(cfg, lp, lp, adv, cm)  # ρ = 1: σ' = 1/4, so ∇ℓ = −A·m / Σm
+    _, grad = loss_and_grad(cfg, lp, lp, adv, cm)  # ρ = 1: σ' = 1/4, so ∇ℓ = −A·m / Σm
     np.testing.assert_allclose(grad, -adv[:, None] * cm / cm.sum(), rtol=1e-12, atol=1e-15)
 
 
@@ -82,7 +70,7 @@ def test_vespo_matches_float64_reference(seed, params):
     cfg = GRPOConfig(objective="vespo", loss_type="dapo", importance_sampling_correction=False, metrics="basic",
                      **dict(zip(names, params)))
     want, want_grad = vespo_ref(lp, old, adv, cm, *params)
-    got, grad = _loss_and_grad(cfg, lp, old, adv, cm)
+    got, grad = loss_and_grad(cfg, lp, old, adv, cm)
     assert np.isfinite(got) and np.all(np.isfinite(grad))
     assert abs(got - want) <= 1e-12 * max(1.0, abs(want))
     np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-15)

@@ -20,7 +20,7 @@ from jrl.models.lora import LoraConfig
 from jrl.rollout.vllm_engine import VLLMRolloutEngine
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -133,7 +133,7 @@ from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 
 
 def config():

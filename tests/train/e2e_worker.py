@@ -13,7 +13,7 @@ from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
 from jrl.train.trainer import Trainer
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 
 
 def main(model_dir, out_dir, reward_file, fsdp):

@@ -11,9 +11,9 @@ import pytest
 
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
-from jrl.train.async_rollout import ProducedRollout, RolloutProducer, RolloutProducerError, RolloutSchedule
+from jrl.sources.prefetch import ProducedRollout, RolloutProducer, RolloutProducerError, RolloutSchedule
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 from train_testlib import read_metrics_log, run_worker, write_reward_file
 
 #: Per-step metrics that depend on timing, not on the computation.
@@ -151,8 +151,8 @@ def _reference_synchronous_run(cfg: TrainConfig) -> list[dict]:
     """The synchronous loop written out from the public pieces: generate batch k with version k, train, sync."""
     from jrl.losses import advantages_from_config, group_has_signal, sequence_has_signal
     from jrl.train.algorithms.grpo import build_step_batch, completion_token_lists
-    from jrl.train.rewards import compute_rewards
-    from jrl.train.rollout_source import step_seed
+    from jrl.rewards.functions import compute_rewards
+    from jrl.sources.rollout import step_seed
     from jrl.train.trainer import Trainer
 
     tr = Trainer(cfg, progress=False)

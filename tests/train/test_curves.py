@@ -8,7 +8,7 @@ from PIL import Image
 
 from jrl.data.tasks.arithmetic import exact_match, format_reward
 from jrl.train.observability import plot_curves, smooth
-from jrl.train.rewards import RewardFunction, best_total, load_reward_functions
+from jrl.rewards.functions import RewardFunction, best_total, load_reward_functions
 
 
 def test_smooth_keeps_a_constant_and_lags_a_ramp_less_than_its_span():

@@ -25,7 +25,7 @@ from jrl.train.algorithms import ALGORITHMS
 from jrl.train.algorithms.ebft_structured import EBFTExperience, EBFTStructured, adaptive_max_new_tokens, pack_rows
 from jrl.train.algorithms.grpo import GRPO, completion_logprobs
 from jrl.train.ebft_config import EBFTConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 from jrl.train.trainer import Trainer
 
 EBFT_METRICS = ("ebft/alignment", "ebft/diversity", "ebft/reward", "ebft/cfm_loss", "ebft/alignment_sumsq",

@@ -15,7 +15,7 @@ from jrl.rollout.config import RolloutConfig
 from jrl.train.config import ModelSpec, OptimConfig, TrainConfig
 from jrl.train.evaluation import EvalConfig
 from jrl.train.observability import MetricsWriter, WandbConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 from train_testlib import write_reward_file
 
 

@@ -36,7 +36,7 @@ from jrl.train.publication import (
     read_weights,
     trainable,
 )
-from jrl.train.rollout_source import RolloutConfig
+from jrl.sources.rollout import RolloutConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PAD = 0

@@ -11,7 +11,7 @@ import pytest
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 from train_testlib import read_metrics_log, run_worker, save_tiny_model_dir, write_reward_file
 
 #: Rewards in the trainer's process, where the crash reward's KeyboardInterrupt kills the run.

@@ -30,9 +30,9 @@ from jrl.train.config import ModelSpec, OptimConfig, ScoringConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
 from jrl.train.observability import WandbConfig
-from jrl.train.replay import ReplayConfig
-from jrl.train.reroll import RerollConfig
-from jrl.train.rewards import RewardSpec
+from jrl.sources.replay import ReplayConfig
+from jrl.sources.reroll import RerollConfig
+from jrl.rewards.functions import RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

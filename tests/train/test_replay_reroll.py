@@ -13,9 +13,9 @@ from jrl.data.pipeline import DataConfig, PromptBatch
 from jrl.losses import GRPOConfig, advantages_from_config
 from jrl.rollout.base import RolloutBatch
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
-from jrl.train.replay import ReplayBuffer, ReplayConfig, group_scores
-from jrl.train.reroll import RerollBuffer, RerollConfig, all_fail_groups
-from jrl.train.rewards import RewardSpec
+from jrl.sources.replay import ReplayBuffer, ReplayConfig, group_scores
+from jrl.sources.reroll import RerollBuffer, RerollConfig, all_fail_groups
+from jrl.rewards.functions import RewardSpec
 from train_testlib import read_metrics_log, write_reward_file
 
 PAD = 0

@@ -14,7 +14,7 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.train.algorithms.grpo import StreamedRollout
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
-from jrl.train.rewards import RewardSpec
+from jrl.rewards.functions import RewardSpec
 
 #: A reward that leaves a file in $JRL_TEST_MARKERS when a worker starts a call (then scores like low_ids).
 MARKING_REWARD = '''

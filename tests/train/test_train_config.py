@@ -17,7 +17,7 @@ from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
 from jrl.sharding import MeshConfig
 from jrl.train.config import ModelSpec, OptimConfig, ScoringConfig, TrainConfig, load_config_file
-from jrl.train.rewards import RewardError, RewardLoadError, RewardSpec
+from jrl.rewards.functions import RewardError, RewardLoadError, RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -49,11 +49,11 @@ from jrl.sharding import on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
-from jrl.train.replay import ReplayBuffer
-from jrl.train.reroll import RerollBuffer, all_fail_groups
-from jrl.train.reward_pool import RewardScorer, StartedScoring
-from jrl.train.rewards import load_reward_functions
-from jrl.train.rollout_source import step_seed
+from jrl.sources.replay import ReplayBuffer
+from jrl.sources.reroll import RerollBuffer, all_fail_groups
+from jrl.rewards.pool import RewardScorer, StartedScoring
+from jrl.rewards.functions import load_reward_functions
+from jrl.sources.rollout import step_seed
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ class ScoredRollout:
     reward_names: tuple[str, ...]
     """The reward functions' names, one per column."""
     failures: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Failed-call metrics of the scoring (:class:`~jrl.train.reward_pool.RewardScorer`)."""
+    """Failed-call metrics of the scoring (:class:`~jrl.rewards.pool.RewardScorer`)."""
 
     @property
     def policy_version(self) -> int:
@@ -346,7 +346,7 @@ warning."""
 
 class GroupSampler:
     """The rollout side of GRPO: ``num_generations`` completions per prompt at the run's sampling parameters,
-    scored by the reward functions (in worker processes, :class:`~jrl.train.reward_pool.RewardScorer`). The
+    scored by the reward functions (in worker processes, :class:`~jrl.rewards.pool.RewardScorer`). The
     trainer's :class:`GRPO` uses it in one process; an explorer process uses it alone."""
 
     def __init__(self, cfg, policy):
@@ -456,7 +456,7 @@ class GRPO:
         return batch, {**metrics, **scored.failures}
 
     def rerolled_prompts(self, index: int) -> list[int]:
-        """Dataset indices of the prompts rollout batch ``index`` samples again (:mod:`jrl.train.reroll`)."""
+        """Dataset indices of the prompts rollout batch ``index`` samples again (:mod:`jrl.sources.reroll`)."""
         return [] if self.reroll is None else self.reroll.take(index)
 
     def state(self, step: int) -> dict:

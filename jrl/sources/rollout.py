@@ -4,7 +4,7 @@
 trains (docs/architecture.md).
 
 How weights travel is the engine's transport (``rollout.sync``, :mod:`jrl.rollout.weight_sync`); when
-they travel is fixed here by :class:`~jrl.train.async_rollout.RolloutSchedule` (``sync_interval``,
+they travel is fixed here by :class:`~jrl.sources.prefetch.RolloutSchedule` (``sync_interval``,
 ``max_staleness``, checkpoints), so runs and resumes are reproducible. The engine is given a copy of the
 trainable weights at each sync when it may still generate from them after the learner's next update
 (when prefetching, or syncing less than every step), because that update donates the learner's buffers.
@@ -31,7 +31,7 @@ from flax import nnx
 
 from jrl.rollout import ROLLOUT_ENGINES, RolloutEngine
 from jrl.rollout.config import RolloutConfig
-from jrl.train.async_rollout import ProducedRollout, RolloutProducer, RolloutSchedule
+from jrl.sources.prefetch import ProducedRollout, RolloutProducer, RolloutSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RolloutSource:
     ``generate(engine, prompt_batch, seed=...)`` is the algorithm's sampling call; ``learner`` supplies the
     weights to sync; ``make_engine()`` builds the engine on first use (in the trainer's thread) unless an
     ``engine`` is passed in (then the caller closes it). ``rerolled(k)``, when given, names the dataset indices of
-    prompts batch ``k`` samples in place of its last loader prompts (:mod:`jrl.train.reroll`).
+    prompts batch ``k`` samples in place of its last loader prompts (:mod:`jrl.sources.reroll`).
     """
 
     def __init__(self, rollout: RolloutConfig, *, loader, generate: Callable[..., Any], learner,

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from jrl.train.reward_pool import RewardPool, RewardScorer, group_blocks
-from jrl.train.rewards import RewardError, compute_rewards, load_reward_functions, split_call
+from jrl.rewards.pool import RewardPool, RewardScorer, group_blocks
+from jrl.rewards.functions import RewardError, compute_rewards, load_reward_functions, split_call
 
 FUNCTIONS = textwrap.dedent(
     """
@@ -125,7 +125,7 @@ def test_a_failing_call_costs_its_rows_is_counted_and_logged(functions, caplog, 
     fns = functions("length", name)
     scorer = RewardScorer(fns, num_workers=2, timeout_s=60, max_failed_steps=2)
     try:
-        with caplog.at_level("WARNING", logger="jrl.train.reward_pool"):
+        with caplog.at_level("WARNING", logger="jrl.rewards.pool"):
             rewards, _, metrics = scorer.score(**_batch(), step=9, group_size=4)
         assert np.isnan(rewards[:, 1]).all() and np.isfinite(rewards[:, 0]).all()
         assert metrics[f"reward/{name}/errors"] == 2 and metrics[f"reward/{name}/timeouts"] == 0

@@ -7,7 +7,7 @@ one contiguous block of whole groups, one block per worker), runs them in a :cla
 ``num_workers`` processes (or one after another in this process when 0), gives the rows of every failed
 call no reward (NaN, which every later aggregation skips), counts the failures per function
 (``reward/<fn>/errors``, ``reward/<fn>/timeouts``), logs them with the function's name and first error,
-and stops the run with :class:`~jrl.train.rewards.RewardError` once a function has failed on every call of
+and stops the run with :class:`~jrl.rewards.functions.RewardError` once a function has failed on every call of
 ``max_failed_steps`` consecutive steps.
 
 Workers are started with ``spawn`` (no forked JAX state), load the functions once (by import path), and
@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from jrl.sharding import host_allgather
-from jrl.train.rewards import (
+from jrl.rewards.functions import (
     CallResult,
     RewardCall,
     RewardError,
@@ -266,7 +266,7 @@ class RewardScorer:
     """A run's reward functions, scoring a step's completions (see the module docstring).
 
     Args:
-      fns: the loaded functions (:func:`jrl.train.rewards.load_reward_functions`).
+      fns: the loaded functions (:func:`jrl.rewards.functions.load_reward_functions`).
       num_workers: worker processes; 0 runs the calls in this process (no timeout, no crash isolation).
       timeout_s: seconds one call may run in a worker.
       max_failed_steps: consecutive steps in which every call of one function failed before the run stops.

@@ -20,7 +20,7 @@ Functions are named by import path in configs (:class:`RewardSpec`):
 :func:`run_call` runs one function on one block of completions and reports a failure instead of raising;
 :func:`compute_rewards` (the library call, in this process) returns the per-function reward matrix
 ``[N, F]`` (float32, NaN for None) and raises :class:`RewardError` on the first failure. A training run
-scores through :class:`jrl.train.reward_pool.RewardScorer` instead: worker processes, per-call timeouts,
+scores through :class:`jrl.rewards.pool.RewardScorer` instead: worker processes, per-call timeouts,
 failed calls counted and given no reward. Weights are applied by the advantage code
 (``jrl.losses.advantages``), which takes the matrix as is.
 """

@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jrl.train.rewards import (
+from jrl.rewards.functions import (
     RewardError,
     RewardFunction,
     RewardLoadError,

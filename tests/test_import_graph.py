@@ -91,8 +91,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 BELOW = {
     "kernels": set(), "sharding": set(), "data": set(), "losses": {"kernels"}, "models": {"kernels", "sharding"},
     "rollout": {"models", "data", "sharding"}, "rewards": {"sharding"}, "sources": {"rollout", "data"},
-    "train": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources"},
-    "cli": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "train"},
+    "explore": {"models", "sharding"},
+    "train": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore"},
+    "cli": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore", "train"},
 }
 HELPERS = {"_lazy", "validation", "registry", "errors"}
 

@@ -23,7 +23,7 @@ from jrl.rollout.config import RolloutConfig
 from jrl.sharding import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
-from jrl.train.explore_config import ExploreConfig
+from jrl.explore.config import ExploreConfig
 from jrl.train.observability import WandbConfig
 from jrl.train.optim_config import OptimConfig
 from jrl.sources.replay import ReplayConfig

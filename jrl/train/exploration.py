@@ -2,9 +2,9 @@
 (Trinity-RFT's asynchronous mode; ``mode='explore'`` / ``mode='train'``, docs/exploration.md).
 
 - An **explorer** (:class:`Explorer`, ``jrl explore --config FILE``) loads the policy, takes the newest weights the
-  trainer published (:mod:`jrl.train.publication`), samples and scores batches of prompts with the algorithm's
+  trainer published (:mod:`jrl.explore.publication`), samples and scores batches of prompts with the algorithm's
   ``explorer`` part (GRPO's :class:`~jrl.train.algorithms.grpo.GroupSampler`) and puts each batch's groups in the
-  queue in one transaction (:mod:`jrl.train.experience_queue`). It waits while the queue holds
+  queue in one transaction (:mod:`jrl.explore.queue`). It waits while the queue holds
   ``explore.max_queued`` untrained groups, picks up a newer version before each batch, and exits when the trainer
   marks the run finished (or on SIGTERM, after its batch). Explorers can be started and stopped at any time.
 - The **trainer** (``mode='train'``) reads its steps from a :class:`QueueSource` in place of the
@@ -36,11 +36,11 @@ from jrl.rollout.base import RolloutBatch, concat_rollouts
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.algorithms.grpo import ScoredRollout, rollout_metrics
 from jrl.sources.prefetch import ProducedRollout
-from jrl.train.experience_queue import ExperienceGroup, open_queue
+from jrl.explore.queue import ExperienceGroup, open_queue
 from jrl.train.observability import MetricsWriter, truncate_jsonl_after
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
-from jrl.train.publication import (
+from jrl.explore.publication import (
     WeightPublisher,
     finished_version,
     load_weights,

@@ -195,7 +195,7 @@ def test_an_explorer_samples_with_the_published_adapter_on_its_vllm_server(e2e_s
     import threading
 
     from jrl.train.exploration import explore
-    from jrl.train.explore_config import ExploreConfig
+    from jrl.explore.config import ExploreConfig
     from jrl.train.trainer import Trainer
 
     reward = tmp_path / "id_hash_reward.py"

@@ -25,10 +25,10 @@ from jrl.models.lora import LoraConfig, apply_lora
 from jrl.rollout.base import RolloutBatch
 from jrl.train.algorithms.grpo import ScoredRollout
 from jrl.train.config import TrainConfig
-from jrl.train.experience_queue import open_queue
-from jrl.train.explore_config import ExploreConfig
+from jrl.explore.queue import open_queue
+from jrl.explore.config import ExploreConfig
 from jrl.train.exploration import experience_groups, scored_rollout
-from jrl.train.publication import (
+from jrl.explore.publication import (
     WeightPublisher,
     finished_version,
     load_weights,

@@ -151,7 +151,7 @@ def _split_run_reads(cfg: TrainConfig, tmp: Path) -> None:
     """A ``mode='train'`` run of ``cfg`` fed by one explorer (``mode='explore'``) in a thread of this process, every
     ``explore`` field set; its trainer uses the ``sapo`` objective."""
     from jrl.train.exploration import explore
-    from jrl.train.explore_config import ExploreConfig
+    from jrl.explore.config import ExploreConfig
     from jrl.train.trainer import train
 
     section = ExploreConfig(queue=f"sqlite:///{tmp / 'split' / 'q.db'}", weights_dir=str(tmp / "split" / "weights"),

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from jrl.train.experience_queue import ExperienceGroup, open_queue
+from jrl.explore.queue import ExperienceGroup, open_queue
 
 
 def group(index: int, name: str) -> ExperienceGroup:

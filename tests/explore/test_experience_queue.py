@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 
-from jrl.train.experience_queue import ExperienceGroup, QueueCounts, open_queue
+from jrl.explore.queue import ExperienceGroup, QueueCounts, open_queue
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]

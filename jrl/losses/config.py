@@ -194,7 +194,8 @@ class GRPOConfig:
             for name in names:
                 value = getattr(self, name)
                 if self.objective != owner and value != defaults[name]:
-                    raise invalid("GRPOConfig", name, value, f"leave it at {defaults[name]!r} or set objective='{owner}'",
+                    raise invalid("GRPOConfig", name, value,
+                                  f"leave it at {defaults[name]!r} or set objective='{owner}'",
                                   why=f"only objective='{owner}' reads it (objective={self.objective!r})")
                 positive = name.startswith(("sapo_temperature", "vespo_lambda"))
                 if not is_real(value) or value < 0.0 or (positive and value == 0.0):

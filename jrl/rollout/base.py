@@ -77,10 +77,17 @@ class RolloutEngine(Protocol):
     be safe for the two calls overlapping: a ``generate`` call samples from the weights of one sync
     (the latest when it starts) and tags the batch with that sync's ``version``. An engine that runs
     programs on the trainer's own devices, from the arrays it was synced with, sets the attribute
-    ``shares_trainer_devices = True`` (absent means False: a remote server, or a sampler on a mesh of its own,
-    which copy what they keep); on a multi-device mesh the trainer then never runs its update while it
-    generates, and it syncs such an engine a copy of the weights when it may generate after the next update.
+    ``shares_trainer_devices = True`` (False: a remote server, or a sampler on a mesh of its own, which copy what
+    they keep); on a multi-device mesh the trainer then never runs its update while it generates, and it syncs such
+    an engine a copy of the weights when it may generate after the next update.
+
+    ``capabilities`` names what an engine can do beyond these methods, for the algorithms that need it
+    (``Algorithm.engine_needs``): ``blocks``, block-parallel sampling for strided EBFT (``generate_blocks``). The
+    registered factory carries the same set, so a config is checked before any engine is built.
     """
+
+    shares_trainer_devices: bool
+    capabilities: frozenset[str]
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
                  seed: int) -> RolloutBatch:
@@ -94,11 +101,16 @@ class RolloutEngine(Protocol):
         as long as a ``generate`` call may run on them (it passes a copy when it trains meanwhile)."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine started or holds (connections, servers it launched)."""
+        ...
+
 
 #: ``rollout.backend`` name → engine factory ``(model, *, pad_id, mesh, rules, rollout, output_dir) ->
 #: RolloutEngine`` (``rollout``: the run's :class:`~jrl.rollout.config.RolloutConfig`; ``output_dir``: where
-#: the engine may write weight syncs). ``jax`` registers in :mod:`jrl.rollout.jax_engine`, ``vllm`` in
-#: :mod:`jrl.rollout.vllm_engine`; importing :mod:`jrl.rollout` registers both.
+#: the engine may write weight syncs). A factory carries ``ignores`` (the ``TrainConfig`` fields its engine does not
+#: read, refused when set) and ``capabilities`` (its engine's). ``jax`` registers in :mod:`jrl.rollout.jax_engine`,
+#: ``vllm`` in :mod:`jrl.rollout.vllm_engine`; importing :mod:`jrl.rollout` registers both.
 ROLLOUT_ENGINES = Registry("rollout engine", "rollout.backend", how_to_register="@ROLLOUT_ENGINES.register(name)")
 
 

@@ -58,6 +58,7 @@ class LeaderEngine:
 
     #: The weights are copied to host memory at each sync; nothing runs on the trainer's devices between calls.
     shares_trainer_devices = False
+    capabilities = frozenset()
 
     def __init__(self, make_engine: Callable[[Any], RolloutEngine], model, *, adapters_only: bool):
         self.adapters_only = adapters_only
@@ -94,6 +95,5 @@ class LeaderEngine:
         return broadcast_batch(batch, len(prompt_ids) * num_generations)
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        if self.inner is not None:  # only process 0 holds the engine
+            self.inner.close()

@@ -145,6 +145,10 @@ class VLLMRolloutEngine:
     trained base model; both fail with errors naming the URL and the fix.
     """
 
+    #: A server process: the weights it samples are its own copy.
+    shares_trainer_devices = False
+    capabilities = frozenset()
+
     def __init__(self, model, *, config: VLLMConfig, sync: str = "auto", sync_dir: str | os.PathLike,
                  keep_versions: int = 2, pad_id: int, base_url: str | None = None, wait_for_restart: bool = True):
         refuse_cpu_moe(config.device, model.config)
@@ -285,6 +289,10 @@ class VLLMRolloutEngine:
 class MultiServerEngine:
     """:class:`~jrl.rollout.base.RolloutEngine` over several vLLM servers (see the module docstring): ``servers``
     are their engines (built with ``wait_for_restart=False``), each already holding version 0."""
+
+    #: A server process: the weights it samples are its own copy.
+    shares_trainer_devices = False
+    capabilities = frozenset()
 
     def __init__(self, servers: list[VLLMRolloutEngine], *, max_concurrent_requests: int, pad_id: int):
         self.servers, self.pad_id = list(servers), int(pad_id)
@@ -441,3 +449,4 @@ def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir, le
 
 #: Config fields the vLLM engine does not read (the servers have their own devices).
 make_vllm_engine.ignores = ("rollout.devices", "rollout.mesh")
+make_vllm_engine.capabilities = frozenset()

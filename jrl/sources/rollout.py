@@ -105,7 +105,7 @@ class RolloutSource:
                                         checkpoint_every=self.checkpoint_every)
         if step >= self.max_steps:
             return
-        if r.prefetch_depth > 0 and getattr(engine, "shares_trainer_devices", False) and self.multi_device:
+        if r.prefetch_depth > 0 and engine.shares_trainer_devices and self.multi_device:
             self.device_lock = threading.Lock()  # see the module docstring
         if self._engine_outlives_update and self.synced_version != step:
             self.sync(step)  # the engine must hold a copy, not the learner's buffers
@@ -163,7 +163,7 @@ class RolloutSource:
         copy what they keep)."""
         learner, engine = self.learner, self.engine
         with self.device_lock:
-            if self._engine_outlives_update and getattr(engine, "shares_trainer_devices", False):
+            if self._engine_outlives_update and engine.shares_trainer_devices:
                 model = nnx.merge(learner.graphdef, learner.snapshot(), learner.frozen)
             else:
                 model = learner.model
@@ -186,9 +186,11 @@ class RolloutSource:
         """The version the engine holds (before its first sync: the weights it was built from)."""
         return self.schedule.start if self.synced_version is None else self.synced_version
 
+    def finish(self, version: int) -> None:
+        """The run is done at ``version``: nothing to tell (a queue-fed source tells its explorers)."""
+
     def close(self) -> None:
         """Stop the producer; close the engine if this source built it (a pending weight sync finishes)."""
         self.stop()
-        close = getattr(self._engine, "close", None) if self._owns_engine else None
-        if close is not None:
-            close()
+        if self._owns_engine and self._engine is not None:
+            self._engine.close()

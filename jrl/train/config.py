@@ -227,8 +227,12 @@ class TrainConfig:
         reject_unused(self, algorithm.ignores, f"algorithm={self.algorithm!r}")
         from jrl.rollout import ROLLOUT_ENGINES
 
-        reject_unused(self, getattr(ROLLOUT_ENGINES.get(self.rollout.backend), "ignores", ()),
-                      f"rollout.backend={self.rollout.backend!r}")
+        engine = ROLLOUT_ENGINES.get(self.rollout.backend)
+        reject_unused(self, engine.ignores, f"rollout.backend={self.rollout.backend!r}")
+        missing = sorted(algorithm.engine_needs - engine.capabilities)
+        if missing:
+            raise invalid("TrainConfig", "rollout.backend", self.rollout.backend,
+                          f"use a backend that has {missing} (algorithm={self.algorithm!r} needs it)")
         if "algo" not in algorithm.ignores:
             g = self.algo.num_generations
             if g < 2:
@@ -285,7 +289,7 @@ class TrainConfig:
         if self.mode == "both":
             reject_unused(self, ("explore",), "mode='both'", "set mode='train' (trainer) or 'explore' (explorer)")
             return
-        if not hasattr(algorithm, "explorer"):
+        if "explorer" not in algorithm.capabilities:
             raise invalid("TrainConfig", "mode", self.mode, f"algorithm={self.algorithm!r} runs in one process only; "
                           "use mode='both'")
         split = f"mode={self.mode!r} (trainer and explorers in separate processes)"

@@ -337,9 +337,8 @@ class Explorer:
         return batch - first
 
     def close(self) -> None:
-        close = getattr(self._engine, "close", None)
-        if close is not None:
-            close()
+        if self._engine is not None:
+            self._engine.close()
         self.sampler.close()
         if self.queue is not None:
             self.queue.close()

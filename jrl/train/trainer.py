@@ -97,7 +97,8 @@ class Trainer:
                 make_engine=lambda: make_rollout_engine(cfg.rollout, self.learner.model, pad_id=policy.pad_id,
                                                         mesh=policy.rollout_mesh, rules=policy.rollout_rules,
                                                         output_dir=self.out_dir),
-                multi_device=policy.mesh is not None, rerolled=getattr(self.algorithm, "rerolled_prompts", None))
+                multi_device=policy.mesh is not None,
+                rerolled=self.algorithm.rerolled_prompts if "reroll" in self.algorithm.capabilities else None)
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
         self.step = 0
 
@@ -154,7 +155,7 @@ class Trainer:
                 "model": {"path": str(Path(cfg.model.path).resolve()), "dtype": cfg.model.dtype,
                           "param_dtype": cfg.model.param_dtype},
                 "lora": None if cfg.lora is None else dataclasses.asdict(cfg.lora)}
-        if hasattr(self.algorithm, "state"):
+        if "state" in self.algorithm.capabilities:
             meta["algorithm"] = self.algorithm.state(self.step)
         self.checkpointer.save(self.step, self.learner.params, self.learner.opt_state, meta)
 
@@ -170,7 +171,7 @@ class Trainer:
         self.learner.params, self.learner.opt_state = params, opt_state
         self.learner.num_updates = int(meta["num_updates"])
         self.loader.set_state(meta["data_state"])
-        if hasattr(self.algorithm, "load_state"):
+        if "state" in self.algorithm.capabilities:
             self.algorithm.load_state(meta.get("algorithm", {}))
         self.step = int(meta["step"])
         self.source.restored(meta["data_state"], self.step)
@@ -214,8 +215,8 @@ class Trainer:
                     stopping = any_process(stop.signal is not None)  # every process stops after the same step
                 if self.checkpointer.latest_step() != self.step:
                     self.save()
-                if self.step == cfg.max_steps and hasattr(self.source, "finish"):
-                    self.source.finish(self.step)  # explorers stop once the last checkpoint is written
+                if self.step == cfg.max_steps:
+                    self.source.finish(self.step)  # a queue's explorers stop once the last checkpoint is written
                 if stopping:
                     why = f"{stop.name} received" if stop.signal is not None else "another process was asked to stop"
                     logger.warning("%s: stopped after step %d of %d with a checkpoint in %s; continue with --resume",

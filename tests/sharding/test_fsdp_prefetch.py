@@ -1,8 +1,8 @@
-"""The per-device FSDP path (jrl.models.fsdp) computes what XLA's partitioning and one device compute: loss,
-log-probs, entropies, intermediate layers' outputs (EBFT's features) and every gradient of a 3-layer model through its scanned layers and loss-fused head, full and
-LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the head's weight is gathered once and its gradient
-reduce-scattered once; a bfloat16 gradient reduction changes the gradients by bf16 rounding only (see
-workers/fsdp_prefetch.py)."""
+"""The per-device FSDP path (jrl.models.fsdp) computes what XLA's partitioning and one device compute: loss, log-probs,
+entropies, intermediate layers' outputs (EBFT's features) and every gradient of a 3-layer model through its scanned
+layers and loss-fused head, full and LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the head's weight is
+gathered once and its gradient reduce-scattered once; a bfloat16 gradient reduction changes the gradients by bf16
+rounding only (see workers/fsdp_prefetch.py)."""
 
 from __future__ import annotations
 

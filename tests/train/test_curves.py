@@ -32,7 +32,8 @@ def test_best_total_needs_every_function_to_declare_its_best():
 
 def test_plot_has_an_eval_panel_only_when_eval_ran(tmp_path):
     rng = np.random.default_rng(1)
-    history = [{"step": i, "reward/mean": float(rng.uniform(0, 1.5)), "loss": float(rng.normal())} for i in range(1, 60)]
+    history = [{"step": i, "reward/mean": float(rng.uniform(0, 1.5)), "loss": float(rng.normal())}
+               for i in range(1, 60)]
     evals = [{"step": s, "eval/greedy/reward/mean": 1.0 + s / 100} for s in (0, 20, 40)]
     two = Image.open(plot_curves(history, tmp_path / "a.png", eval_history=[], best_reward=1.5))
     three = Image.open(plot_curves(history, tmp_path / "b.png", eval_history=evals, best_reward=1.5))

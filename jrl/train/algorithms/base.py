@@ -17,7 +17,8 @@ algorithm carries across steps, JSON-safe, saved in the checkpoint at ``step``) 
 list[int]`` (dataset indices of prompts rollout batch ``k`` samples in place of its last ones), and the class
 attribute ``explorer``: a class ``(cfg, policy)`` with ``generate(engine, prompt_batch, *, seed)``,
 ``score(rollout, prompt_batch, step)`` and ``close()``, which is what an explorer process runs (``mode='explore'``,
-:mod:`jrl.train.exploration`); an algorithm without it runs in ``mode='both'`` only.
+:mod:`jrl.train.exploration`); an algorithm without it runs in ``mode='both'`` only. An algorithm names the optional
+parts it has in ``capabilities`` (:data:`CAPABILITIES`); the loop asks that set, never the object.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class Algorithm(Protocol):
     """Metrics of the final plot (``curves.png``)."""
     summary_keys: ClassVar[tuple[str, ...]]
     """Metrics of the last step that the command line's closing line prints."""
+    capabilities: ClassVar[frozenset[str]]
+    """The optional parts it has (names of :data:`CAPABILITIES`)."""
+    engine_needs: ClassVar[frozenset[str]]
+    """What it asks of a rollout engine beyond the protocol (names of the engines' ``capabilities``)."""
     samples_field: ClassVar[str]
     """The config field (dotted path) holding the samples per prompt: a step has ``prompts_per_batch`` x that
     rows."""
@@ -71,6 +76,13 @@ class Algorithm(Protocol):
         """Release what the algorithm started (e.g. reward worker processes)."""
         ...
 
+
+#: The optional parts of an algorithm, by the name it lists in ``capabilities``, and the members each one brings.
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "state": ("state", "load_state"),  # carries state across steps, saved in checkpoints
+    "reroll": ("rerolled_prompts",),  # samples some prompts of a batch again
+    "explorer": ("explorer",),  # runs in explorer processes (mode='explore') beside a queue-fed trainer
+}
 
 #: ``TrainConfig.algorithm`` name → algorithm class ``(cfg, policy, learner) -> Algorithm``.
 ALGORITHMS = Registry("algorithm", "TrainConfig.algorithm", how_to_register="@ALGORITHMS.register(name)")

@@ -267,6 +267,8 @@ class EBFTStrided:
     progress_desc = "ebft-strided"
     plot_keys = tuple(key for _, key in PROGRESS) + ("loss",)
     summary_keys = tuple(key for _, key in PROGRESS)
+    capabilities = frozenset()
+    engine_needs = frozenset({"blocks"})  # block-parallel sampling: engine.generate_blocks
     samples_field = "ebft.n_samples_per_prompt"
 
     def __init__(self, cfg, policy, learner):

@@ -118,6 +118,8 @@ class EBFTStructured:
     progress_desc = "ebft"
     plot_keys = ("reward/mean", "loss")
     summary_keys = ("ebft/alignment", "ebft/cfm_loss", "ebft/reward")
+    capabilities = frozenset()
+    engine_needs = frozenset()
     samples_field = "algo.num_generations"
 
     def __init__(self, cfg, policy, learner):

@@ -404,6 +404,8 @@ class GRPO:
     progress_desc = "grpo"
     plot_keys = ("reward/mean", "loss")
     summary_keys = ("reward/mean",)
+    capabilities = frozenset({"state", "reroll", "explorer"})
+    engine_needs = frozenset()
     samples_field = "algo.num_generations"
     explorer = GroupSampler
     """What an explorer process runs (``mode='explore'``, :mod:`jrl.train.exploration`)."""

@@ -1,7 +1,8 @@
-"""Worker (8 fake CPU devices): the per-device FSDP path (jrl.models.fsdp: layers scanned with their weights
-gathered a layer ahead, the loss-fused head per device) against XLA's partitioning of the same model on the same
-mesh and against one device: loss, log-probs, entropies, intermediate layers' outputs and every gradient, for a full model and one with LoRA, on fsdp-only
-and data x fsdp meshes; the collectives the head compiles to; a gradient reduced in bfloat16. Prints one JSON line."""
+"""Worker (8 fake CPU devices): the per-device FSDP path (jrl.models.fsdp: layers scanned with their weights gathered a
+layer ahead, the loss-fused head per device) against XLA's partitioning of the same model on the same mesh and
+against one device: loss, log-probs, entropies, intermediate layers' outputs and every gradient, for a full model and
+one with LoRA, on fsdp-only and data x fsdp meshes; the collectives the head compiles to; a gradient reduced in
+bfloat16. Prints one JSON line."""
 
 from __future__ import annotations
 

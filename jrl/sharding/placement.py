@@ -147,11 +147,12 @@ def opt_state_shardings(
 ) -> Any:
     """Shardings for an optax state (concrete or from ``jax.eval_shape(tx.init, params)``).
 
-    Each leaf whose key path ends with the path of a parameter of the same shape (``mu``/``nu`` of
-    Adam, momentum, ...) gets that parameter's sharding; Variables that carry ``logical_axes`` use
-    their own; scalars (step counts) and anything else are replicated. ``params`` is the module or
-    state the optimizer was built on; ``param_shardings`` (default: from ``params``'s logical axes)
-    may be given instead to follow an existing placement."""
+    Each subtree of the state with the structure and shapes of ``params`` (``mu``/``nu`` of Adam, momentum, ...)
+    gets the parameters' own shardings, leaf for leaf. Elsewhere (a transform that keeps only part of the tree):
+    Variables that carry ``logical_axes`` use their own, a leaf whose key path ends with the path of a parameter of
+    the same shape gets that parameter's sharding; scalars (step counts) and anything else are replicated.
+    ``params`` is the module or state the optimizer was built on; ``param_shardings`` (default: from ``params``'s
+    logical axes) may be given instead to follow an existing placement."""
     if param_shardings is None:
         param_shardings = state_shardings(params, mesh, rules)
     by_path: dict[tuple, tuple[tuple, NamedSharding]] = {}
@@ -168,7 +169,16 @@ def opt_state_shardings(
     longest = max((len(k) for k in by_path), default=0)
     replicated = NamedSharding(mesh, PartitionSpec())
 
+    structure, shapes = jax.tree.structure(params_tree), [tuple(np.shape(x)) for _, x in p_leaves]
+
+    def mirrors(node) -> bool:
+        """A subtree laid out as the parameters (the structure holds the shapes' leaves, checked too)."""
+        return (jax.tree.structure(node) == structure
+                and [tuple(np.shape(x)) for x in jax.tree.leaves(node)] == shapes)
+
     def one(path, x):
+        if not _is_variable(x) and mirrors(x):
+            return jax.tree.unflatten(jax.tree.structure(x), s_leaves)
         if _is_variable(x):
             axes = x.get_metadata().get("logical_axes") if hasattr(x, "get_metadata") else None
             if axes is not None:
@@ -178,7 +188,8 @@ def opt_state_shardings(
             return x.replace(sharding)
         return _match(_norm_path(path), tuple(np.shape(x)), by_path, longest) or replicated
 
-    return jax.tree_util.tree_map_with_path(one, _as_state(opt_state), is_leaf=_is_variable)
+    return jax.tree_util.tree_map_with_path(one, _as_state(opt_state),
+                                            is_leaf=lambda x: _is_variable(x) or mirrors(x))
 
 
 def _match(path: tuple, shape: tuple, by_path: dict, longest: int) -> NamedSharding | None:

@@ -3,7 +3,7 @@
 Each sequence's importance weight w = Π_t ρ_t (in log space: Σ_t log ρ_t over its tokens, clamped to
 [log 1e-8, 20]) sets a constant, gradient-stopped weight on the whole sequence's REINFORCE term:
 
-    φ(w) = e^λ · w^k · e^(−λ w)      (φ(1) = 1 when k = λ; the mode sits at w = k / λ)
+    φ(w) = e^λ · w^k · e^(−λ w)      (φ(1) = 1 for any k, λ; the mode sits at w = k / λ)
     ℓ_t = −sg(φ(w)) · A · logπθ(y_t)
 
 with (k, λ) = (k_pos, λ_pos) for A ≥ 0 and (k_neg, λ_neg) for A < 0. φ vanishes as w → 0 and decays

@@ -4,7 +4,7 @@ for compute, its gradient reduce-scattered back to the shards.
 Under XLA's automatic partitioning the place and the form of these collectives are the partitioner's choice; in a
 scanned layer stack it gathers each layer's weights inside the loop iteration that uses them (nothing to overlap
 with) and, for the LM head, may split the matmul on the hidden dimension and all-reduce float32 logits. Code that
-calls :func:`gather_shards` itself decides where the gather happens (one layer ahead, :mod:`jrl.models.prefetch`)
+calls :func:`gather_shards` itself decides where the gather happens (one layer ahead, :mod:`jrl.models.fsdp`)
 and that the backward moves each gradient once, in a chosen dtype.
 
 The functions here must run inside ``jax.shard_map(..., check_vma=False)``: the gradient of a gathered weight is

@@ -17,10 +17,7 @@ from typing import Literal
 # Importing the implementing modules registers the built-in names that validation checks against.
 from jrl.losses import advantages as _advantages
 from jrl.losses import importance as _importance  # noqa: F401  (registers IS modes)
-from jrl.losses import cispo as _cispo  # noqa: F401  (registers the objectives validation checks against)
 from jrl.losses import policy as _policy
-from jrl.losses import sapo as _sapo  # noqa: F401
-from jrl.losses import vespo as _vespo  # noqa: F401
 from jrl.losses.registry import ADVANTAGE_ESTIMATORS, IS_MODES, LOSS_TYPES, OBJECTIVES
 from jrl.validation import invalid, is_real
 

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jrl.sharding.rules import logical_to_spec, undivided_dims
+
 #: (dimension, mesh axes) pairs: where a shard is split, as read from its PartitionSpec.
 Gathers = tuple[tuple[int, tuple[str, ...]], ...]
 
@@ -77,13 +79,10 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 def batch_axes(mesh: Mesh, rules: Mapping, rows: int) -> tuple[str, ...] | None:
     """The mesh axes of size > 1 that the ``batch`` rule splits rows over, or None when ``rows`` does not divide
     among them (the caller then keeps the automatic partitioning)."""
-    target = rules.get("batch")
-    axes = (target,) if isinstance(target, str) else tuple(target or ())
-    axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    return axes if rows % size == 0 else None
+    if undivided_dims(("batch",), mesh, rules, (rows,)):
+        return None
+    entry = logical_to_spec(("batch",), mesh, rules, (rows,))[0]
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def only_axes(mesh: Mesh, allowed: Sequence[str]) -> bool:

@@ -239,7 +239,7 @@ class Trainer:
         """The best possible reward of the run's reward functions (when they declare it and the algorithm uses them)."""
         if "rewards" in self.algorithm.ignores:
             return None
-        return best_total(load_reward_functions(self.cfg.rewards), self.cfg.algo.reward_weights)
+        return best_total(load_reward_functions(self.cfg.rewards))  # the specs' weights: algo.reward_weights is None
 
     def close(self) -> None:
         self.source.close()

@@ -110,16 +110,22 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 40) -> dict:
 
     The trace is JAX's Perfetto export; kernels are the events on the streams of the first GPU in it (with several
     GPUs, each runs the same program: one is the step's timeline)."""
-    import glob
-    import gzip
-    import json
-
     import jax
 
     for _ in range(2):
         jax.block_until_ready(fn(*args))
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(fn(*args))
+    return summarize_kernels(trace_kernels(trace_dir), top=top)
+
+
+def trace_kernels(trace_dir: str) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of the kernels on the streams of the first GPU in the newest Perfetto trace
+    JAX wrote under ``trace_dir``."""
+    import glob
+    import gzip
+    import json
+
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     with gzip.open(path) as f:
         trace = json.load(f)
@@ -136,7 +142,7 @@ def kernel_profile(fn, *args, trace_dir: str, top: int = 40) -> dict:
         if "Stream" not in threads.get((e["pid"], e["tid"]), ""):
             continue
         kernels.append((float(e["ts"]), float(e["dur"]), e["name"]))
-    return summarize_kernels(kernels, top=top)
+    return kernels
 
 
 def summarize_kernels(kernels: list[tuple[float, float, str]], *, top: int = 40) -> dict:

@@ -28,12 +28,16 @@ class RolloutConfig:
     vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
     """Server address, timeouts, retries and launch flags of the ``vllm`` backend."""
     devices: int = 0
-    """Devices that only generate (``jax`` backend): 0 = the sampler runs on the learner's mesh and the two take
-    turns; N > 0 = the last N / process_count devices of every process form a rollout mesh laid out by ``mesh``,
-    the learner keeps the rest (the top-level ``mesh`` lays them out), the weights are copied across at each sync,
-    and with ``prefetch_depth > 0`` generation runs while the learner trains."""
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    """Layout of the rollout devices when ``devices > 0`` (default: FSDP over all of them)."""
+    """Devices that only generate (``jax`` backend): 0 = the sampler runs on the learner's devices and the two take
+    turns; N > 0 = the last N / process_count devices of every process generate, the learner keeps the rest (the
+    top-level ``mesh`` lays them out), and with ``prefetch_depth > 0`` generation runs while the learner trains."""
+    mesh: MeshConfig = dataclasses.field(default_factory=lambda: MeshConfig(data=-1, fsdp=1))
+    """How the sampler lays out its devices (the learner's with ``devices = 0``, its own otherwise); the weights are
+    copied into this layout at each weight sync (a reshard on the learner's devices, a device-to-device copy to
+    others) unless it is the learner's own. Default: every device holds the whole model in the compute dtype and
+    decodes its share of the rows (``data = -1``), which is fastest while the weights take a small part of a
+    device's memory; for larger models use ``tensor`` (e.g. ``data=-1, tensor=4``), or the learner's own layout to
+    decode from its FSDP shards without a copy (every layer's weights gathered at every token: slowest)."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import threading
 
@@ -42,6 +43,11 @@ from jrl.sharding.placement import gather_to_host, reshard, state_shardings
 from jrl.sharding.rules import logical_to_spec
 
 _ROWS = ("batch", None)
+
+logger = logging.getLogger(__name__)
+
+#: Share of a device's memory above which a copy of the weights in the sampler's own layout is warned of.
+COPY_WARN_FRACTION = 0.4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,16 +146,63 @@ def _batch_shards(mesh, rules) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def _device_ids(mesh) -> frozenset | None:
+    """The ids of ``mesh``'s devices (None without a mesh: one device)."""
+    return None if mesh is None else frozenset(d.id for d in mesh.devices.flat)
+
+
+def _frozen(rules) -> tuple | None:
+    """``rules`` as a sorted tuple of items (hashable, comparable), None for None."""
+    return None if rules is None else tuple(sorted(dict(rules).items()))
+
+
+def _report_copy(state, mesh) -> None:
+    """Log the per-device bytes of the sampler's copy of the weights; warn when they take more than
+    :data:`COPY_WARN_FRACTION` of a device's memory (where the device reports it)."""
+    device = mesh.local_devices[0]
+    per_device = sum(shard.data.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
+                     for shard in x.addressable_shards if shard.device == device)
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    logger.debug("sampler weights: a copy of %.2f GiB per device, laid out %s", per_device / 2**30, dict(mesh.shape))
+    if limit and per_device > COPY_WARN_FRACTION * limit:
+        logger.warning(
+            "the sampler's copy of the weights takes %.1f GiB of each device's %.1f GiB; if generation runs out of "
+            "memory, shard it: --rollout.mesh.tensor N (tensor parallel, within a host) or --rollout.mesh.fsdp -1 "
+            "--rollout.mesh.data 1 (decode from FSDP shards: no copy on the learner's devices, slower)",
+            per_device / 2**30, limit / 2**30)
+
+
+def _wider(x, dtype) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _narrow(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if _wider(x, dtype) else x, tree)
+
+
+def narrowed(state, dtype) -> object:
+    """``state`` with its floating arrays wider than ``dtype`` cast to it (on their devices); ``state`` itself when
+    none is. A sampler computing in ``dtype`` reads half the bytes per token from float32 master weights."""
+    dtype = jnp.dtype(dtype)
+    return _narrow(state, dtype) if any(_wider(x, dtype) for x in jax.tree.leaves(state)) else state
+
+
 class JaxRolloutEngine:
     """The embedded sampler: :class:`~jrl.rollout.base.RolloutEngine` over a jrl ``Transformer``.
 
-    ``model``: the policy (any ``Transformer``, including one whose projections are LoRA layers). The engine
-    keeps a reference to its current arrays, never a copy; :meth:`sync_weights` re-points it at a model's
-    arrays (call it after every update: a train step that donates its buffers invalidates the old ones).
-    ``mesh`` / ``rules``: rows are sharded over the mesh's batch axes (default: the model's own mesh and
-    rules); the row count is padded to a multiple of the batch shards with throw-away rows. A mesh other than the
-    model's (a rollout mesh, :func:`jrl.sharding.split_devices`) gets a copy of the weights, placed there by their
-    logical axes at each :meth:`sync_weights`, so generation and training can run at the same time.
+    ``model``: the policy (any ``Transformer``, including one whose projections are LoRA layers).
+    ``mesh`` / ``rules``: the layout the engine decodes with (default: the model's own mesh and rules); rows are
+    sharded over the mesh's batch axes, the row count padded to a multiple of the batch shards with throw-away rows.
+    In the model's own layout the engine keeps a reference to the model's current arrays, never a copy, and
+    :meth:`sync_weights` re-points it at a model's arrays (call it after every update: a train step that donates
+    its buffers invalidates the old ones). In any other layout it decodes from a copy (weights wider than the
+    model's compute dtype narrowed to it). On the model's own devices that is a layout for decoding (weights
+    replicated per data-parallel group, or tensor-parallel), resharded once per generation instead of gathered at
+    every token as FSDP shards would be; the copy is made from the synced arrays when a generation starts and freed
+    when it ends, so it takes no memory while the learner trains. On other devices (a rollout mesh,
+    :func:`jrl.sharding.split_devices`) the copy is made at each :meth:`sync_weights`, device to device
+    (:func:`jrl.sharding.reshard`), so generation and training can run at the same time.
     ``pad_id``: the id filling prompt padding and completion slots after a stop (the policy's, see
     :func:`jrl.train.policy.load_policy`). ``prompt_bucket``: prompts are left-padded to
     a multiple of this many tokens, so the program compiles once per bucket.
@@ -168,35 +221,48 @@ class JaxRolloutEngine:
     def __init__(self, model, *, pad_id: int, mesh=None, rules=None, prompt_bucket: int = 32):
         if prompt_bucket < 1:
             raise ValueError(f"JaxRolloutEngine prompt_bucket={prompt_bucket} must be >= 1")
-        model_mesh = getattr(model, "mesh", None)
+        model_mesh, model_rules = getattr(model, "mesh", None), getattr(model, "rules", None)
         self.mesh = mesh if mesh is not None else model_mesh
-        #: Generation runs on the trainer's own devices, from its arrays (a prefetching trainer on a multi-device
-        #: mesh takes turns with it, see :mod:`jrl.sources.rollout`); False with a mesh of its own.
-        self.shares_trainer_devices = self.mesh == model_mesh
-        rules = rules if rules is not None else getattr(model, "rules", None)
-        self.rules = None if rules is None else tuple(sorted(dict(rules).items()))
+        rules = rules if rules is not None else model_rules
+        #: Generation runs on the trainer's own devices (a prefetching trainer on a multi-device mesh takes turns
+        #: with it, see :mod:`jrl.sources.rollout`); False on devices of its own.
+        self.shares_trainer_devices = _device_ids(self.mesh) == _device_ids(model_mesh)
+        self.rules = _frozen(rules)
+        #: The engine decodes from a copy of the weights in its own layout (else from the model's arrays).
+        self.copies_weights = self.mesh is not None and (self.mesh, self.rules) != (model_mesh, _frozen(model_rules))
         self.pad_id = int(pad_id)
         self.prompt_bucket = int(prompt_bucket)
+        self._compute_dtype = jnp.dtype(model.config.dtype)
         self._lock = threading.Lock()
-        self._own_graphdefs: dict = {}  # the model's graphdef -> the same model constrained to this mesh
+        self._own_graphdefs: dict = {}  # the model's graphdef -> the same model constrained to this layout
         self.sync_weights(model, 0)
 
-    def _on_own_mesh(self, graphdef, state):
-        """(graphdef, state) of a copy of the weights placed on this engine's mesh."""
+    def _own_copy(self, graphdef, state):
+        """(graphdef, state) of a copy of the weights in this engine's layout and the model's compute dtype."""
         rules = dict(self.rules) if self.rules is not None else None
-        placed = reshard(state, state_shardings(state, self.mesh, rules))
         own = self._own_graphdefs.get(graphdef)
         if own is None:
-            own = nnx.split(on_mesh(nnx.merge(graphdef, placed), self.mesh, rules))[0]
+            own = nnx.split(on_mesh(nnx.merge(graphdef, state), self.mesh, rules))[0]
+        placed = reshard(narrowed(state, self._compute_dtype), state_shardings(state, self.mesh, rules))
+        if graphdef not in self._own_graphdefs:
+            _report_copy(placed, self.mesh)
             self._own_graphdefs = {graphdef: own}
         return own, placed
 
+    def _weights(self):
+        """(graphdef, state, version) of the latest sync, in this engine's layout."""
+        with self._lock:
+            graphdef, state, version = self._graphdef, self._state, self.version
+        if self.copies_weights and self.shares_trainer_devices:
+            graphdef, state = self._own_copy(graphdef, state)
+        return graphdef, state, version
+
     def sync_weights(self, model, version: int) -> None:
-        """Sample from ``model``'s current arrays from now on (no copy; a copy on this engine's own mesh when it
-        has one), tagged ``version``; a ``generate`` call already running keeps the weights it started with."""
+        """Sample from ``model``'s current arrays from now on (no copy; on devices of its own a copy in this
+        engine's layout), tagged ``version``; a ``generate`` call already running keeps the weights it started with."""
         graphdef, state = nnx.split(model)
-        if not self.shares_trainer_devices:
-            graphdef, state = self._on_own_mesh(graphdef, state)
+        if self.copies_weights and not self.shares_trainer_devices:
+            graphdef, state = self._own_copy(graphdef, state)
         with self._lock:
             self._graphdef, self._state, self.version = graphdef, state, int(version)
 
@@ -218,8 +284,7 @@ class JaxRolloutEngine:
         else:
             prefill = [i if i < len(prompt_ids) else 0 for i in range(padded_prompts)]
         ids, mask = left_pad([prompt_ids[i] for i in prefill], self.pad_id, multiple_of=self.prompt_bucket)
-        with self._lock:
-            graphdef, state, version = self._graphdef, self._state, self.version
+        graphdef, state, version = self._weights()
         program = _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
                            use_top_p=params.top_p < 1.0,
                            stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
@@ -234,14 +299,13 @@ class JaxRolloutEngine:
                             truncated=~stopped.astype(bool), policy_version=version)
 
     def close(self) -> None:
-        """Nothing to release: the engine holds references to the trainer's arrays only."""
+        """Nothing to release: the engine holds the trainer's arrays, or a copy that goes with the engine."""
 
     def generate_blocks(self, doc_ids, anchors, *, context_length: int, generate_len: int, num_samples: int,
                         params: SamplingParams, seed: int) -> tuple[StridedSamples, int]:
         """Strided EBFT's block-parallel samples (:func:`jrl.rollout.strided_sampler.generate_blocks`) from the
         weights of the latest sync, and that sync's version."""
-        with self._lock:
-            graphdef, state, version = self._graphdef, self._state, self.version
+        graphdef, state, version = self._weights()
         samples = generate_blocks(nnx.merge(graphdef, state), doc_ids, anchors, context_length=context_length,
                                   generate_len=generate_len, num_samples=num_samples, params=params, seed=seed)
         return samples, version

@@ -28,9 +28,10 @@ class Policy:
     model: object
     """The :class:`~jrl.models.Transformer`, with LoRA adapters when ``cfg.lora`` is set."""
     rollout_mesh: object = None
-    """The mesh the sampler runs on: its own with ``cfg.rollout.devices > 0``, else ``mesh`` (None: the model's)."""
+    """The mesh the sampler runs on (``cfg.rollout.mesh``): of its own devices with ``cfg.rollout.devices > 0``, else
+    of the learner's (None on one device)."""
     rollout_rules: dict | None = None
-    """Logical-axis rules of ``rollout_mesh`` (None: the model's)."""
+    """Logical-axis rules of ``rollout_mesh``."""
 
 
 def load_policy(cfg) -> Policy:
@@ -60,7 +61,8 @@ def load_policy(cfg) -> Policy:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:
             shard_model(model, mesh, rules)
-    rollout_mesh, rollout_rules = ((rollout_mesh, cfg.rollout.mesh.logical_rules()) if rollout_devices
-                                   else (mesh, rules))
+    if not rollout_devices:  # the sampler's layout of the learner's devices (None on one device)
+        rollout_mesh = None if mesh is None else make_mesh(cfg.rollout.mesh, learner_devices)
+    rollout_rules = cfg.rollout.mesh.logical_rules() if rollout_mesh is not None else None
     return Policy(tokenizer=tokenizer, pad_id=pad_id, mesh=mesh, rules=rules, model=model, rollout_mesh=rollout_mesh,
                   rollout_rules=rollout_rules)

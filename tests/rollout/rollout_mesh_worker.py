@@ -1,6 +1,7 @@
 """Child process for test_rollout_mesh.py (4 fake CPU devices set by the parent): generates on a 2-device mesh of
-the model, and on a 2-device mesh of its own, and prints one JSON line with the tokens, logprobs and the devices
-holding the engine's weights per layout."""
+the model, on the model's 2 devices laid out for decoding (the model FSDP-sharded, the engine's copy replicated),
+and on a 2-device mesh of its own, and prints one JSON line with the tokens, logprobs, the devices holding the
+engine's weights and whether each engine weight is whole on every device, per layout."""
 
 import json
 import sys
@@ -16,9 +17,13 @@ from jrl.sharding import MeshConfig, make_mesh, split_devices
 
 
 def _engine(name: str) -> JaxRolloutEngine:
-    """The engine of layout ``name``: on a 2-device mesh of the model, or (``own_mesh``) on 2 devices of its own
-    while the model lives on the other 2."""
+    """The engine of layout ``name``: on a 2-device mesh of the model, on the model's devices in a layout of its own
+    (``decode_layout``), or (``own_mesh``) on 2 devices of its own while the model lives on the other 2."""
     learner_devices, rollout_devices = split_devices(2)
+    if name == "decode_layout":
+        model = tiny_model("llama", seed=6, mesh=make_mesh(MeshConfig(fsdp=2), learner_devices))
+        return JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=16, mesh=make_mesh(MeshConfig(data=2, fsdp=1),
+                                                                                    learner_devices))
     if name == "own_mesh":
         model = tiny_model("llama", seed=6, mesh=make_mesh(MeshConfig(fsdp=2), learner_devices))
         return JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=16, mesh=make_mesh(MeshConfig(data=2, fsdp=1),
@@ -32,9 +37,10 @@ def main(prompts_json):
     assert jax.device_count() == 4, jax.devices()
     prompts = json.loads(prompts_json)
     out = {}
-    for name in ("data", "tensor", "own_mesh"):
+    for name in ("data", "tensor", "decode_layout", "own_mesh"):
         engine = _engine(name)
-        weights = nnx.merge(engine._graphdef, engine._state)
+        graphdef, state, _ = engine._weights()  # what a generation decodes from
+        weights = nnx.merge(graphdef, state)
         devices = {d.id for x in jax.tree.leaves(nnx.state(weights)) for d in x.sharding.device_set}
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
         sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
@@ -42,7 +48,9 @@ def main(prompts_json):
         out[name] = dict(greedy=greedy.completion_ids.tolist(), sampled=sampled.completion_ids.tolist(),
                          sampled_mask=sampled.completion_mask.tolist(),
                          sampled_logprobs=np.asarray(sampled.sampling_logprobs).tolist(),
-                         weight_devices=sorted(devices), shares_trainer_devices=engine.shares_trainer_devices)
+                         weight_devices=sorted(devices), shares_trainer_devices=engine.shares_trainer_devices,
+                         copies_weights=engine.copies_weights,
+                         replicated=all(x.is_fully_replicated for x in jax.tree.leaves(nnx.state(weights))))
     print(json.dumps(out))
 
 

@@ -1,6 +1,6 @@
 """The engine on a 2-device mesh (fake CPU devices in a child process; batch split over ``data``, or cache
-heads and vocabulary split over ``tensor``, or a rollout mesh of its own beside the model's) generates what it
-generates on one device."""
+heads and vocabulary split over ``tensor``, or a replicated copy of an FSDP-sharded model's weights on its devices,
+or a rollout mesh of its own beside the model's) generates what it generates on one device."""
 
 import json
 import subprocess
@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import child_processes as helpers
+import jax.numpy as jnp
 import numpy as np
 from rollout_testlib import PAD, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
-from jrl.rollout.jax_engine import JaxRolloutEngine
+from jrl.rollout.jax_engine import JaxRolloutEngine, narrowed
 
 HERE = Path(__file__).parent
 
@@ -33,12 +34,27 @@ def test_two_device_mesh_matches_one_device():
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
                               num_generations=2, seed=1)
     assert result["data"]["weight_devices"] == result["tensor"]["weight_devices"] == [0, 1]
-    assert result["data"]["shares_trainer_devices"]
+    assert result["data"]["shares_trainer_devices"] and not result["data"]["copies_weights"]
+    assert not result["tensor"]["replicated"]
+    decode = result["decode_layout"]  # the model FSDP-sharded on devices 0 and 1, the engine's copy whole on both
+    assert decode["weight_devices"] == [0, 1] and decode["shares_trainer_devices"] and decode["copies_weights"]
+    assert decode["replicated"]
     own = result["own_mesh"]  # the model on devices 0 and 1, the engine's copy of the weights on 2 and 3
-    assert own["weight_devices"] == [2, 3] and not own["shares_trainer_devices"]
-    for name in ("data", "tensor", "own_mesh"):
+    assert own["weight_devices"] == [2, 3] and not own["shares_trainer_devices"] and own["copies_weights"]
+    for name in ("data", "tensor", "decode_layout", "own_mesh"):
         got = result[name]
         assert got["greedy"] == greedy.completion_ids.tolist(), name
         assert got["sampled"] == sampled.completion_ids.tolist(), name
         assert got["sampled_mask"] == sampled.completion_mask.tolist(), name
         np.testing.assert_allclose(got["sampled_logprobs"], sampled.sampling_logprobs, atol=1e-4, err_msg=name)
+
+
+def test_the_copy_in_a_layout_of_its_own_is_narrowed_to_the_compute_dtype():
+    rng = np.random.default_rng(3)
+    tree = {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+            "scale": jnp.asarray(rng.normal(size=(3,)), jnp.bfloat16), "step": jnp.arange(3)}
+    out = narrowed(tree, jnp.bfloat16)
+    assert {k: str(v.dtype) for k, v in out.items()} == {"kernel": "bfloat16", "scale": "bfloat16", "step": "int32"}
+    np.testing.assert_array_equal(np.asarray(out["kernel"], np.float32),
+                                  np.asarray(tree["kernel"].astype(jnp.bfloat16), np.float32))
+    assert narrowed(tree, jnp.float32) is tree  # nothing wider than float32: no copy

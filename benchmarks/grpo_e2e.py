@@ -1,0 +1,266 @@
+"""A whole GRPO step as a user runs it: sample, score, update, sync, through the trainer of ``jrl train``.
+
+``prepare`` writes, under ``--work``: a random-weight Hugging Face checkpoint of a benchmark shape (``llama1b``,
+``qwen3_1.7b``, ``llama8b``, ``tiny``; the shapes of ``train_step_vs_torch.py``, bf16; drawn by jrl on the host, or
+with ``--init torch`` by transformers on the GPU) with a byte-level BPE
+tokenizer trained offline on generated pseudo-word text (its vocabulary is smaller than the model's: sampled ids
+past it decode to nothing), a prompt set of ``--prompt-tokens`` tokens per prompt, and a reward file (completion
+length mod 5: cheap, and with spread, so no step is skipped for zero advantages). A random model rarely emits EOS,
+so ``--mean-fraction`` sets the stop ids: the top ``k`` ids of the vocabulary, ``k`` chosen so that a uniform
+sampler's truncated geometric length has mean ``mean-fraction x max-new-tokens`` (the measured mean is
+reported; a random model's token distribution is not uniform).
+
+``run`` builds the config from ``--work``'s files plus overrides, parses it with the CLI's own parser
+(:func:`jrl.cli.train.parse_config`) and drives :class:`jrl.train.Trainer` step by step (what ``jrl train`` runs,
+without the checkpoints). Layouts: ``one`` (one device), ``shared`` (every visible device: the learner's mesh, the
+sampler on the same devices in ``rollout.mesh``'s layout), ``split`` (``--rollout-devices`` devices only
+generate, with prefetch 1). Weak scaling: ``--prompts-per-device`` prompts x ``--generations`` per learner device
+(in ``split``, per device of the whole host, so every layout trains the same rows per device). Reported per step
+(medians of the steps after the first, which compiles): wall time; generate (``time/rollout``), experience
+(``time/reward``: scoring, old/reference log-probs), update (``time/train``), weight sync (``time/sync``) and the
+rest of the step (host gaps); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
+every row, padding excluded); peak device memory after the first generation and after the first step (JAX keeps
+one peak per process); with ``--profile DIR`` the GPU busy fraction of one more step (the union of its kernels'
+intervals on the first GPU over the step's wall time).
+
+    python benchmarks/grpo_e2e.py prepare --work /tmp/e2e --shape llama1b --max-new-tokens 1024
+    python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout shared --steps 4 --out e2e.jsonl
+    python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout one --lora --steps 4 --out e2e.jsonl
+
+On CPU (the mechanism, not speed): ``prepare --shape tiny --prompt-tokens 32 --max-new-tokens 32`` and ``run
+--layout one --prompts-per-device 2 --generations 4 --steps 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "xi", "do", "fe", "gu", "hy")
+REWARD = '''def length_mod_5(prompts, completions, completion_ids, **kwargs):
+    """Completion length mod 5: cheap, and with spread on a random model."""
+    return [float(len(ids) % 5) for ids in completion_ids]
+'''
+
+
+def _words(rng, n: int) -> list[str]:
+    return ["".join(rng.choice(SYLLABLES, size=rng.integers(1, 4))) for _ in range(n)]
+
+
+def stop_count(vocab: int, max_new: int, mean_fraction: float) -> int:
+    """Stop ids ``k`` such that a uniform sampler over ``vocab`` ids, stopping at any of ``k`` of them, has a mean
+    completion length (geometric, truncated at ``max_new``) of ``mean_fraction x max_new``."""
+    lo, hi = 1e-9, 50.0  # x = p * max_new; mean / max_new = (1 - exp(-x)) / x decreases in x
+    for _ in range(100):
+        x = (lo + hi) / 2
+        lo, hi = (x, hi) if (1 - math.exp(-x)) / x > mean_fraction else (lo, x)
+    return max(1, round(x / max_new * vocab))
+
+
+def prepare(args) -> None:
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from train_step_vs_torch import SHAPES
+
+    from jrl.models import ModelConfig, create_model, save_pretrained
+
+    work, rng = Path(args.work), np.random.default_rng(0)
+    model_dir = work / "model"
+    shape = SHAPES[args.shape]
+    t0 = time.perf_counter()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(args.tokenizer_vocab, shape["vocab_size"]),
+                                  special_tokens=["<|eos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((" ".join(_words(rng, 200)) for _ in range(2000)), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", pad_token="<|pad|>")
+    print(f"tokenizer: {tok.get_vocab_size()} ids ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    if args.init == "torch":  # drawn on the GPU by transformers: an 8B model's host draw takes minutes
+        from train_step_vs_torch import hf_model
+
+        hf_model(shape, args.prompt_tokens + args.max_new_tokens).save_pretrained(str(model_dir))
+    else:
+        save_pretrained(create_model(ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16"), seed=0),
+                        model_dir, progress=True)
+    tokenizer.save_pretrained(str(model_dir))
+    print(f"model {args.shape}: written to {model_dir} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    with open(work / "prompts.jsonl", "w") as f:
+        for i in range(args.num_prompts):
+            ids = tokenizer(" ".join(_words(rng, args.prompt_tokens)))["input_ids"][:args.prompt_tokens]
+            f.write(json.dumps({"prompt": tokenizer.decode(ids), "id": i}) + "\n")
+    (work / "reward.py").write_text(REWARD)
+    k = stop_count(shape["vocab_size"], args.max_new_tokens, args.mean_fraction)
+    meta = dict(shape=args.shape, vocab_size=shape["vocab_size"], prompt_tokens=args.prompt_tokens,
+                max_new_tokens=args.max_new_tokens, stop_ids=[shape["vocab_size"] - k, shape["vocab_size"]],
+                mean_fraction=args.mean_fraction, tokenizer_vocab=tok.get_vocab_size())
+    (work / "meta.json").write_text(json.dumps(meta))
+    print(f"prompts: {args.num_prompts} x ~{args.prompt_tokens} tokens; stop ids: the top {k} of "
+          f"{shape['vocab_size']}", flush=True)
+
+
+def _overrides(args, meta: dict, devices: int) -> list[str]:
+    work = Path(args.work)
+    learner = devices - (args.rollout_devices if args.layout == "split" else 0)
+    prompts = args.prompts_per_device * (devices if args.layout == "split" else learner)
+    rows = prompts * args.generations
+    lo, hi = meta["stop_ids"]
+    out = ["--model.path", str(work / "model"), "--model.dtype", "bfloat16",
+           "--data.source", str(work / "prompts.jsonl"), "--data.no-use-chat-template",
+           "--data.max-prompt-length", str(meta["prompt_tokens"] + 8), "--data.prompts-per-batch", str(prompts),
+           "--rewards", f"{work / 'reward.py'}:length_mod_5",
+           "--rollout.max-new-tokens", str(meta["max_new_tokens"]), "--rollout.temperature", "1.0",
+           "--rollout.stop-token-ids", *[str(i) for i in range(lo, hi)],
+           "--algo.num-generations", str(args.generations), "--algo.loss-type", "dapo", "--algo.beta", "0.0",
+           "--optim.learning-rate", "1e-6", "--optim.micro-batch-size",
+           str(min(rows, args.micro_rows_per_device * learner)),
+           "--max-steps", str(args.steps + bool(args.profile)), "--save-every", "0", "--log-every", "1",
+           "--output-dir", str(work / f"run-{args.layout}-{devices}"), "--overwrite", "--seed", "0"]
+    if args.layout == "split":
+        out += ["--rollout.devices", str(args.rollout_devices), "--rollout.prefetch-depth", "1"]
+    if args.rollout_mesh:
+        for axis, size in (kv.split("=") for kv in args.rollout_mesh.split(",")):
+            out += [f"--rollout.mesh.{axis}", size]
+    if args.lora:
+        out += ["lora:lora-config", "--lora.rank", str(args.lora_rank)]
+    return out + args.extra
+
+
+def _peak_gib() -> float | None:
+    import jax
+
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    return round(max(peaks) / 2**30, 2) if peaks else None
+
+
+def _busy_fraction(trace_dir: str, wall_s: float) -> float:
+    """The union of the first GPU's kernel intervals in the trace under ``trace_dir`` over ``wall_s``."""
+    from kernels_common import trace_kernels
+
+    spans = sorted((ts, ts + dur) for ts, dur, _ in trace_kernels(trace_dir))
+    busy, end = 0.0, -math.inf
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e6 / wall_s
+
+
+def run(args) -> None:
+    import jax
+
+    from jrl.cli.train import parse_config
+    from jrl.train import Trainer
+
+    meta = json.loads((Path(args.work) / "meta.json").read_text())
+    devices = 1 if args.layout == "one" else jax.device_count()
+    if args.layout == "one" and jax.device_count() > 1:
+        raise SystemExit("--layout one needs one visible device (set CUDA_VISIBLE_DEVICES=0)")
+    argv = _overrides(args, meta, devices)
+    cfg = parse_config(argv)
+    rows = cfg.data.prompts_per_batch * cfg.algo.num_generations
+    print(f"# {args.layout} on {devices} device(s): {rows} rows, {' '.join(argv)}", flush=True)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, progress=False)
+    peaks = {}
+    generate = trainer.source._generate
+
+    def generate_and_note_peak(*a, **kw):  # the first generation's peak, before any update
+        out = generate(*a, **kw)
+        peaks.setdefault("after_generate", _peak_gib())
+        return out
+
+    trainer.source._generate = generate_and_note_peak
+    steps, busy = [], None
+    try:
+        for i in range(args.steps):
+            t = time.perf_counter()
+            m = trainer.train_step()
+            m["wall"] = time.perf_counter() - t
+            steps.append(m)
+            peaks.setdefault("after_step", _peak_gib())
+            print(f"step {i}: wall {m['wall']:.2f} s, generate {m['time/rollout']:.2f}, experience "
+                  f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, mean length "
+                  f"{m['completions/mean_length']:.0f}", flush=True)
+        if args.profile:
+            with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+                t = time.perf_counter()
+                trainer.train_step()
+                wall = time.perf_counter() - t
+            busy = round(_busy_fraction(args.profile, wall), 3)
+    finally:
+        trainer.close()
+    timed = steps[1:] or steps
+
+    def med(key):
+        return round(statistics.median(m[key] for m in timed), 3)
+
+    wall = med("wall")
+    prompt_tokens = meta["prompt_tokens"]
+    lengths = statistics.median(m["completions/mean_length"] for m in timed)
+    row = dict(shape=meta["shape"], layout=args.layout, devices=devices, lora=args.lora,
+               rollout_mesh=args.rollout_mesh or "default", rows=rows, max_new_tokens=meta["max_new_tokens"],
+               mean_length=round(lengths, 1), step_s=wall, generate_s=med("time/rollout"),
+               experience_s=med("time/reward"), update_s=med("time/train"), sync_s=med("time/sync"),
+               wait_rollout_s=med("time/wait_rollout"),
+               generated_tok_s=round(rows * lengths / wall), generated_tok_s_per_device=round(rows * lengths / wall
+                                                                                               / devices),
+               trained_tok_s=round(rows * (prompt_tokens + lengths) / wall),
+               trained_tok_s_per_device=round(rows * (prompt_tokens + lengths) / wall / devices),
+               peak_gib=peaks, gpu_busy=busy, steps=len(steps), setup_and_steps_s=round(time.perf_counter() - t0, 1),
+               device=jax.devices()[0].device_kind, jax=jax.__version__)
+    # the trainer's thread waits for generation (all of it when synchronous), then works: the rest is host gaps
+    row["host_gap_s"] = round(wall - row["wait_rollout_s"] - row["experience_s"] - row["update_s"] - row["sync_s"], 3)
+    print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--work", required=True)
+    p.add_argument("--shape", default="llama1b")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=4096)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--mean-fraction", type=float, default=0.4)
+    p.add_argument("--tokenizer-vocab", type=int, default=16384)
+    p.add_argument("--init", choices=("jrl", "torch"), default="jrl",
+                   help="draw the random weights with jrl on the host, or with transformers on the GPU")
+    r = sub.add_parser("run")
+    r.add_argument("--work", required=True)
+    r.add_argument("--layout", choices=("one", "shared", "split"), default="one")
+    r.add_argument("--rollout-devices", type=int, default=2, help="split: devices that only generate")
+    r.add_argument("--rollout-mesh", default="", help="rollout.mesh axis sizes, e.g. data=1,fsdp=-1 (default: "
+                                                      "the config's default)")
+    r.add_argument("--prompts-per-device", type=int, default=32)
+    r.add_argument("--generations", type=int, default=8)
+    r.add_argument("--steps", type=int, default=4)
+    r.add_argument("--micro-rows-per-device", type=int, default=8, help="rows per learner device per micro-batch")
+    r.add_argument("--lora", action="store_true")
+    r.add_argument("--lora-rank", type=int, default=16)
+    r.add_argument("--profile", default=None, metavar="DIR")
+    r.add_argument("--out", default=None)
+    r.add_argument("extra", nargs="*", help="more config overrides (after --)")
+    args = ap.parse_args()
+    prepare(args) if args.command == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -212,7 +212,8 @@ def run(args) -> None:
     prompt_tokens = meta["prompt_tokens"]
     lengths = statistics.median(m["completions/mean_length"] for m in timed)
     row = dict(shape=meta["shape"], layout=args.layout, devices=devices, lora=args.lora,
-               rollout_mesh=args.rollout_mesh or "default", rows=rows, max_new_tokens=meta["max_new_tokens"],
+               rollout_mesh=args.rollout_mesh or "default", overrides=" ".join(args.extra), rows=rows,
+               max_new_tokens=meta["max_new_tokens"],
                mean_length=round(lengths, 1), step_s=wall, generate_s=med("time/rollout"),
                experience_s=med("time/reward"), update_s=med("time/train"), sync_s=med("time/sync"),
                wait_rollout_s=med("time/wait_rollout"),

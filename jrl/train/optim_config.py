@@ -32,6 +32,13 @@ class OptimConfig:
     micro_batch_size: int | None = None
     """Sequences per forward/backward pass; the step's ``prompts_per_batch x num_generations``
     sequences are split into micro-batches whose gradients are summed (None = one micro-batch)."""
+    length_bucket: int = 0
+    """GRPO-family updates: rows sorted by completion length, micro-batches taken in that order and each trimmed to
+    a multiple of this many completion tokens that covers its longest row (e.g. 128), so the update computes little
+    padding of short completions (one compiled program per width, at most ``max_new_tokens / length_bucket``); the
+    loss and gradient are those of the padded rows. 0 = off (every row padded to ``max_new_tokens``). Not for the
+    ``bnpo`` loss, whose value depends on which rows share a micro-batch; per-micro-batch metrics (clip ratios...)
+    are averaged over micro-batches of other rows than without it."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
     balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""
@@ -49,5 +56,6 @@ class OptimConfig:
         check_choice(self, "schedule", ("constant", "cosine", "linear"))
         check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
         check_int(self, "micro_batch_size", lo=1, optional=True)
+        check_int(self, "length_bucket", lo=0, fix="use 0 (off) or a token count such as 128")
         check_real(self, "router_aux_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
         check_real(self, "router_z_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")

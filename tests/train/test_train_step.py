@@ -123,6 +123,38 @@ def test_accumulation_invariance(loss_type):
     assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_length_bucketed_micro_batches_give_the_padded_update(loss_type):
+    # 8 rows of up to 16 completion tokens in micro-batches of 2: sorted by length, each trimmed to a multiple of 4
+    algo = dataclasses.replace(ALGO, loss_type=loss_type)
+    batch = random_step_batch(seed=11, completion_len=16)._replace(has_signal=np.ones(8, bool))
+    padded, u1 = make(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=2, length_bucket=0), total_updates=2)
+    trimmed, u2 = make(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=2, length_bucket=4), total_updates=2)
+    assert len(u1.policy_terms(padded, batch)) == 1
+    terms = u2.policy_terms(trimmed, batch)
+    widths = [t.rows.completion_ids.shape[1] for t in terms]
+    lengths = batch.completion_mask.sum(-1)
+    assert widths == sorted(widths, reverse=True) and min(widths) < 16 and all(w % 4 == 0 for w in widths)
+    for t in terms:  # every row's tokens are inside its term's width, and each row is in one term
+        assert (t.rows.completion_mask.sum(-1) <= t.rows.completion_ids.shape[1]).all()
+    assert sorted(np.concatenate([t.rows.completion_mask.sum(-1) for t in terms]).tolist()) == sorted(lengths.tolist())
+    g1, c1, _ = padded.accumulate([u1.policy_term(padded, batch)])
+    g2, c2, _ = trimmed.accumulate(terms)
+    assert max_rel_err(g2, g1) <= 1e-5
+    assert float(sum(c2["loss"])) == pytest.approx(float(sum(c1["loss"])), rel=1e-5)
+    m1, m2 = u1(padded, batch), u2(trimmed, batch)
+    assert max_rel_err(trimmed.params, padded.params) <= 1e-5
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+    assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
+
+
+def test_the_bnpo_loss_keeps_its_micro_batches():
+    algo = dataclasses.replace(ALGO, loss_type="bnpo")
+    learner, update = make(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=2, length_bucket=4), total_updates=1)
+    batch = random_step_batch(seed=11, completion_len=16)
+    assert [t.rows.completion_ids.shape[1] for t in update.policy_terms(learner, batch)] == [16]
+
+
 def test_each_program_hands_back_its_metrics_as_one_vector():
     """An update's metrics leave the devices as one packed float32 vector per program: one for a single
     micro-batch (gradient and optimizer in one program), one per micro-batch plus the optimizer's otherwise;

@@ -86,6 +86,30 @@ class StepBatch(NamedTuple):
     """[N] bool: the row's group has a learning signal (raw rewards not all equal)."""
 
 
+def trim_completions(batch: StepBatch, width: int) -> StepBatch:
+    """``batch`` with its completion columns cut to the first ``width`` (the prompt columns kept)."""
+    cut = batch.input_ids.shape[1] - batch.completion_ids.shape[1] + width
+    per_token = ("completion_ids", "completion_mask", "sampler_logprobs", "old_logprobs", "ref_logprobs")
+    return batch._replace(input_ids=batch.input_ids[:, :cut], attention_mask=batch.attention_mask[:, :cut],
+                          **{k: getattr(batch, k)[:, :width] for k in per_token if getattr(batch, k) is not None})
+
+
+def length_groups(lengths: np.ndarray, micro_batch_size: int, bucket: int, width: int) -> list[tuple[np.ndarray, int]]:
+    """(row indices, completion width) of runs of micro-batches: rows sorted by ``lengths`` (longest first),
+    ``micro_batch_size`` at a time, each micro-batch's width the multiple of ``bucket`` covering its longest row
+    (at most ``width``); consecutive micro-batches of one width form one run."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    groups: list[tuple[list, int]] = []
+    for start in range(0, len(order), micro_batch_size):
+        rows = order[start:start + micro_batch_size]
+        w = min(width, max(bucket, -(-int(lengths[rows].max()) // bucket) * bucket))
+        if groups and groups[-1][1] == w:
+            groups[-1][0].extend(rows)
+        else:
+            groups.append((list(rows), w))
+    return [(np.asarray(rows), w) for rows, w in groups]
+
+
 def build_step_batch(rollout: RolloutBatch, advantages: np.ndarray, *, pad_id: int, completion_length: int,
                      has_signal: np.ndarray | None = None, prompt_multiple: int = PROMPT_PAD_MULTIPLE) -> StepBatch:
     """Train-step arrays from a rollout: prompts left-padded to a multiple of ``prompt_multiple``,
@@ -238,6 +262,31 @@ class PolicyUpdate:
             keep = signal & (mask.sum(-1) > 0)
         return LossTerm(self.loss, batch._replace(has_signal=None), norms, keep)
 
+    def policy_terms(self, learner, batch: StepBatch) -> list[LossTerm]:
+        """:meth:`policy_term` of ``batch`` as the loss terms of one update: with ``optim.length_bucket`` and
+        several micro-batches, one term per run of micro-batches of one trimmed width (:func:`length_groups`),
+        each with the step's normalisers and the padded length as ``max_completion_length`` (``dr_grpo``), so
+        the loss and gradient are the padded ones; else the term itself."""
+        term = self.policy_term(learner, batch)
+        n, width = batch.completion_ids.shape
+        bucket, mb = learner.optim.length_bucket, learner.optim.micro_batch_size or n
+        if not bucket or width <= bucket or self.algo.loss_type == "bnpo":
+            return [term]
+        groups = length_groups(np.asarray(batch.completion_mask).sum(-1), mb, bucket, width)
+        if len(groups) == 1 and groups[0][1] == width:
+            return [term]
+        loss = self._trimmed_loss(width)
+        return [LossTerm(loss, trim_completions(take_rows(term.rows, rows), w), term.aux,
+                         None if term.keep is None else term.keep[rows]) for rows, w in groups]
+
+    @functools.lru_cache(maxsize=8)
+    def _trimmed_loss(self, width: int) -> GRPOLoss:
+        """The loss of rows trimmed from ``width`` completion columns (``dr_grpo``'s constant stays ``width``)."""
+        algo = self.loss.algo
+        if algo.max_completion_length is None:
+            algo = dataclasses.replace(algo, max_completion_length=width)
+        return dataclasses.replace(self.loss, algo=algo)
+
     def __call__(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
                  reduction: Callable[[str], str] = _grpo_reduction) -> dict[str, float]:
         batch = self.prepare(learner, batch)
@@ -245,12 +294,12 @@ class PolicyUpdate:
         if extra_terms and len(parts) > 1:
             raise ValueError("docs_per_step splits the policy term only; an update with extra loss terms takes the "
                              "whole batch")
-        terms = [self.policy_term(learner, take_rows(batch, sl)) for sl in parts]
+        terms = [self.policy_terms(learner, take_rows(batch, sl)) for sl in parts]
         updates, skipped = [], 0
         for _ in range(self.mu):
             skipped = 0  # micro-batches skipped in one pass over the batch
-            for term in terms:
-                collected, n = learner.step([term, *extra_terms])
+            for part in terms:
+                collected, n = learner.step([*part, *extra_terms])
                 updates.append(collected)
                 skipped += n
         out = reduce_metrics(updates, reduction)

@@ -26,6 +26,12 @@ intervals on the first GPU over the step's wall time).
     python benchmarks/grpo_e2e.py prepare --work /tmp/e2e --shape llama1b --max-new-tokens 1024
     python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout shared --steps 4 --out e2e.jsonl
     python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout one --lora --steps 4 --out e2e.jsonl
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/grpo_e2e.py trl --work /tmp/e2e --steps 3 --out e2e.jsonl
+
+``trl`` runs the peer, TRL's ``GRPOTrainer`` with its own ``generate`` (``use_vllm=False``), on the same checkpoint,
+prompts, reward, group size, lengths and stop ids (DAPO, bf16 on a GPU, micro-batches of
+``--micro-rows-per-device`` rows accumulated to one optimizer step per generation batch); it needs ``trl`` (and
+its ``datasets``), which jrl does not depend on.
 
 On CPU (the mechanism, not speed): ``prepare --shape tiny --prompt-tokens 32 --max-new-tokens 32`` and ``run
 --layout one --prompts-per-device 2 --generations 4 --steps 2``.
@@ -231,6 +237,70 @@ def run(args) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def trl_run(args) -> None:
+    """The peer: TRL's ``GRPOTrainer`` (its own ``generate``, no vLLM) on the same checkpoint, prompts, reward, group
+    size, lengths and stop ids, DAPO loss, bf16 on a GPU; seconds per optimizer step (one generation batch each).
+
+    ``generate`` stops a row at any of the stop ids, as jrl's sampler does, but TRL's completion mask ends at the
+    tokenizer's EOS only, so it counts the padding after another stop id as completion tokens: its logged lengths
+    (``trl_mean_length``) are not the generated ones, and its loss covers the padding. Its update computes the
+    padded batch either way, as jrl's does without ``optim.length_bucket``: the step times compare."""
+    import importlib.util
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig as TRLGRPOConfig
+    from trl import GRPOTrainer
+
+    work = Path(args.work)
+    meta = json.loads((work / "meta.json").read_text())
+    spec = importlib.util.spec_from_file_location("e2e_reward", work / "reward.py")
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+    tokenizer = AutoTokenizer.from_pretrained(str(work / "model"))
+    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
+    rows = args.prompts_per_device * args.generations
+    micro = min(rows, args.micro_rows_per_device)
+    lo, hi = meta["stop_ids"]
+    gpu = torch.cuda.is_available()
+    cfg = TRLGRPOConfig(
+        output_dir=str(work / "run-trl"), per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
+        num_generations=args.generations, max_completion_length=meta["max_new_tokens"], temperature=1.0,
+        loss_type="dapo", beta=0.0, learning_rate=1e-6, max_steps=args.steps, logging_steps=1, report_to=[],
+        save_strategy="no", bf16=gpu, use_cpu=not gpu, seed=0,
+        model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32},
+        generation_kwargs={"eos_token_id": [tokenizer.eos_token_id, *range(lo, hi)]})
+    steps, logged = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            steps.append(time.perf_counter() - self.t0)
+            print(f"trl step {len(steps) - 1}: {steps[-1]:.2f} s", flush=True)
+
+        def on_log(self, _args, _state, _control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                logged.append(dict(logs))
+
+    trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=reward.length_mod_5, args=cfg,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                          callbacks=[Timer()])
+    trainer.train()
+    timed = steps[1:] or steps
+    wall = statistics.median(timed)
+    lengths = statistics.median(log["completions/mean_length"] for log in logged[1:] or logged)
+    row = dict(shape=meta["shape"], layout="trl", devices=1, rows=rows, max_new_tokens=meta["max_new_tokens"],
+               trl_mean_length=round(float(lengths), 1), step_s=round(wall, 3), steps=len(steps), device=torch.cuda.get_device_name() if gpu else "cpu",
+               trl=__import__("trl").__version__, torch=torch.__version__)
+    print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -259,8 +329,15 @@ def main() -> None:
     r.add_argument("--profile", default=None, metavar="DIR")
     r.add_argument("--out", default=None)
     r.add_argument("extra", nargs="*", help="more config overrides (after --)")
+    t = sub.add_parser("trl", help="the same steps with TRL's GRPOTrainer (one device)")
+    t.add_argument("--work", required=True)
+    t.add_argument("--prompts-per-device", type=int, default=32)
+    t.add_argument("--generations", type=int, default=8)
+    t.add_argument("--steps", type=int, default=3)
+    t.add_argument("--micro-rows-per-device", type=int, default=8)
+    t.add_argument("--out", default=None)
     args = ap.parse_args()
-    prepare(args) if args.command == "prepare" else run(args)
+    {"prepare": prepare, "run": run, "trl": trl_run}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -54,5 +54,9 @@ class Registry:
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._entries))
 
+    def in_order(self) -> tuple[str, ...]:
+        """The names in the order they were registered."""
+        return tuple(self._entries)
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries

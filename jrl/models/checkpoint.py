@@ -119,7 +119,7 @@ def _param_of(rule: Rule, layer: int | None, stacked: bool) -> tuple[str, int | 
 
 def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[_Entry]:
     """The canonical HF tensors of a model (the layout transformers writes), grouped by jrl parameter and layer."""
-    rules = [r for r in hf_mapping.table(config.model_type) if r.export]
+    rules = [r for r in config.family.table if r.export]
     out: list[_Entry] = []
 
     def add(layer):
@@ -201,7 +201,7 @@ class _Task:
 
 def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> list[_Task]:
     """Match every checkpoint tensor to a rule, check shapes and coverage; raise before reading data."""
-    rules = [(r, r.regex()) for r in hf_mapping.table(config.model_type)]
+    rules = [(r, r.regex()) for r in config.family.table]
     tasks: list[_Task] = []
     filled: dict[tuple[str, int | None], list[int | None]] = defaultdict(list)
     for key, (file, shape, st_dtype) in headers.items():

@@ -3,7 +3,9 @@
 Families differ only by fields of this dataclass (biases, q/k norm, MoE routing, rope scaling), never by
 separate model code. :meth:`ModelConfig.from_hf` reads a Hugging Face ``config.json`` dict (transformers
 4.x ``rope_theta``/``rope_scaling`` style or 5.x ``rope_parameters`` style) and :meth:`ModelConfig.to_hf`
-writes one that transformers loads as the same architecture.
+writes one that transformers loads as the same architecture: the keys every family shares here, the rest by
+the family's own file (:mod:`jrl.models.families`, registered in :data:`jrl.models.family.FAMILIES`), which
+also holds its defaults, invariants and weight mapping.
 """
 
 from __future__ import annotations
@@ -16,43 +18,22 @@ from typing import Any
 import numpy as np
 
 from jrl.kernels.attention import available_impls
+from jrl.models import families  # noqa: F401  (registers the built-in families)
+from jrl.models.errors import UnsupportedModelError
+from jrl.models.family import FAMILIES, Family
 from jrl.models.remat import REMAT_NAMES
 
-#: model_type -> HF architecture class name written to ``config.json``.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
-#: Families whose layers (some or all) are mixtures of experts.
-MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "olmoe")
+#: The built-in families' ``model_type`` names (a family registered later is in :data:`FAMILIES` only).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = FAMILIES.in_order()
 #: MoE routers (:data:`jrl.models.moe.ROUTERS` implements them).
 ROUTER_NAMES: tuple[str, ...] = ("softmax", "sigmoid_grouped")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
 
-# transformers 5.23 class defaults for keys a config.json may omit (per family).
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
-    "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
-    "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, head_dim=128),
-    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False),
-    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2),
-    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False),
-    "glm4_moe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=131072, norm_topk_prob=True,
-                     partial_rotary_factor=0.5),
-    "olmoe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, norm_topk_prob=False),
-}
 
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint whose ``model_type`` (or a feature of it) jrl does not implement."""
+def _unsupported(model_type) -> UnsupportedModelError:
+    return UnsupportedModelError(f"model_type={model_type!r} is not supported; supported model types: "
+                                 f"{', '.join(FAMILIES.in_order())} (more register in jrl/models/families/)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +66,8 @@ class ModelConfig:
     GLM-4-MoE)."""
 
     model_type: str
-    """HF family: one of ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``glm4_moe``."""
+    """HF family: a registered one (:data:`jrl.models.family.FAMILIES`; built in: ``llama``, ``qwen2``, ``qwen3``,
+    ``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``glm4_moe``, ``olmoe``)."""
     vocab_size: int
     """Number of token embeddings / logits."""
     hidden_size: int
@@ -196,11 +178,8 @@ class ModelConfig:
         def fix(name, value):
             object.__setattr__(self, name, value)
 
-        if self.model_type not in ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"model_type={self.model_type!r} is not supported; supported model types: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        if self.model_type not in FAMILIES:
+            raise _unsupported(self.model_type)
         if self.num_key_value_heads is None:
             fix("num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
@@ -239,8 +218,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act={self.hidden_act!r} is not supported; only 'silu' (SwiGLU) is")
-        moe_family = self.model_type in MOE_MODEL_TYPES
-        if moe_family:
+        family = self.family
+        if family.moe:
             if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
                     f"{self.model_type} needs num_experts > 0 and 0 < num_experts_per_tok <= num_experts; got "
@@ -253,58 +232,39 @@ class ModelConfig:
         elif self.num_experts:
             raise ValueError(
                 f"model_type={self.model_type!r} is dense but num_experts={self.num_experts}; "
-                f"use one of {', '.join(MOE_MODEL_TYPES)} for MoE"
+                f"use one of {', '.join(n for n in FAMILIES.in_order() if FAMILIES.get(n).moe)} for MoE"
             )
         self._check_routing()
         # Family invariants: only combinations that the family's HF config can express.
         mt = self.model_type
-        if mt == "qwen2" and not (self.qkv_bias and not self.o_bias):
-            raise ValueError("qwen2 always has q/k/v bias and no o_proj bias: set qkv_bias=True, o_bias=False")
-        if mt in ("qwen2_moe", "glm4_moe") and self.o_bias:
-            raise ValueError(f"{mt} has no o_proj bias: set o_bias=False")
-        if mt in ("llama", "qwen3", "qwen3_moe", "olmoe") and self.qkv_bias != self.o_bias:
-            raise ValueError(
-                f"{mt}: attention_bias covers q/k/v and o_proj together; set qkv_bias == o_bias "
-                f"(got qkv_bias={self.qkv_bias}, o_bias={self.o_bias})"
-            )
-        if mt == "mixtral" and (self.qkv_bias or self.o_bias):
-            raise ValueError("mixtral has no attention bias: set qkv_bias=False, o_bias=False")
-        if self.mlp_bias and mt != "llama":
-            raise ValueError(f"mlp_bias is a llama option; {mt} has no MLP bias")
-        if mt != "glm4_moe" and self.qk_norm != (mt in ("qwen3", "qwen3_moe", "olmoe")):
-            raise ValueError(f"qk_norm must be {mt in ('qwen3', 'qwen3_moe', 'olmoe')} for {mt}")
-        if mt == "olmoe" and self.head_dim * self.num_attention_heads != self.hidden_size:
-            raise ValueError(f"olmoe derives head_dim from hidden_size / num_attention_heads = "
-                             f"{self.hidden_size // self.num_attention_heads}; got head_dim={self.head_dim}")
-        if self.qk_norm_projection != (mt == "olmoe"):
-            raise ValueError(f"qk_norm_projection must be {mt == 'olmoe'} for {mt} (OLMoE normalises whole q/k "
-                             f"projections, the other families each head)")
+        if self.mlp_bias and not family.mlp_bias:
+            raise ValueError(f"mlp_bias is not an option of {mt}: it has no MLP bias")
+        if family.qk_norm is not None and self.qk_norm != family.qk_norm:
+            raise ValueError(f"qk_norm must be {family.qk_norm} for {mt}")
+        if self.qk_norm_projection != family.qk_norm_projection:
+            raise ValueError(f"qk_norm_projection must be {family.qk_norm_projection} for {mt} (OLMoE normalises whole "
+                             f"q/k projections, the other families each head)")
         rotary = self.rotary_dim
         if not 0 < rotary <= self.head_dim or rotary % 2:
             raise ValueError(f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} gives a rotary width of "
                              f"{rotary} of head_dim={self.head_dim}; it must be even and in (0, head_dim]")
-        if mt == "mixtral" and not self.norm_topk_prob:
-            raise ValueError("mixtral always renormalises the top-k probabilities: set norm_topk_prob=True")
-        if self.sliding_window is not None and mt != "mixtral":
+        if self.sliding_window is not None and not family.sliding_window:
             raise UnsupportedModelError(
-                f"sliding-window attention is only implemented for mixtral (all layers); {mt} "
-                f"with use_sliding_window=True is not supported"
+                f"sliding-window attention is not implemented for {mt} (mixtral's, on all layers, is); "
+                f"{mt} with use_sliding_window=True is not supported"
             )
-        if mt in ("qwen3_moe", "qwen2_moe") and any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
-            raise ValueError(
-                f"mlp_only_layers={self.mlp_only_layers} has entries outside [0, {self.num_hidden_layers})")
+        family.check(self)
 
     def _check_routing(self) -> None:
         """The router and shared-expert fields agree with the family (what its HF config can express)."""
-        mt = self.model_type
         if self.router not in ROUTER_NAMES:
             raise ValueError(f"ModelConfig.router={self.router!r} is not a router; use one of "
                              f"{', '.join(ROUTER_NAMES)}")
         if not self.is_moe:
             return
-        want = "sigmoid_grouped" if mt == "glm4_moe" else "softmax"
+        want = self.family.router
         if self.router != want:
-            raise ValueError(f"{mt} routes with router={want!r}; got router={self.router!r}")
+            raise ValueError(f"{self.model_type} routes with router={want!r}; got router={self.router!r}")
         if self.router == "sigmoid_grouped":
             if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(f"sigmoid_grouped routing needs num_experts % n_group == 0 and 1 <= topk_group <= "
@@ -317,18 +277,15 @@ class ModelConfig:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of topk_group="
                                  f"{self.topk_group} groups")
         shared = self.shared_expert_intermediate_size
-        if mt in ("qwen3_moe", "mixtral", "olmoe") and (shared is not None or self.shared_expert_gate):
-            raise ValueError(f"{mt} has no shared expert: set shared_expert_intermediate_size=None, "
-                             f"shared_expert_gate=False")
-        if mt == "qwen2_moe" and (shared is None or not self.shared_expert_gate):
-            raise ValueError("qwen2_moe has a gated shared expert: set shared_expert_intermediate_size and "
-                             "shared_expert_gate=True")
-        if mt == "glm4_moe" and self.shared_expert_gate:
-            raise ValueError("glm4_moe's shared experts have no gate: set shared_expert_gate=False")
         if shared is not None and shared <= 0:
             raise ValueError(f"ModelConfig.shared_expert_intermediate_size={shared} must be positive (or None)")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def family(self) -> Family:
+        """The :class:`~jrl.models.family.Family` of ``model_type``."""
+        return FAMILIES.get(self.model_type)
+
     @property
     def rotary_dim(self) -> int:
         """How many leading dims of each head RoPE rotates: ``int(head_dim * partial_rotary_factor)``."""
@@ -346,15 +303,8 @@ class ModelConfig:
         return self.scan_layers and len({self.layer_is_moe(i) for i in range(self.num_hidden_layers)}) == 1
 
     def layer_is_moe(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` uses the MoE block (HF's rule for Qwen3-MoE / Qwen2-MoE and GLM-4-MoE; every
-        layer for Mixtral)."""
-        if not self.is_moe:
-            return False
-        if self.model_type in ("mixtral", "olmoe"):
-            return True
-        if self.model_type == "glm4_moe":
-            return layer >= self.first_k_dense_replace
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        """Whether decoder layer ``layer`` uses the MoE block (the family's rule)."""
+        return self.is_moe and self.family.moe_layer(self, layer)
 
     def num_params(self) -> int:
         """Parameter count (the exported tensors; tied embeddings counted once)."""
@@ -382,11 +332,10 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict; ``overrides`` (e.g. ``dtype``) win."""
         mt = hf.get("model_type")
-        if mt not in ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"model_type={mt!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        defaults = _HF_DEFAULTS[mt]
+        if mt not in FAMILIES:
+            raise _unsupported(mt)
+        family = FAMILIES.get(mt)
+        defaults = family.hf_defaults
 
         def get(key, default=None):
             value = hf.get(key)
@@ -415,63 +364,7 @@ class ModelConfig:
             pad_token_id=hf.get("pad_token_id"),
             initializer_range=float(hf.get("initializer_range") or 0.02),
         )
-        if mt == "llama":
-            kw.update(qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
-                      mlp_bias=bool(hf.get("mlp_bias", False)))
-        elif mt == "qwen2":
-            kw.update(qkv_bias=True, o_bias=False)
-        elif mt in ("qwen3", "qwen3_moe"):
-            bias = bool(hf.get("attention_bias", False))
-            kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True)
-        elif mt == "qwen2_moe":
-            kw.update(qkv_bias=bool(hf.get("qkv_bias", True)), o_bias=False)
-        elif mt == "glm4_moe":
-            kw.update(qkv_bias=bool(hf.get("attention_bias", False)), o_bias=False,
-                      qk_norm=bool(hf.get("use_qk_norm", False)))
-        elif mt == "olmoe":
-            if hf.get("clip_qkv") is not None:
-                raise UnsupportedModelError(f"olmoe with clip_qkv={hf['clip_qkv']} is not supported "
-                                            f"(clip_qkv=None only)")
-            bias = bool(hf.get("attention_bias", False))
-            kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_projection=True, num_experts=hf["num_experts"],
-                      num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
-                      norm_topk_prob=bool(get("norm_topk_prob")))
-        if mt in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
-            raise UnsupportedModelError(f"{mt} with use_sliding_window=True is not supported (full attention only)")
-        if mt in ("qwen3_moe", "qwen2_moe"):
-            kw.update(
-                num_experts=hf.get("num_experts") or hf.get("num_local_experts"),
-                num_experts_per_tok=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["moe_intermediate_size"],
-                norm_topk_prob=bool(get("norm_topk_prob")),
-                decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
-                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-            )
-            if mt == "qwen2_moe":
-                kw.update(shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-                          shared_expert_gate=True)
-        elif mt == "glm4_moe":
-            shared = int(hf.get("n_shared_experts", 1) or 0) * hf["moe_intermediate_size"]
-            kw.update(
-                num_experts=hf.get("n_routed_experts") or hf.get("num_local_experts"),
-                num_experts_per_tok=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["moe_intermediate_size"],
-                norm_topk_prob=bool(get("norm_topk_prob")),
-                router="sigmoid_grouped",
-                n_group=int(hf.get("n_group") or 1),
-                topk_group=int(hf.get("topk_group") or 1),
-                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                first_k_dense_replace=int(hf.get("first_k_dense_replace", 1)),
-                shared_expert_intermediate_size=shared or None,
-            )
-        elif mt == "mixtral":
-            kw.update(
-                num_experts=hf["num_local_experts"],
-                num_experts_per_tok=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["intermediate_size"],
-                norm_topk_prob=True,
-                sliding_window=hf.get("sliding_window"),
-            )
+        kw.update(family.read(hf, get))
         kw.update(overrides)
         return cls(**kw)
 
@@ -498,11 +391,11 @@ class ModelConfig:
                 )
             rope = {**rope, **legacy_scaling}
         out: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[mt]],
+            "architectures": [self.family.architecture],
             "model_type": mt,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.moe_intermediate_size if mt in ("mixtral", "olmoe") else self.intermediate_size,
+            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -521,57 +414,9 @@ class ModelConfig:
             "dtype": dtype or self.param_dtype,
             "use_cache": True,
         }
-        if mt in ("qwen2", "mixtral", "qwen2_moe", "olmoe") and \
-                self.head_dim == self.hidden_size // self.num_attention_heads:
-            del out["head_dim"]  # these config classes derive it (and have no / a None head_dim field)
-        if mt == "llama":
-            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        elif mt == "qwen2":
-            out.update(use_sliding_window=False)
-        elif mt in ("qwen3", "qwen3_moe"):
-            out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
-        elif mt == "qwen2_moe":
-            out.update(qkv_bias=self.qkv_bias, use_sliding_window=False)
-        elif mt == "glm4_moe":
-            out.update(attention_bias=self.qkv_bias, use_qk_norm=self.qk_norm,
-                       partial_rotary_factor=self.partial_rotary_factor)
-        if mt in ("qwen3_moe", "qwen2_moe"):
-            out.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-            )
-            if mt == "qwen2_moe":
-                out.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
-        elif mt == "glm4_moe":
-            n_shared = (self.shared_expert_intermediate_size or 0) // self.moe_intermediate_size
-            if n_shared * self.moe_intermediate_size != (self.shared_expert_intermediate_size or 0):
-                raise ValueError(f"glm4_moe's shared expert width is n_shared_experts * moe_intermediate_size; "
-                                 f"{self.shared_expert_intermediate_size} is not a multiple of "
-                                 f"{self.moe_intermediate_size}")
-            out.update(
-                n_routed_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                n_shared_experts=n_shared,
-                n_group=self.n_group,
-                topk_group=self.topk_group,
-                routed_scaling_factor=self.routed_scaling_factor,
-                first_k_dense_replace=self.first_k_dense_replace,
-            )
-        elif mt == "olmoe":
-            out.update(attention_bias=self.qkv_bias, clip_qkv=None, num_experts=self.num_experts,
-                       num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob)
-        elif mt == "mixtral":
-            out.update(
-                num_local_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                sliding_window=self.sliding_window,
-            )
+        if self.family.derives_head_dim and self.head_dim == self.hidden_size // self.num_attention_heads:
+            del out["head_dim"]  # the family's config class derives it (and has no / a None head_dim field)
+        out.update(self.family.write(self))
         return out
 
 

@@ -1,4 +1,5 @@
-"""Declarative HF checkpoint key <-> jrl parameter path tables, one per family.
+"""Declarative HF checkpoint key <-> jrl parameter path rules, in blocks that each family's table
+(:attr:`jrl.models.family.Family.table`, in its file of :mod:`jrl.models.families`) is composed of.
 
 A :class:`Rule` says: the HF tensor named ``hf`` (``{layer}`` / ``{expert}`` placeholders) becomes the jrl
 parameter ``jrl`` (``{layer}`` placeholder) after ``transform``.
@@ -132,7 +133,7 @@ class Rule:
         return re.compile(pattern + r"\Z")
 
 
-def _dense_rules(prefix: str = "model.") -> tuple[Rule, ...]:
+def dense_rules(prefix: str = "model.") -> tuple[Rule, ...]:
     L = f"{prefix}layers.{{layer}}."
     j = "layers.{layer}."
     return (
@@ -170,14 +171,14 @@ def _fused_expert_rules(moe: str) -> tuple[Rule, ...]:
     )
 
 
-_QWEN_MOE = (
+QWEN_MOE_RULES = (
     Rule("model.layers.{layer}.mlp.gate.weight", "layers.{layer}.mlp.router.kernel", LINEAR),
     Rule("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", "layers.{layer}.mlp.experts.gate_proj", LINEAR),
     Rule("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", "layers.{layer}.mlp.experts.up_proj", LINEAR),
     Rule("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", "layers.{layer}.mlp.experts.down_proj", LINEAR),
 ) + _fused_expert_rules("mlp")
 
-_MIXTRAL_MOE = (
+MIXTRAL_MOE_RULES = (
     Rule("model.layers.{layer}.block_sparse_moe.gate.weight", "layers.{layer}.mlp.router.kernel", LINEAR),
     Rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", "layers.{layer}.mlp.experts.gate_proj",
          LINEAR),
@@ -196,11 +197,11 @@ def _shared_expert_rules(name: str) -> tuple[Rule, ...]:
     return tuple(Rule(f"{L}{p}.weight", f"{j}{p}.kernel", LINEAR) for p in ("gate_proj", "up_proj", "down_proj"))
 
 
-_QWEN2_MOE = _QWEN_MOE + _shared_expert_rules("shared_expert") + (
+QWEN2_MOE_RULES = QWEN_MOE_RULES + _shared_expert_rules("shared_expert") + (
     Rule("model.layers.{layer}.mlp.shared_expert_gate.weight", "layers.{layer}.mlp.shared_expert_gate.kernel", LINEAR),
 )
 
-_GLM4_MOE = _QWEN_MOE + _shared_expert_rules("shared_experts") + (
+GLM4_MOE_RULES = QWEN_MOE_RULES + _shared_expert_rules("shared_experts") + (
     Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", "layers.{layer}.mlp.router_bias", IDENTITY),
 )
 
@@ -211,20 +212,3 @@ RUNTIME_EXPERTS = "model.layers.{layer}.mlp.experts"
 
 #: Keys some checkpoints carry that hold no weights jrl needs (old Llama exports saved RoPE caches).
 IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq\Z"),)
-
-#: model_type -> mapping table.
-TABLES: dict[str, tuple[Rule, ...]] = {
-    "llama": _dense_rules(),
-    "qwen2": _dense_rules(),
-    "qwen3": _dense_rules(),
-    "qwen3_moe": _dense_rules() + _QWEN_MOE,
-    "mixtral": _dense_rules() + _MIXTRAL_MOE,
-    "qwen2_moe": _dense_rules() + _QWEN2_MOE,
-    "glm4_moe": _dense_rules() + _GLM4_MOE,
-    "olmoe": _dense_rules() + _QWEN_MOE,
-}
-
-
-def table(model_type: str) -> tuple[Rule, ...]:
-    """The mapping table of ``model_type``."""
-    return TABLES[model_type]

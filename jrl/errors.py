@@ -7,7 +7,9 @@ fix it and exits 2; a traceback is printed only for other errors, or for every e
 What counts as such an error (:func:`is_expected`): a :class:`UserError`; an ``OSError`` (the file system said no:
 a missing file, a read-only or full disk); a ``ValueError`` or ``ImportError`` raised by jrl's own code (its
 config checks, data readers and loaders word these for the user; one raised inside a library is a bug until shown
-otherwise); SQLite's "disk is full".
+otherwise); SQLite's "disk is full"; a device out of memory (XLA's ``RESOURCE_EXHAUSTED``), told with the knobs that
+shrink a step. After a device ran out of memory the process leaves at once (``os._exit``): the other devices of its
+program may wait in a collective for the one that failed, and the interpreter's normal exit would wait for them.
 """
 
 from __future__ import annotations
@@ -68,9 +70,19 @@ def _disk_full(error: BaseException) -> bool:
             or (type(error).__name__ == "OperationalError" and "disk is full" in str(error)))
 
 
+def device_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is XLA's out-of-memory on a device (``jax.errors.JaxRuntimeError`` ``RESOURCE_EXHAUSTED``)."""
+    return isinstance(error, RuntimeError) and str(error).startswith("RESOURCE_EXHAUSTED")
+
+
+#: What to try after a device ran out of memory.
+OUT_OF_MEMORY_FIX = ("lower --optim.micro-batch-size, --data.prompts-per-batch or --rollout.max-new-tokens; on several "
+                     "devices give the sampler a tensor axis (--rollout.mesh.tensor N)")
+
+
 def is_expected(error: BaseException) -> bool:
     """Whether ``error`` is one a user can fix (module docstring) rather than a bug."""
-    if isinstance(error, (UserError, OSError)) or _disk_full(error):
+    if isinstance(error, (UserError, OSError)) or _disk_full(error) or device_out_of_memory(error):
         return True
     return isinstance(error, (ValueError, ImportError)) and _raised_by_jrl(error)
 
@@ -82,6 +94,8 @@ def describe(error: BaseException) -> str:
         text = f"{error.strerror}: {where}" if where else error.strerror
         if _disk_full(error) and where:
             text += f" ({human(free_bytes(where))} free there; free some space or choose another --output-dir)"
+    elif device_out_of_memory(error):
+        text = f"a device ran out of memory ({str(error).splitlines()[0]})\n{OUT_OF_MEMORY_FIX}"
     else:
         text = str(error).strip() or type(error).__name__
         if _disk_full(error):
@@ -103,4 +117,7 @@ def report(main, argv: list[str] | None = None) -> int:
         if debug or not is_expected(e):
             raise
         print(f"error: {describe(e)}\n(run again with --debug for the traceback)", file=sys.stderr, flush=True)
+        if device_out_of_memory(e):
+            sys.stdout.flush()
+            os._exit(2)  # see the module docstring
         return 2

@@ -139,3 +139,25 @@ def test_library_errors_are_bugs_and_file_system_errors_are_not(tmp_path):
     assert not is_expected(library)
     assert is_expected(missing) and str(tmp_path / "missing" / "file") in describe(missing)
     assert is_expected(ours)
+
+
+#: A run whose device runs out of memory (a real XLA allocation of 4 TiB) while another thread never ends, as the
+#: other devices of a program wait in a collective for the one that failed.
+OUT_OF_MEMORY_RUN = """
+import threading
+import jax.numpy as jnp
+from jrl.errors import report
+
+def main(argv):
+    threading.Thread(target=threading.Event().wait, name="waiting-peer").start()
+    jnp.zeros((2**40,), jnp.float32).block_until_ready()
+    return 0
+
+raise SystemExit(report(main, []))
+"""
+
+
+def test_a_device_out_of_memory_names_the_knobs_and_the_process_leaves_at_once():
+    proc = _run(sys.executable, "-c", OUT_OF_MEMORY_RUN, timeout=120)
+    _assert_user_error(proc, "a device ran out of memory", "RESOURCE_EXHAUSTED")
+    assert "--optim.micro-batch-size" in _error_lines(proc)[1], proc.stderr

@@ -90,7 +90,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 #: Rooms each room may import (besides the shared helpers :data:`HELPERS`).
 BELOW = {
     "kernels": set(), "sharding": set(), "data": set(), "losses": {"kernels"}, "models": {"kernels", "sharding"},
-    "rollout": {"models", "data", "sharding"}, "rewards": {"sharding"}, "sources": {"rollout", "data"},
+    "rollout": {"models", "data", "sharding"}, "rewards": {"sharding"}, "sources": {"rollout", "data", "losses"},
     "explore": {"models", "sharding"},
     "train": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore"},
     "cli": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore", "train"},

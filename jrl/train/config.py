@@ -310,15 +310,25 @@ class TrainConfig:
         return self.resume or self.resume_from is not None
 
     @property
+    def samples_per_prompt(self) -> int:
+        """Completions per prompt: the value of the algorithm's ``samples_field`` (a group's size)."""
+        from jrl.train.algorithms import ALGORITHMS
+
+        return int(_value_at(self, ALGORITHMS.get(self.algorithm).samples_field))
+
+    @property
     def updates_per_step(self) -> int:
         """Optimizer updates one step makes: ``num_iterations`` passes of ``rows / docs_per_step`` updates."""
-        rows = self.data.prompts_per_batch * self.algo.num_generations
+        rows = self.data.prompts_per_batch * self.samples_per_prompt
         return self.num_iterations * (rows // self.docs_per_step if self.docs_per_step else 1)
 
     @property
     def reward_weights(self) -> tuple[float, ...]:
-        """Weights of the reward columns: one per reward spec, or EBFT's single feature-matching reward's 1.0."""
-        if self.algorithm != "grpo":
+        """Weights of the reward columns: one per reward spec, or 1.0 for the single reward of an algorithm that
+        reads no reward functions (it ignores ``rewards``: EBFT's feature-matching reward)."""
+        from jrl.train.algorithms import ALGORITHMS
+
+        if "rewards" in ALGORITHMS.get(self.algorithm).ignores:
             return (1.0,)
         return tuple(float(r.weight) for r in self.rewards)
 

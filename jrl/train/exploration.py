@@ -34,7 +34,7 @@ import numpy as np
 from jrl.data.pipeline import PromptLoader, build_prompt_dataset
 from jrl.rollout.base import RolloutBatch, concat_rollouts
 from jrl.train.algorithms import ALGORITHMS
-from jrl.train.algorithms.grpo import ScoredRollout, rollout_metrics
+from jrl.sources.scored import ScoredRollout, rollout_metrics
 from jrl.sources.prefetch import ProducedRollout
 from jrl.explore.queue import ExperienceGroup, open_queue
 from jrl.train.observability import MetricsWriter, truncate_jsonl_after
@@ -80,7 +80,7 @@ def scored_rollout(groups: list[ExperienceGroup], *, pad_id: int, group_size: in
         g, cols = grp.completion_ids.shape[0], grp.rewards.shape[1]
         if g != group_size or cols != num_rewards or grp.reward_names != groups[0].reward_names:
             raise ValueError(f"explorer {grp.explorer!r} wrote a group of {g} completions scored by "
-                             f"{list(grp.reward_names)}; this trainer has algo.num_generations={group_size} and "
+                             f"{list(grp.reward_names)}; this trainer takes groups of {group_size} completions and "
                              f"{num_rewards} reward functions {list(groups[0].reward_names)}: start explorers and "
                              "trainer with the same config")
     prompts = [np.repeat(grp.prompt_ids[None], group_size, 0) for grp in groups]
@@ -148,7 +148,7 @@ class QueueSource:
                                  min_version=max(0, index - cfg.rollout.max_staleness), max_version=index,
                                  timeout=cfg.explore.timeout_s)
         waited = time.perf_counter() - t0
-        scored = scored_rollout(groups, pad_id=self.pad_id, group_size=cfg.algo.num_generations,
+        scored = scored_rollout(groups, pad_id=self.pad_id, group_size=cfg.samples_per_prompt,
                                 num_rewards=len(cfg.reward_weights))
         counts = self.queue.counts()
         metrics = {**explorer_metrics(groups, index), "queue/stale": float(counts.stale),
@@ -290,7 +290,7 @@ class Explorer:
         t1 = time.perf_counter()
         scored = self.sampler.score(rollout, prompt_batch, batch)
         t2 = time.perf_counter()
-        g = self.cfg.algo.num_generations
+        g = self.cfg.samples_per_prompt
         self.queue.put(experience_groups(scored, prompt_batch.indices, group_size=g, explorer=self.name))
         t3 = time.perf_counter()
         tokens = float(np.asarray(scored.rollout.completion_mask).sum())

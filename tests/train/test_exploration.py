@@ -83,7 +83,7 @@ def test_groups_through_the_queue_rebuild_the_scored_rollout(tmp_path):
     np.testing.assert_array_equal(got.rollout.truncated, np.concatenate([first.rollout.truncated,
                                                                          second.rollout.truncated]))
     np.testing.assert_array_equal(got.rewards, np.concatenate([first.rewards, second.rewards]))
-    with pytest.raises(ValueError, match=r"explorer 'a' wrote a group of 4 completions.*num_generations=8"):
+    with pytest.raises(ValueError, match=r"explorer 'a' wrote a group of 4 completions.*groups of 8 completions"):
         scored_rollout(groups, pad_id=PAD, group_size=8, num_rewards=2)
 
 

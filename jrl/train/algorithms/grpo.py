@@ -35,7 +35,6 @@ from jrl.losses import (
     GRPOConfig,
     LossInputs,
     advantages_from_config,
-    completion_metrics,
     group_has_signal,
     grpo_loss,
     loss_mask,
@@ -50,6 +49,7 @@ from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
 from jrl.sources.replay import ReplayBuffer
+from jrl.sources.scored import ScoredRollout, reward_log_name, rollout_metrics
 from jrl.sources.reroll import RerollBuffer, all_fail_groups
 from jrl.rewards.pool import RewardScorer, StartedScoring
 from jrl.rewards.functions import load_reward_functions
@@ -307,26 +307,6 @@ class PolicyUpdate:
         return out
 
 
-def reward_log_name(name: str) -> str:
-    """Reward metric names of the run log: ``reward/mean``, ``reward/std``, ``reward/<fn>/mean``..."""
-    if name == "reward":
-        return "reward/mean"
-    if name == "reward_std":
-        return "reward/std"
-    if name.startswith("rewards/"):
-        return "reward/" + name[len("rewards/"):]
-    return name
-
-
-def rollout_metrics(rollout: RolloutBatch, rewards: np.ndarray, *, group_size: int, reward_weights,
-                    reward_names: tuple[str, ...]) -> dict[str, float]:
-    """Reward and completion-length metrics of a GRPO-style rollout."""
-    rm = reward_metrics(rewards, group_size=group_size, reward_weights=reward_weights, reward_names=reward_names)
-    out = {reward_log_name(k): float(v) for k, v in rm.items()}
-    out.update({k: float(v) for k, v in completion_metrics(rollout.completion_mask, rollout.truncated).items()})
-    return out
-
-
 def row_has_signal(rewards: np.ndarray, algo: GRPOConfig) -> np.ndarray:
     """[N] bool: the row's group has a learning signal (its raw rewards [N, K] are not all equal)."""
     g = algo.num_generations
@@ -364,24 +344,6 @@ class StreamedRollout:
     rollout: RolloutBatch
     scoring: list[StartedScoring]
     """The started scoring of each chunk, in row order."""
-
-    @property
-    def policy_version(self) -> int:
-        return self.rollout.policy_version
-
-
-@dataclasses.dataclass
-class ScoredRollout:
-    """A rollout with its rewards: what :meth:`GroupSampler.score` makes of a generated one, and what the trainer
-    reads from an experience queue (:mod:`jrl.train.exploration`), scored by the explorers."""
-
-    rollout: RolloutBatch
-    rewards: np.ndarray
-    """[N, R] float32, each reward function's value per completion (NaN: no reward)."""
-    reward_names: tuple[str, ...]
-    """The reward functions' names, one per column."""
-    failures: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Failed-call metrics of the scoring (:class:`~jrl.rewards.pool.RewardScorer`)."""
 
     @property
     def policy_version(self) -> int:

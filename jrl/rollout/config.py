@@ -12,6 +12,28 @@ from jrl.sharding.mesh import MeshConfig
 from jrl.validation import check_int, invalid
 
 
+#: Share of a device's memory the sampler's whole-model copy may take: above it the default layout shards the copy.
+SAMPLER_COPY_FRACTION = 0.4
+
+
+def _default_sampler_mesh() -> MeshConfig:
+    return MeshConfig(data=-1, fsdp=1)
+
+
+def sampler_mesh(mesh: MeshConfig, *, weight_bytes: int, device_bytes: int | None, devices: int) -> MeshConfig:
+    """The layout the sampler decodes with on ``devices`` devices: ``mesh`` as configured, except that the default
+    layout (whole weights on every device) becomes tensor-parallel over the fewest devices, a power of two dividing
+    ``devices``, whose share of the ``weight_bytes`` (in the compute dtype) takes at most
+    :data:`SAMPLER_COPY_FRACTION` of ``device_bytes`` (data-parallel over the rest). Without a memory size (CPU
+    devices report none) the default stays."""
+    if mesh != _default_sampler_mesh() or not device_bytes:
+        return mesh
+    tensor = 1
+    while weight_bytes / tensor > SAMPLER_COPY_FRACTION * device_bytes and devices % (2 * tensor) == 0:
+        tensor *= 2
+    return mesh if tensor == 1 else dataclasses.replace(mesh, tensor=tensor)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How completions are generated."""
@@ -31,13 +53,15 @@ class RolloutConfig:
     """Devices that only generate (``jax`` backend): 0 = the sampler runs on the learner's devices and the two take
     turns; N > 0 = the last N / process_count devices of every process generate, the learner keeps the rest (the
     top-level ``mesh`` lays them out), and with ``prefetch_depth > 0`` generation runs while the learner trains."""
-    mesh: MeshConfig = dataclasses.field(default_factory=lambda: MeshConfig(data=-1, fsdp=1))
+    mesh: MeshConfig = dataclasses.field(default_factory=_default_sampler_mesh)
     """How the sampler lays out its devices (the learner's with ``devices = 0``, its own otherwise); the weights are
-    copied into this layout at each weight sync (a reshard on the learner's devices, a device-to-device copy to
-    others) unless it is the learner's own. Default: every device holds the whole model in the compute dtype and
-    decodes its share of the rows (``data = -1``), which is fastest while the weights take a small part of a
-    device's memory; for larger models use ``tensor`` (e.g. ``data=-1, tensor=4``), or the learner's own layout to
-    decode from its FSDP shards without a copy (every layer's weights gathered at every token: slowest)."""
+    copied into this layout (a reshard on the learner's devices when a generation starts, a device-to-device copy
+    to devices of its own at each sync) unless it is the learner's own. Default: every device holds the whole model
+    in the compute dtype and decodes its share of the rows (``data = -1``), the fastest while the weights take a
+    small part of a device's memory; where they would take more than 40% of it the default becomes
+    tensor-parallel over the fewest devices that hold them so (:func:`sampler_mesh`). Set ``tensor`` yourself
+    (e.g. ``data=-1, fsdp=1, tensor=4``), or the learner's own layout to decode from its FSDP shards without a copy
+    (every layer's weights gathered at every token: slowest)."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0

@@ -36,6 +36,7 @@ from jrl.data.pipeline import left_pad
 from jrl.models.layers import constrain, positions_from_mask
 from jrl.models.lora import decoding_view
 from jrl.models.transformer import on_mesh, place
+from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.sampling import sample_tokens
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
@@ -45,9 +46,6 @@ from jrl.sharding.rules import logical_to_spec
 _ROWS = ("batch", None)
 
 logger = logging.getLogger(__name__)
-
-#: Share of a device's memory above which a copy of the weights in the sampler's own layout is warned of.
-COPY_WARN_FRACTION = 0.4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,13 +156,13 @@ def _frozen(rules) -> tuple | None:
 
 def _report_copy(state, mesh) -> None:
     """Log the per-device bytes of the sampler's copy of the weights; warn when they take more than
-    :data:`COPY_WARN_FRACTION` of a device's memory (where the device reports it)."""
+    :data:`jrl.rollout.config.SAMPLER_COPY_FRACTION` of a device's memory (where the device reports it)."""
     device = mesh.local_devices[0]
     per_device = sum(shard.data.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
                      for shard in x.addressable_shards if shard.device == device)
     limit = (device.memory_stats() or {}).get("bytes_limit")
     logger.debug("sampler weights: a copy of %.2f GiB per device, laid out %s", per_device / 2**30, dict(mesh.shape))
-    if limit and per_device > COPY_WARN_FRACTION * limit:
+    if limit and per_device > SAMPLER_COPY_FRACTION * limit:
         logger.warning(
             "the sampler's copy of the weights takes %.1f GiB of each device's %.1f GiB; if generation runs out of "
             "memory, shard it: --rollout.mesh.tensor N (tensor parallel, within a host) or --rollout.mesh.fsdp -1 "

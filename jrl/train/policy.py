@@ -6,8 +6,13 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jrl.models import from_pretrained
 from jrl.models.lora import apply_lora
+from jrl.rollout.config import sampler_mesh
 from jrl.sharding import make_mesh, shard_model, split_devices
 
 logger = logging.getLogger(__name__)
@@ -34,16 +39,19 @@ class Policy:
     """Logical-axis rules of ``rollout_mesh``."""
 
 
+def _memory(devices) -> int | None:
+    """Bytes of memory for arrays of this process's first device of ``devices`` (None where it does not say: CPU
+    devices; every process sees devices of one kind, so all make the same layout)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return ((local[0].memory_stats() if local else None) or {}).get("bytes_limit")
+
+
 def load_policy(cfg) -> Policy:
     """Tokenizer, mesh and model of ``cfg`` (``TrainConfig``), with a clear error for a bad model path."""
     from transformers import AutoTokenizer
 
     learner_devices, rollout_devices = split_devices(cfg.rollout.devices)
     cfg.mesh.axis_sizes(len(learner_devices))  # a clear error for a mesh that does not fit the devices
-    if rollout_devices:
-        rollout_mesh = make_mesh(cfg.rollout.mesh, rollout_devices)
-        logger.info("rollout mesh: %d device(s) %s; learner: the other %d", len(rollout_devices),
-                    dict(rollout_mesh.shape), len(learner_devices))
     model_dir = Path(cfg.model.path)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
@@ -61,8 +69,15 @@ def load_policy(cfg) -> Policy:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:
             shard_model(model, mesh, rules)
-    if not rollout_devices:  # the sampler's layout of the learner's devices (None on one device)
-        rollout_mesh = None if mesh is None else make_mesh(cfg.rollout.mesh, learner_devices)
-    rollout_rules = cfg.rollout.mesh.logical_rules() if rollout_mesh is not None else None
+    sampler_devices = rollout_devices or (learner_devices if mesh is not None else [])
+    rollout_mesh = rollout_rules = None  # on one device: the model's own
+    if sampler_devices:
+        layout = sampler_mesh(cfg.rollout.mesh, weight_bytes=model.config.num_params() * np.dtype(
+            jnp.dtype(cfg.model.dtype)).itemsize, device_bytes=_memory(sampler_devices),
+                              devices=len(sampler_devices))
+        rollout_mesh, rollout_rules = make_mesh(layout, sampler_devices), layout.logical_rules()
+        if rollout_devices or layout != cfg.rollout.mesh:
+            logger.info("sampler: %d device(s) laid out %s%s", len(sampler_devices), dict(rollout_mesh.shape),
+                        f"; learner: the other {len(learner_devices)}" if rollout_devices else "")
     return Policy(tokenizer=tokenizer, pad_id=pad_id, mesh=mesh, rules=rules, model=model, rollout_mesh=rollout_mesh,
                   rollout_rules=rollout_rules)

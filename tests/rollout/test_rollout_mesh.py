@@ -13,7 +13,9 @@ import numpy as np
 from rollout_testlib import PAD, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
+from jrl.rollout.config import RolloutConfig, sampler_mesh
 from jrl.rollout.jax_engine import JaxRolloutEngine, narrowed
+from jrl.sharding import MeshConfig
 
 HERE = Path(__file__).parent
 
@@ -58,3 +60,17 @@ def test_the_copy_in_a_layout_of_its_own_is_narrowed_to_the_compute_dtype():
     np.testing.assert_array_equal(np.asarray(out["kernel"], np.float32),
                                   np.asarray(tree["kernel"].astype(jnp.bfloat16), np.float32))
     assert narrowed(tree, jnp.float32) is tree  # nothing wider than float32: no copy
+
+
+def test_the_default_sampler_layout_shards_weights_that_would_crowd_a_device():
+    gib = 2**30
+    default = RolloutConfig().mesh
+    # a 1B model's 2.5 GB beside 80 GB: whole on every device; 60 GB: over 2 of 4 devices; 120 GB: over 4
+    assert sampler_mesh(default, weight_bytes=int(2.5 * gib), device_bytes=80 * gib, devices=4) == default
+    assert sampler_mesh(default, weight_bytes=60 * gib, device_bytes=80 * gib, devices=4) == \
+        MeshConfig(data=-1, fsdp=1, tensor=2)
+    assert sampler_mesh(default, weight_bytes=120 * gib, device_bytes=80 * gib, devices=4).tensor == 4
+    assert sampler_mesh(default, weight_bytes=120 * gib, device_bytes=80 * gib, devices=2).tensor == 2  # at most all
+    chosen = MeshConfig(data=1, fsdp=-1)  # a layout the user chose stays, and so does any without a memory size
+    assert sampler_mesh(chosen, weight_bytes=60 * gib, device_bytes=80 * gib, devices=4) == chosen
+    assert sampler_mesh(default, weight_bytes=60 * gib, device_bytes=None, devices=4) == default

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jrl.models import from_pretrained
 from jrl.models.lora import apply_lora
@@ -51,7 +50,10 @@ def load_policy(cfg) -> Policy:
     from transformers import AutoTokenizer
 
     learner_devices, rollout_devices = split_devices(cfg.rollout.devices)
-    cfg.mesh.axis_sizes(len(learner_devices))  # a clear error for a mesh that does not fit the devices
+    sampler_devices = rollout_devices or (learner_devices if len(learner_devices) > 1 else [])
+    cfg.mesh.axis_sizes(len(learner_devices))  # clear errors for meshes that do not fit their devices
+    if sampler_devices:
+        cfg.rollout.mesh.axis_sizes(len(sampler_devices))
     model_dir = Path(cfg.model.path)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
@@ -69,11 +71,10 @@ def load_policy(cfg) -> Policy:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:
             shard_model(model, mesh, rules)
-    sampler_devices = rollout_devices or (learner_devices if mesh is not None else [])
     rollout_mesh = rollout_rules = None  # on one device: the model's own
     if sampler_devices:
-        layout = sampler_mesh(cfg.rollout.mesh, weight_bytes=model.config.num_params() * np.dtype(
-            jnp.dtype(cfg.model.dtype)).itemsize, device_bytes=_memory(sampler_devices),
+        weight_bytes = model.config.num_params() * jnp.dtype(cfg.model.dtype).itemsize
+        layout = sampler_mesh(cfg.rollout.mesh, weight_bytes=weight_bytes, device_bytes=_memory(sampler_devices),
                               devices=len(sampler_devices))
         rollout_mesh, rollout_rules = make_mesh(layout, sampler_devices), layout.logical_rules()
         if rollout_devices or layout != cfg.rollout.mesh:

@@ -20,7 +20,8 @@ is reshuffled with a seed derived from ``seed`` (grain's ``reseed_each_epoch``).
 the same inputs and given that state by :meth:`PromptLoader.set_state` yields exactly the batches
 the saved one would have yielded next.
 
-Padding is the trainer's job; :func:`left_pad` is a helper that returns ``(ids, mask)`` arrays.
+Padding is the trainer's job; :func:`left_pad` is a helper that returns ``(ids, mask)`` arrays. The config section
+is :mod:`jrl.data.config`, the readers :mod:`jrl.data.records` (both names are importable from here too).
 """
 
 from __future__ import annotations
@@ -28,272 +29,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
-import json
 import logging
-import os
-import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jrl.data.tasks import BUILTIN_TASKS
-from jrl.data.tasks.arithmetic import ArithmeticConfig
-from jrl.validation import check_int, invalid
+from jrl.data.config import BUILTIN_PREFIX, SUPPORTED_EXTENSIONS, DataConfig, is_hub_id  # noqa: F401 (public names)
+from jrl.data.records import _columns_of, load_records  # noqa: F401 (public name)
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
-#: File extensions the loader reads (a directory is read with ``datasets.load_from_disk``).
-SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
 #: Version of the dict returned by :meth:`PromptLoader.get_state`.
 STATE_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where prompts come from, how they are formatted, and how they are batched."""
-
-    source: str = "builtin:arithmetic"
-    """``builtin:arithmetic`` (generated, see ``arithmetic``), a path to a ``.jsonl`` / ``.json``
-    file (a list of objects, or JSON lines), a ``.parquet`` file, a directory written by
-    ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``, or a Hugging Face Hub dataset id
-    (``owner/name``, loaded by ``datasets.load_dataset``: downloaded once, then read from the local cache;
-    with ``HF_HUB_OFFLINE=1`` only the cache is asked)."""
-    split: str | None = None
-    """Split to read from a saved ``DatasetDict`` directory or a hub dataset (default: ``train``, or the only
-    split); set for a file or a built-in task, an error."""
-    hub_config: str | None = None
-    """Configuration (subset) of a hub dataset, e.g. ``main`` for ``openai/gsm8k``; only for hub ids."""
-    prompt_column: str = "prompt"
-    """Column holding the prompt: a string, or a list of ``{"role", "content"}`` chat messages
-    (the latter needs ``use_chat_template``). Every column is kept and passed to the rewards."""
-    use_chat_template: bool = True
-    """Render prompts with the tokenizer's chat template (a string prompt becomes one user turn)
-    and ``add_generation_prompt=True``; if false the prompt string is tokenized as plain text
-    with the tokenizer's default special tokens (a BOS for jrl's byte tokenizer)."""
-    system_prompt: str | None = None
-    """System turn put in front of every prompt that does not start with one (chat template only)."""
-    max_prompt_length: int | None = 256
-    """Drop prompts longer than this many tokens (after the chat template); counted and logged.
-    ``None`` keeps every prompt."""
-    max_examples: int | None = None
-    """Use only the first this-many records of the source (before filtering); ``None`` = all."""
-    shuffle: bool = True
-    """Shuffle the prompts (deterministically, from ``seed``), reshuffled every epoch."""
-    seed: int = 0
-    """Seed of the shuffle."""
-    num_epochs: int | None = None
-    """Passes over the data; ``None`` repeats forever (the trainer stops by step count)."""
-    prompts_per_batch: int = 8
-    """Prompts (not completions) per batch; the trainer samples several completions per prompt."""
-    drop_remainder: bool = True
-    """Drop the last, smaller batch of a finite run so every batch has ``prompts_per_batch``."""
-    arithmetic: ArithmeticConfig = dataclasses.field(default_factory=ArithmeticConfig)
-    """Options of ``builtin:arithmetic`` (set for another source, an error)."""
-
-    def __post_init__(self):
-        if not isinstance(self.source, str) or not self.source.strip():
-            raise invalid("DataConfig", "source", self.source,
-                          "give 'builtin:<task>' or a path to a .jsonl/.json/.parquet file or a save_to_disk dir")
-        builtin = self.source.startswith(BUILTIN_PREFIX)
-        if builtin:
-            name = self.source[len(BUILTIN_PREFIX) :]
-            if name not in BUILTIN_TASKS:
-                raise invalid("DataConfig", "source", self.source,
-                              f"unknown built-in task {name!r}; built-in tasks: {sorted(BUILTIN_TASKS)}")
-        elif self.arithmetic != ArithmeticConfig():
-            raise invalid("DataConfig", "arithmetic", self.arithmetic,
-                          f"it configures source='builtin:arithmetic' and source={self.source!r} does not read it")
-        if self.split is not None and (builtin or Path(self.source).suffix.lower() in SUPPORTED_EXTENSIONS):
-            raise invalid("DataConfig", "split", self.split,
-                          f"it picks a split of a saved DatasetDict directory or a hub dataset; source={self.source!r} "
-                          "has none")
-        if self.hub_config is not None and (builtin or not is_hub_id(self.source)):
-            raise invalid("DataConfig", "hub_config", self.hub_config,
-                          f"it picks a configuration of a hub dataset (source='owner/name'); source={self.source!r} "
-                          "is not one")
-        if not isinstance(self.prompt_column, str) or not self.prompt_column:
-            raise invalid("DataConfig", "prompt_column", self.prompt_column,
-                          "give the name of the column holding the prompts")
-        if self.system_prompt is not None and not self.use_chat_template:
-            raise invalid("DataConfig", "system_prompt", self.system_prompt,
-                          "a system prompt needs use_chat_template=True (or drop it)")
-        check_int(self, "max_prompt_length", lo=1, optional=True, fix="use a positive int, or None for no limit")
-        check_int(self, "max_examples", lo=1, optional=True, fix="use a positive int, or None for all records")
-        check_int(self, "seed", lo=-2**63, fix="use an int")
-        check_int(self, "num_epochs", lo=1, optional=True, fix="use a positive int, or None to repeat forever")
-        check_int(self, "prompts_per_batch", lo=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading records
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: line {lineno} is not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
-                                 "re-encode the file as UTF-8 or remove that line") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}: line {lineno} is a JSON {type(row).__name__}, expected an object (one record per line)"
-                )
-            rows.append(row)
-    return rows
-
-
-def _read_json(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: line {line} is not UTF-8; re-encode the file as UTF-8") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        if e.msg.startswith("Extra data"):  # JSON lines in a .json file, as datasets accepts
-            return _read_jsonl(path)
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-        lengths = {len(v) for v in data.values()}
-        if len(lengths) != 1:
-            raise ValueError(f"{path}: column-oriented JSON with columns of different lengths {sorted(lengths)}")
-        keys = list(data)
-        return [dict(zip(keys, vals)) for vals in zip(*data.values())]
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(
-            f"{path}: expected a JSON list of objects (one per record), JSON lines, or an object of equal-length column lists"
-        )
-    return data
-
-
-def _read_parquet(path: Path) -> list[dict]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    return pq.read_table(path).to_pylist()
-
-
-def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
-    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
-    if not any((path / m).exists() for m in markers):
-        raise ValueError(
-            f"{path} is a directory but not one written by datasets' save_to_disk (none of {list(markers)} in it); "
-            f"point DataConfig.source at a .jsonl/.json/.parquet file or a save_to_disk directory"
-        )
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(
-            f"reading the save_to_disk directory {path} needs the datasets package: pip install datasets"
-        ) from None
-    return _pick_split(datasets.load_from_disk(str(path)), path, split).to_list()
-
-
-#: A Hugging Face Hub dataset id: ``name`` or ``owner/name``.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-
-
-def is_hub_id(source: str) -> bool:
-    """Whether ``source`` reads as a hub dataset id (``owner/name``) rather than a file: no supported file
-    extension, no leading ``.``/``/``/``~``, and nothing on disk by that name."""
-    return (_HUB_ID.fullmatch(source) is not None and Path(source).suffix.lower() not in SUPPORTED_EXTENSIONS
-            and not Path(os.path.expanduser(source)).exists())
-
-
-def _read_hub_dataset(source: str, split: str | None, hub_config: str | None) -> list[dict]:
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(source, hub_config)
-    except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise FileNotFoundError(
-            f"DataConfig.source={source!r} is neither a local file or directory nor a Hugging Face dataset that "
-            f"could be downloaded or found in the local cache ({datasets.config.HF_DATASETS_CACHE}): "
-            f"{type(e).__name__}: {e}. Download it once where the hub is reachable (python -c \"import datasets; "
-            f"datasets.load_dataset('{source}')\"), or point source at a .jsonl/.json/.parquet file") from None
-    except ValueError as e:  # an unknown configuration name, or one needed
-        raise ValueError(f"DataConfig.source={source!r}: {e} (set DataConfig.hub_config)") from None
-    return _pick_split(ds, source, split).to_list()
-
-
-def _pick_split(ds, where, split: str | None):
-    """The ``split`` of a ``DatasetDict`` (default ``train``, or the only one), or a lone ``Dataset``."""
-    import datasets
-
-    if not isinstance(ds, datasets.DatasetDict):
-        if split is not None:
-            raise ValueError(f"DataConfig.split={split!r} given, but {where} holds a single Dataset, not a "
-                             "DatasetDict; drop split")
-        return ds
-    splits = list(ds)
-    if split is None:
-        if "train" in ds:
-            split = "train"
-        elif len(splits) == 1:
-            split = splits[0]
-        else:
-            raise ValueError(f"{where} holds the splits {splits}; choose one with DataConfig.split")
-    if split not in ds:
-        raise ValueError(f"DataConfig.split={split!r} is not in {where}; its splits are {splits}")
-    return ds[split]
-
-
-def load_records(cfg: DataConfig) -> list[dict[str, Any]]:
-    """The raw records of ``cfg.source`` (a list of dicts, in source order; not truncated)."""
-    src = cfg.source
-    if src.startswith(BUILTIN_PREFIX):
-        name = src[len(BUILTIN_PREFIX) :]
-        module = importlib.import_module(BUILTIN_TASKS[name])
-        if name == "arithmetic":
-            return module.generate_arithmetic(cfg.arithmetic)
-        raise NotImplementedError(f"built-in task {name!r} has no loader")  # pragma: no cover
-    path = Path(os.path.expanduser(src))
-    if is_hub_id(src):
-        return _read_hub_dataset(src, cfg.split, cfg.hub_config)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"DataConfig.source: dataset path {str(path)!r} does not exist (resolved: {path.resolve()})"
-        )
-    if path.is_dir():
-        return _read_saved_dataset(path, cfg.split)
-    ext = path.suffix.lower()
-    if cfg.split is not None:
-        raise ValueError(
-            f"DataConfig.split={cfg.split!r} only applies to a save_to_disk DatasetDict directory, not {path}"
-        )
-    if ext == ".jsonl":
-        return _read_jsonl(path)
-    if ext == ".json":
-        return _read_json(path)
-    if ext == ".parquet":
-        return _read_parquet(path)
-    raise ValueError(
-        f"DataConfig.source: unsupported file extension {ext or '(none)'!r} of {str(path)!r}; "
-        f"supported: {', '.join(SUPPORTED_EXTENSIONS)}, or a datasets.save_to_disk directory"
-    )
-
-
-def _columns_of(records: Sequence[dict]) -> list[str]:
-    seen: dict[str, None] = {}
-    for r in records:
-        for k in r:
-            seen.setdefault(k, None)
-    return list(seen)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from tyro.constructors import PrimitiveConstructorSpec
 
-from jrl.data.pipeline import DataConfig
+from jrl.data.config import DataConfig
 from jrl.kernels.attention import available_impls
 from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig

@@ -16,7 +16,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from jrl.data.pipeline import DataConfig, PromptDataset, build_prompt_dataset
+from jrl.data.config import DataConfig
+from jrl.data.pipeline import PromptDataset, build_prompt_dataset
 from jrl.rollout.base import SamplingParams
 from jrl.sharding import is_main_process
 from jrl.validation import check_int, invalid

@@ -114,3 +114,38 @@ def test_the_check_finds_a_circle():
     assert "jrl.train.learner" in graph["jrl.train.algorithms.grpo"]  # the graph is read from the source
     graph["jrl.train.learner"].add("jrl.train.algorithms.grpo")
     assert ["jrl.train.algorithms.grpo", "jrl.train.learner"] in circles(graph)
+
+
+def _module_level_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The jrl modules ``name`` imports at module level (imports inside functions run at validation time only)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("jrl")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jrl"):
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names}
+    return out
+
+
+#: Modules a config section may import although they are not config modules: the registries and name lists its
+#: validation reads (a name must be one that is registered). Anything else a config module imports is an error.
+CONFIG_READS = {
+    "jrl.data.config": {"jrl.data.tasks", "jrl.data.tasks.arithmetic"},
+    "jrl.losses.config": {"jrl.losses.advantages", "jrl.losses.importance", "jrl.losses.policy", "jrl.losses.registry"},
+    "jrl.models.config": {"jrl.kernels.attention", "jrl.models.remat", "jrl.models.errors", "jrl.models.family",
+                          "jrl.models.families"},
+    "jrl.rollout.config": {"jrl.rollout.base", "jrl.rollout.weight_sync", "jrl.sharding.mesh"},
+    "jrl.train.ebft_config": {"jrl.losses"},
+    "jrl.train.config": {"jrl.kernels.attention", "jrl.models.remat", "jrl.sharding.mesh"},
+}
+
+
+def test_config_sections_import_config_sections_and_the_registries_they_validate_against():
+    modules = _modules()
+    configs = {n for n in modules if n.rpartition(".")[2] == "config" or n.endswith("_config")}
+    helpers = {f"jrl.{h}" for h in HELPERS}
+    extra = {name: sorted(_module_level_imports(name, modules[name], modules) - configs - helpers
+                          - CONFIG_READS.get(name, set())) for name in sorted(configs)}
+    assert {k: v for k, v in extra.items() if v} == {}
+    assert {"jrl.train.config", "jrl.data.config", "jrl.models.lora_config", "jrl.rewards.config"} <= configs

@@ -31,25 +31,10 @@ import numpy as np
 
 from jrl.data.pipeline import left_pad
 from jrl.rollout.base import RolloutBatch, pad_columns
-from jrl.validation import check_int
+from jrl.sources.config import ReplayConfig  # noqa: F401 (public name)
 
 #: Floor of a group's sampling weight (a zero score would never be drawn).
 MIN_SCORE = 1e-8
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplayConfig:
-    """Replay of earlier groups with signal in place of a step's groups without (module docstring); ``grpo`` only."""
-
-    buffer_size: int = 0
-    """Groups with a learning signal kept for replay; 0 = off (the reference's default)."""
-    max_age: int = 16
-    """Steps after which a kept group is dropped (its completions come from a policy this many versions old, and
-    the sampler-IS correction truncates the ratio of such old tokens)."""
-
-    def __post_init__(self):
-        check_int(self, "buffer_size", lo=0, fix="use an int >= 0 (0 = no replay)")
-        check_int(self, "max_age", lo=1)
 
 
 @dataclasses.dataclass

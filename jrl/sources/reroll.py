@@ -27,29 +27,10 @@ import threading
 
 import numpy as np
 
-from jrl.validation import check_int, check_real
+from jrl.sources.config import RerollConfig  # noqa: F401 (public name)
 
 #: A reward this close to 0 counts as a failure.
 ZERO_REWARD = 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class RerollConfig:
-    """Deferred re-roll of all-fail prompts (module docstring); ``grpo`` only."""
-
-    start_fraction: float = 1.0
-    """Re-roll from step ``max(1, ⌊max_steps · start_fraction⌋)`` on; 1.0 = never (the reference's default)."""
-    max_groups: int = 1
-    """Most buffered prompts one batch takes (each replaces one of its last prompts)."""
-    max_rerolls: int | None = None
-    """Times one prompt is sampled again after failing: a re-roll that fails again is buffered again only while
-    the prompt has had fewer re-rolls than this; None = no limit (the reference)."""
-
-    def __post_init__(self):
-        check_real(self, "start_fraction", ge=0, le=1, fix="use a fraction of max_steps in [0, 1] (1.0 = off)")
-        check_int(self, "max_groups", lo=1)
-        if self.max_rerolls is not None:
-            check_int(self, "max_rerolls", lo=1)
 
 
 def all_fail_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:

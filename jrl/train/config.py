@@ -16,19 +16,18 @@ from tyro.constructors import PrimitiveConstructorSpec
 
 from jrl.data.config import DataConfig
 from jrl.kernels.attention import available_impls
-from jrl.losses import GRPOConfig
-from jrl.models.lora import LoraConfig
+from jrl.losses.config import GRPOConfig
+from jrl.models.lora_config import LoraConfig
 from jrl.models.remat import REMAT_NAMES
 from jrl.rollout.config import RolloutConfig
-from jrl.sharding import MeshConfig
+from jrl.sharding.mesh import MeshConfig
 from jrl.train.ebft_config import EBFTConfig
-from jrl.train.evaluation import EvalConfig
+from jrl.train.eval_config import EvalConfig
 from jrl.explore.config import ExploreConfig
-from jrl.train.observability import WandbConfig
+from jrl.train.wandb_config import WandbConfig
 from jrl.train.optim_config import OptimConfig
-from jrl.sources.replay import ReplayConfig
-from jrl.sources.reroll import RerollConfig
-from jrl.rewards.functions import RewardSpec
+from jrl.sources.config import ReplayConfig, RerollConfig
+from jrl.rewards.config import RewardSpec
 from jrl.validation import check_choice, check_int, check_real, invalid
 
 #: Rewards of the built-in arithmetic task (exact answer, plus partial credit for the format).

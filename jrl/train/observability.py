@@ -7,41 +7,19 @@ files: a :class:`MetricsWriter` built elsewhere keeps its records in memory.
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from jrl.sharding import is_main_process
-from jrl.validation import check_choice, invalid
+from jrl.train.wandb_config import WandbConfig  # noqa: F401 (public name)
 
 RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "eval_samples.jsonl", "tensorboard", "wandb", "curves.png",
                "checkpoints", "experience.jsonl", "published", "explorers", "experience.db", "experience.db-wal",
                "experience.db-shm")
-
-
-@dataclasses.dataclass(frozen=True)
-class WandbConfig:
-    """Weights & Biases logging beside ``metrics.jsonl`` and TensorBoard (needs the ``wandb`` package)."""
-
-    project: str | None = None
-    """W&B project to log the run to; None = no W&B logging."""
-    mode: Literal["offline", "online"] = "offline"
-    """``offline`` writes the W&B run under ``<output_dir>/wandb`` without any network (``wandb sync`` uploads it
-    later); ``online`` streams it to the W&B server."""
-    entity: str | None = None
-    """W&B entity (user or team); None = the logged-in account's default."""
-    name: str | None = None
-    """Run name; None = the name of ``output_dir``."""
-
-    def __post_init__(self):
-        check_choice(self, "mode", ("offline", "online"))
-        if self.project is None and (self.mode, self.entity, self.name) != ("offline", None, None):
-            raise invalid("WandbConfig", "project", None, "the W&B settings take effect only with a project: set "
-                          "--wandb.project NAME, or leave mode, entity and name at their defaults")
 
 
 class WandbSink:

@@ -154,14 +154,9 @@ def _peak_gib() -> float | None:
 
 def _busy_fraction(trace_dir: str, wall_s: float) -> float:
     """The union of the first GPU's kernel intervals in the trace under ``trace_dir`` over ``wall_s``."""
-    from kernels_common import trace_kernels
+    from kernels_common import _union, trace_kernels
 
-    spans = sorted((ts, ts + dur) for ts, dur, _ in trace_kernels(trace_dir))
-    busy, end = 0.0, -math.inf
-    for start, stop in spans:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    busy = sum(end - start for start, end in _union([(ts, ts + dur) for ts, dur, _ in trace_kernels(trace_dir)]))
     return busy / 1e6 / wall_s
 
 

@@ -39,7 +39,8 @@ _KV_CACHE = ("batch", None, "kv_heads", "head_dim")
 LAYER_AXIS = "layers"
 
 
-def _freeze_rules(rules: Mapping | None):
+def freeze_rules(rules: Mapping | None) -> tuple | None:
+    """``rules`` as a sorted tuple of items (hashable, comparable: a jit cache key), None for None."""
     return None if rules is None else tuple(sorted(dict(rules).items()))
 
 
@@ -119,7 +120,7 @@ def _relabel(module: nnx.Module, fn: Callable) -> nnx.Module:
 def on_mesh(model: nnx.Module, mesh, rules: Mapping | None = None) -> nnx.Module:
     """``model`` (in place) with its activation sharding constraints on ``mesh`` / ``rules``: what a copy of the
     weights placed on another mesh (a rollout mesh, :func:`jrl.sharding.split_devices`) runs with."""
-    frozen = _freeze_rules(rules)
+    frozen = freeze_rules(rules)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and hasattr(node, "mesh"):
             node.mesh, node.rules = mesh, frozen
@@ -151,7 +152,7 @@ class Transformer(nnx.Module):
         c = config
         self.config = c
         self.mesh = mesh
-        self.rules = _freeze_rules(rules)
+        self.rules = freeze_rules(rules)
         self.source_dir = source_dir
         self.embed = Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                            init_std=c.initializer_range, rngs=rngs)

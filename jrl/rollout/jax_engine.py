@@ -35,11 +35,12 @@ from flax import nnx
 from jrl.data.pipeline import left_pad
 from jrl.models.layers import constrain, positions_from_mask
 from jrl.models.lora import decoding_view
-from jrl.models.transformer import on_mesh, place
+from jrl.models.transformer import freeze_rules, on_mesh, place
 from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.sampling import sample_tokens
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
+from jrl.sharding.memory import device_bytes, memory_limit
 from jrl.sharding.placement import gather_to_host, reshard, state_shardings
 from jrl.sharding.rules import logical_to_spec
 
@@ -149,18 +150,11 @@ def _device_ids(mesh) -> frozenset | None:
     return None if mesh is None else frozenset(d.id for d in mesh.devices.flat)
 
 
-def _frozen(rules) -> tuple | None:
-    """``rules`` as a sorted tuple of items (hashable, comparable), None for None."""
-    return None if rules is None else tuple(sorted(dict(rules).items()))
-
-
 def _report_copy(state, mesh) -> None:
     """Log the per-device bytes of the sampler's copy of the weights; warn when they take more than
     :data:`jrl.rollout.config.SAMPLER_COPY_FRACTION` of a device's memory (where the device reports it)."""
     device = mesh.local_devices[0]
-    per_device = sum(shard.data.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
-                     for shard in x.addressable_shards if shard.device == device)
-    limit = (device.memory_stats() or {}).get("bytes_limit")
+    per_device, limit = device_bytes(state).get(device, 0), memory_limit(device)
     logger.debug("sampler weights: a copy of %.2f GiB per device, laid out %s", per_device / 2**30, dict(mesh.shape))
     if limit and per_device > SAMPLER_COPY_FRACTION * limit:
         logger.warning(
@@ -225,27 +219,27 @@ class JaxRolloutEngine:
         #: Generation runs on the trainer's own devices (a prefetching trainer on a multi-device mesh takes turns
         #: with it, see :mod:`jrl.sources.rollout`); False on devices of its own.
         self.shares_trainer_devices = _device_ids(self.mesh) == _device_ids(model_mesh)
-        self.rules = _frozen(rules)
+        self.rules = freeze_rules(rules)
         #: The engine decodes from a copy of the weights in its own layout (else from the model's arrays).
-        self.copies_weights = self.mesh is not None and (self.mesh, self.rules) != (model_mesh, _frozen(model_rules))
+        self.copies_weights = self.mesh is not None and (self.mesh, self.rules) != (model_mesh, freeze_rules(model_rules))
         self.pad_id = int(pad_id)
         self.prompt_bucket = int(prompt_bucket)
         self._compute_dtype = jnp.dtype(model.config.dtype)
         self._lock = threading.Lock()
-        self._own_graphdefs: dict = {}  # the model's graphdef -> the same model constrained to this layout
+        self._own_layouts: dict = {}  # the model's graphdef -> (it constrained to this layout, shardings)
         self.sync_weights(model, 0)
 
     def _own_copy(self, graphdef, state):
         """(graphdef, state) of a copy of the weights in this engine's layout and the model's compute dtype."""
-        rules = dict(self.rules) if self.rules is not None else None
-        own = self._own_graphdefs.get(graphdef)
-        if own is None:
+        if graphdef not in self._own_layouts:  # the model constrained to this layout, and its weights' shardings
+            rules = dict(self.rules) if self.rules is not None else None
             own = nnx.split(on_mesh(nnx.merge(graphdef, state), self.mesh, rules))[0]
-        placed = reshard(narrowed(state, self._compute_dtype), state_shardings(state, self.mesh, rules))
-        if graphdef not in self._own_graphdefs:
+            self._own_layouts = {graphdef: (own, state_shardings(state, self.mesh, rules))}
+            placed = reshard(narrowed(state, self._compute_dtype), self._own_layouts[graphdef][1])
             _report_copy(placed, self.mesh)
-            self._own_graphdefs = {graphdef: own}
-        return own, placed
+            return own, placed
+        own, shardings = self._own_layouts[graphdef]
+        return own, reshard(narrowed(state, self._compute_dtype), shardings)
 
     def _weights(self):
         """(graphdef, state, version) of the latest sync, in this engine's layout."""

@@ -24,7 +24,7 @@ from jrl.sharding.distributed import (
     process_batch_slice,
     process_shard,
 )
-from jrl.sharding.memory import MemoryReport, device_bytes, memory_report
+from jrl.sharding.memory import MemoryReport, device_bytes, memory_limit, memory_report
 from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, make_mesh
 from jrl.sharding.placement import (
     HostPack,
@@ -83,6 +83,7 @@ __all__ = [
     "logical_to_spec",
     "make_global_batch",
     "make_mesh",
+    "memory_limit",
     "memory_report",
     "merge_rules",
     "opt_state_shardings",

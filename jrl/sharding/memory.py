@@ -164,3 +164,8 @@ def device_bytes(tree: Any) -> dict[Any, int]:
             for shard in x.addressable_shards:
                 out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
     return out
+
+
+def memory_limit(device) -> int | None:
+    """Bytes of memory ``device`` has for arrays (its allocator's limit); None where it does not say (CPU devices)."""
+    return (device.memory_stats() or {}).get("bytes_limit")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jrl.models import from_pretrained
 from jrl.models.lora import apply_lora
 from jrl.rollout.config import sampler_mesh
-from jrl.sharding import make_mesh, shard_model, split_devices
+from jrl.sharding import make_mesh, memory_limit, shard_model, split_devices
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ class Policy:
 
 
 def _memory(devices) -> int | None:
-    """Bytes of memory for arrays of this process's first device of ``devices`` (None where it does not say: CPU
-    devices; every process sees devices of one kind, so all make the same layout)."""
+    """:func:`jrl.sharding.memory_limit` of this process's first device of ``devices`` (every process sees devices
+    of one kind, so all make the same layout)."""
     local = [d for d in devices if d.process_index == jax.process_index()]
-    return ((local[0].memory_stats() if local else None) or {}).get("bytes_limit")
+    return memory_limit(local[0]) if local else None
 
 
 def load_policy(cfg) -> Policy:

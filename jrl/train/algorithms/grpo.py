@@ -205,6 +205,13 @@ class GRPOLoss:
         return loss, metrics
 
 
+def _with_completion_length(loss: GRPOLoss, width: int) -> GRPOLoss:
+    """``loss`` for rows trimmed from ``width`` completion columns: ``dr_grpo``'s constant stays ``width``."""
+    if loss.algo.max_completion_length is not None:
+        return loss
+    return dataclasses.replace(loss, algo=dataclasses.replace(loss.algo, max_completion_length=width))
+
+
 @functools.partial(jax.jit, static_argnames=("mask_truncated", "num_micro_batches"))
 def _step_mask_and_normalizers(completion_mask, truncated, *, mask_truncated: bool, num_micro_batches: int):
     """(loss mask [B, T], the step's normalisers) in one program (on the host's CPU device under ``on_host``:
@@ -275,17 +282,9 @@ class PolicyUpdate:
         groups = length_groups(np.asarray(batch.completion_mask).sum(-1), mb, bucket, width)
         if len(groups) == 1 and groups[0][1] == width:
             return [term]
-        loss = self._trimmed_loss(width)
+        loss = _with_completion_length(self.loss, width)
         return [LossTerm(loss, trim_completions(take_rows(term.rows, rows), w), term.aux,
                          None if term.keep is None else term.keep[rows]) for rows, w in groups]
-
-    @functools.lru_cache(maxsize=8)
-    def _trimmed_loss(self, width: int) -> GRPOLoss:
-        """The loss of rows trimmed from ``width`` completion columns (``dr_grpo``'s constant stays ``width``)."""
-        algo = self.loss.algo
-        if algo.max_completion_length is None:
-            algo = dataclasses.replace(algo, max_completion_length=width)
-        return dataclasses.replace(self.loss, algo=algo)
 
     def __call__(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
                  reduction: Callable[[str], str] = _grpo_reduction) -> dict[str, float]:

@@ -92,13 +92,23 @@ def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple
     return out
 
 
-def _mesh(n: int, sizes: dict):
+def _mesh(n: int, sizes: dict, rules: str = ""):
     import jax
 
     from jrl.sharding import MeshConfig, make_mesh
 
-    cfg = MeshConfig(**sizes)
+    cfg = MeshConfig(**sizes, rules=parse_rules(rules))
     return make_mesh(cfg, devices=jax.devices()[:n]), cfg.logical_rules()
+
+
+def parse_rules(text: str) -> tuple:
+    """``--rules`` (``vocab=tensor+fsdp,mlp=tensor``; ``name=`` replicates) as MeshConfig.rules pairs."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        name, _, axes = item.partition("=")
+        parts = tuple(filter(None, axes.split("+")))
+        pairs.append((name, None if not parts else parts[0] if len(parts) == 1 else parts))
+    return tuple(pairs)
 
 
 def _rel(a: float, b: float) -> float:
@@ -119,7 +129,7 @@ def train(args) -> None:
     first = None
     names = args.layouts.split(",") + ([f"tensor:{args.tensor}"] if args.tensor > 1 else [])
     for n, sizes in _layouts(devices, names, count):
-        mesh, rules = _mesh(n, sizes)
+        mesh, rules = _mesh(n, sizes, args.rules)
         learner, update = T.jrl_update(args, shape, mesh, rules)
         checked = update(learner, T.step_batch(args.check_rows, args.seq, shape["vocab_size"], seed=1))
         batch = T.step_batch(n * args.rows_per_device, args.seq, shape["vocab_size"])
@@ -127,7 +137,7 @@ def train(args) -> None:
         step = T.steady_median(times)
         tokens = n * args.rows_per_device * args.seq
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
-                   layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-",
+                   layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.num_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
@@ -344,6 +354,8 @@ def main() -> None:
                             help="rows of the numerics batch every layout updates on (divisible by every fsdp size)")
     train_args.add_argument("--layouts", default="fsdp",
                             help=f"comma list of layouts per device count: {', '.join(LAYOUTS)}")
+    train_args.add_argument("--rules", default="",
+                            help="logical-axis rule overrides, e.g. vocab=tensor+fsdp,mlp=tensor")
     train_args.add_argument("--tensor", type=int, default=1, help="also run fsdp=n/T, tensor=T layouts")
     train_args.add_argument("--profile", default=None, metavar="DIR",
                             help="also trace one step per layout into DIR and report its GPU kernels (first device): "

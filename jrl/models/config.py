@@ -164,10 +164,10 @@ class ModelConfig:
     same structure (see :attr:`stacked_layers`). Runtime only: not part of the HF config."""
     fsdp_prefetch: bool = True
     """On a mesh of ``data`` and ``fsdp`` axes (``fsdp`` > 1), a dense model with stacked layers runs its layers and
-    loss-fused head per device (:mod:`jrl.models.fsdp`): each layer's weight shards are gathered while the layer
-    before it computes, its gradient reduce-scattered while the layer before it runs its backward, and the head's
-    gradient reduced once per step. Keeps every layer's gathered weights for the backward (the model's weights in
-    the compute dtype on every device); ``False`` leaves the collectives to XLA's partitioner (slower, less memory).
+    loss-fused head per device (:mod:`jrl.models.fsdp`): each layer's weight shards are gathered inside its
+    rematerialisation checkpoint (two layers per scan iteration, so one layer's gather overlaps the other's compute;
+    gathered again in the backward), its gradient reduce-scattered as its backward ends, and the head's gradient
+    reduced once per step. ``False`` leaves the collectives to XLA's partitioner (slower).
     Runtime only: not part of the HF config."""
     grad_reduce_dtype: str | None = None
     """Dtype in which the per-device path (:attr:`fsdp_prefetch`) reduce-scatters weight gradients: ``None`` =

@@ -1,18 +1,21 @@
 """The model's two large pieces, the scanned decoder layers and the loss-fused LM head, run per device on a mesh
 of ``data`` and ``fsdp`` axes, with their weights' FSDP collectives placed by hand (:mod:`jrl.sharding.collectives`).
 
-Layers: inside one ``shard_map`` the scan over the stacked layers carries the gathered weights of the next layer:
-iteration ``i`` starts the gather of layer ``i + 1``'s shards and computes layer ``i`` with the weights the previous
-iteration gathered, so the gather runs while the layer computes. In the backward the scan's transpose receives
-layer ``i + 1``'s weight gradient from the iteration before and reduce-scatters it while it computes layer ``i``'s
-backward. The gathered weights of every layer are kept for the backward (the whole model's weights per device, in
-the compute dtype) instead of being gathered a second time.
+Layers: inside one ``shard_map`` the scan over the stacked layers gathers each layer's weight shards inside the
+layer's rematerialisation checkpoint, so the gathered weights are never saved for the backward: the backward
+gathers them again, and reduce-scatters each layer's weight gradient as its backward finishes. A few layers'
+gathered weights exist at once, not the whole model's (15 GiB per device for an 8B model, which were kept before;
+with ``remat="none"`` there is no checkpoint and they are kept).
+The scan is unrolled by two: each loop iteration holds two layers, so XLA's scheduler starts the second layer's
+gather while the first computes, and buffers carried between iterations are not copied (``benchmarks/RESULTS.md``,
+"Scale-out": as fast as gathering a layer ahead in the scan's carry, and 7 GiB less per device for 16 layers of
+the 8B model's width at fsdp=2).
 
 Head: the hidden rows stay split over the devices and each device computes its rows' loss against the gathered
 head weight; the head's gradient is summed over the rows of a device and reduce-scattered once.
 
-Without this, XLA's partitioner gathers each layer's weights in the iteration that uses them (nothing to overlap
-with), and splits the head matmul on the hidden dimension with float32 all-reduces of every chunk's logits:
+Without this, XLA's partitioner gathers each layer's weights in the iteration that uses them and keeps them for the
+backward, and splits the head matmul on the hidden dimension with float32 all-reduces of every chunk's logits:
 ``benchmarks/RESULTS.md`` ("Scale-out") has the profiles. Both paths compute the same function; the automatic one
 is the reference the tests compare with, and the one used for meshes with ``tensor`` or ``expert`` axes and MoE
 models.
@@ -29,12 +32,15 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jrl.kernels.logprobs import fused_head_loss
+from jrl.models.remat import remat
 from jrl.sharding.collectives import batch_axes, gather_shards, only_axes, spec_gathers
 from jrl.sharding.placement import variable_spec
 from jrl.sharding.rules import DEFAULT_RULES
 
 #: The mesh axes the per-device path handles (any others leave the model to XLA's partitioner).
 AXES = ("data", "fsdp")
+#: Layers per iteration of the per-device layer scan (module docstring).
+UNROLL = 2
 
 
 def explicit_axes(config, mesh: Mesh | None, rules: Mapping | None, rows: int) -> tuple[str, ...] | None:
@@ -51,12 +57,12 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def scan_layers(run: Callable, state, x: jax.Array, positions: jax.Array, mask, *, mesh: Mesh, rules: Mapping,
-                axes: tuple[str, ...], collect: bool, dtype: str, reduce_dtype: str | None):
-    """``jax.lax.scan`` of ``run(layer_state, h, positions, mask) -> (h, stats)`` over the stacked layer ``state``
-    (module docstring).
+def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask, *, mesh: Mesh, rules: Mapping,
+                axes: tuple[str, ...], collect: bool, dtype: str, reduce_dtype: str | None, remat_name: str):
+    """``jax.lax.scan`` of ``step(layer_state, h, positions, mask) -> h`` over the stacked layer ``state``, each
+    layer's weights gathered inside the layer's ``remat_name`` checkpoint (module docstring).
 
-    ``run`` must build its layer from a graph definition without a mesh (it runs per device). Returns (output,
+    ``step`` must build its layer from a graph definition without a mesh (it runs per device). Returns (output,
     every layer's output stacked [L, B, T, H] when ``collect``, else None)."""
     variables, treedef = jax.tree.flatten(state, is_leaf=_is_variable)
     values = [v.get_value() for v in variables]
@@ -64,25 +70,19 @@ def scan_layers(run: Callable, state, x: jax.Array, positions: jax.Array, mask, 
     gathers = [spec_gathers(spec, np.ndim(a), skip=1) for spec, a in zip(specs, values)]
     rows = PartitionSpec(axes)
 
-    def layer(arrays):
-        return jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, arrays)])
+    def layer_of_shards(shards, h, positions, mask):
+        weights = [gather_shards(a, g, dtype, reduce_dtype) if g else a for a, g in zip(shards, gathers)]
+        return step(jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, weights)]), h, positions,
+                    mask)
 
-    def gather(arrays):
-        return [gather_shards(a, g, dtype, reduce_dtype) if g else a for a, g in zip(arrays, gathers)]
+    run = remat(layer_of_shards, remat_name, prevent_cse=False)
 
     def per_device(values, x, positions, mask):
-        # Iteration i gathers layer i + 1 (the last one layer 0, unused).
-        ahead = [jnp.roll(a, -1, axis=0) for a in values]
+        def body(h, shards):
+            h = run(shards, h, positions, mask)
+            return h, h if collect else None
 
-        def body(carry, next_shards):
-            h, weights = carry
-            h, stats = run(layer(weights), h, positions, mask)
-            if stats is not None:
-                raise ValueError("the per-device layer scan has no router statistics (MoE models use XLA's)")
-            return (h, gather(next_shards)), h if collect else None
-
-        (h, _), stacked = jax.lax.scan(body, (x, gather([a[0] for a in values])), ahead)
-        return h, stacked
+        return jax.lax.scan(body, x, values, unroll=UNROLL)
 
     out_specs = (rows, PartitionSpec(None, axes) if collect else PartitionSpec())
     fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,

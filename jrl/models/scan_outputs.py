@@ -11,8 +11,10 @@ outputs with :func:`jax.lax.empty`.
 
 It reaches one private function of JAX's scan lowering (``jax._src.lax.control_flow.loops._empty_array``); where
 that is missing or has another signature the context changes nothing (:func:`available`). Outputs with a
-sharding, a memory space other than device memory or ``shard_map`` varying axes keep the zero fill: the
-learner enables it only for programs on one device.
+sharding, a memory space other than device memory or ``shard_map`` varying axes keep the zero fill. On a mesh
+only the scans that run per device (inside a ``shard_map``, :mod:`jrl.models.fsdp`) are switched
+(``per_device_only``): a scan left to XLA's partitioner has unsharded outputs in the trace, and an uninitialized
+buffer there is not partitioned like the zeros it replaces.
 """
 
 from __future__ import annotations
@@ -45,17 +47,28 @@ def available() -> bool:
     return _original is not None or _hook() is not None
 
 
-def _plain(aval) -> bool:
-    """A device-memory value without sharding or ``shard_map`` varying axes."""
+def _per_device(mesh) -> bool:
+    """Whether ``mesh`` (an aval's) is the manual mesh of code inside a ``shard_map``."""
+    types = getattr(mesh, "axis_types", ())
+    return bool(mesh.shape) and all(t == jax.sharding.AxisType.Manual for t in types)
+
+
+def _plain(aval, per_device_only: bool) -> bool:
+    """A device-memory value without sharding or ``shard_map`` varying axes (with ``per_device_only``: one inside
+    a ``shard_map``)."""
     sharding = getattr(aval, "sharding", None)
-    unsharded = sharding is None or (not sharding.mesh.shape and all(p is None for p in sharding.spec))
+    per_device = sharding is not None and _per_device(sharding.mesh)
+    unsharded = sharding is None or ((per_device or not sharding.mesh.shape)
+                                     and all(p is None for p in sharding.spec))
     varying = getattr(getattr(aval, "mat", None), "varying", None) or getattr(aval, "vma", None)
     space = getattr(aval, "memory_space", None)
-    return unsharded and not varying and (space is None or space.name == "Device")
+    return (unsharded and not varying and (space is None or space.name == "Device")
+            and (per_device or not per_device_only))
 
 
 def _empty_array(prefix, length_spec, aval):
-    if getattr(_state, "active", False) and _plain(aval):
+    mode = getattr(_state, "active", None)
+    if mode is not None and _plain(aval, mode == "per_device"):
         return jax.lax.empty((*prefix, *aval.shape), aval.dtype)
     return _original(prefix, length_spec, aval)
 
@@ -73,8 +86,9 @@ def _install() -> bool:
 
 
 @contextlib.contextmanager
-def uninitialized_scan_outputs(enabled: bool = True):
-    """Within this block (this thread only), scans lowered allocate their stacked outputs uninitialized.
+def uninitialized_scan_outputs(enabled: bool = True, *, per_device_only: bool = False):
+    """Within this block (this thread only), scans lowered allocate their stacked outputs uninitialized (with
+    ``per_device_only``, only scans inside a ``shard_map``: a program on a mesh).
 
     Lowering happens on a jitted function's first call for given argument types: wrap the calls. JAX caches a
     lowering without regard to this switch, so a program lowered once keeps its allocation (the results are the
@@ -83,8 +97,8 @@ def uninitialized_scan_outputs(enabled: bool = True):
     if not enabled or not _install():
         yield
         return
-    previous = getattr(_state, "active", False)
-    _state.active = True
+    previous = getattr(_state, "active", None)
+    _state.active = "per_device" if per_device_only else "all"
     try:
         yield
     finally:

@@ -267,12 +267,12 @@ class Transformer(nnx.Module):
         if depth < self.config.num_hidden_layers:
             state = jax.tree.map(lambda a: a[:depth], state)
         axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), x.shape[0])
-        if axes is not None:  # per device, weights gathered a layer ahead (jrl.models.fsdp)
+        if axes is not None:  # per device, FSDP collectives placed by hand (jrl.models.fsdp)
             local = nnx.split(on_mesh(nnx.merge(graphdef, state), None))[0]
-            step = remat(_layer_step(local), remat_name, prevent_cse=False)
-            x, stacked = fsdp.scan_layers(functools.partial(run, step), state, x, positions, mask,
-                                          mesh=self.mesh, rules=self._rules(), axes=axes, collect=collect,
-                                          dtype=self.config.dtype, reduce_dtype=self.config.grad_reduce_dtype)
+            step = functools.partial(run, _layer_step(local))  # a dense model's: no router statistics
+            x, stacked = fsdp.scan_layers(lambda *a: step(*a)[0], state, x, positions, mask, mesh=self.mesh,
+                                          rules=self._rules(), axes=axes, collect=collect, dtype=self.config.dtype,
+                                          reduce_dtype=self.config.grad_reduce_dtype, remat_name=remat_name)
             return x, tuple(stacked[i] for i in range(depth)) if collect else ()
         step = remat(_layer_step(graphdef), remat_name, prevent_cse=False)  # scan already keeps CSE away
 

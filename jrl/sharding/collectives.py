@@ -1,11 +1,10 @@
 """Explicit FSDP collectives for code that runs per device (inside ``jax.shard_map``): a weight's shards gathered
 for compute, its gradient reduce-scattered back to the shards.
 
-Under XLA's automatic partitioning the place and the form of these collectives are the partitioner's choice; in a
-scanned layer stack it gathers each layer's weights inside the loop iteration that uses them (nothing to overlap
-with) and, for the LM head, may split the matmul on the hidden dimension and all-reduce float32 logits. Code that
-calls :func:`gather_shards` itself decides where the gather happens (one layer ahead, :mod:`jrl.models.fsdp`)
-and that the backward moves each gradient once, in a chosen dtype.
+Under XLA's automatic partitioning the place and the form of these collectives are the partitioner's choice; for
+the LM head it may split the matmul on the hidden dimension and all-reduce float32 logits. Code that calls
+:func:`gather_shards` itself decides where the gather happens (:mod:`jrl.models.fsdp`: inside each layer's
+rematerialisation checkpoint) and that the backward moves each gradient once, in a chosen dtype.
 
 The functions here must run inside ``jax.shard_map(..., check_vma=False)``: the gradient of a gathered weight is
 reduce-scattered over the axes it was gathered over; over the mesh axes its shard is replicated on (``data``,

@@ -372,9 +372,9 @@ def check_placement(tree: Any, mesh: Mesh, rules: Rules | None = None) -> list[s
         shape, itemsize = tuple(value.shape), np.dtype(value.dtype).itemsize
         for dim, name, mesh_axes, size in undivided_dims(tuple(axes), mesh, rules, shape):
             spec = logical_to_spec(tuple(axes), mesh, rules, shape)
-            shards = int(np.prod([mesh.shape[a] for p in spec if p for a in ((p,) if isinstance(p, str) else p)]))
+            shards = int(np.prod([mesh.shape[a] for p in spec if p for a in _axes_of(p)]))
             per_device = int(np.prod(shape)) * itemsize // shards
-            extra += per_device - per_device // size
+            extra += per_device - per_device // (size // int(np.prod([mesh.shape[a] for a in _axes_of(spec[dim])])))
             lines.append(f"{path_str(path)} dim {dim} ({name!r}, {shape[dim]}) over {'x'.join(mesh_axes)}={size}")
     key = (tuple(mesh.shape.items()), tuple(sorted((k, str(v)) for k, v in rules.items())), tuple(lines))
     if lines and key not in _WARNED:
@@ -387,6 +387,11 @@ def check_placement(tree: Any, mesh: Mesh, rules: Rules | None = None) -> list[s
 
 
 _WARNED: set = set()
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def unknown_logical_axes(tree: Any, rules: Rules | None = None) -> dict[str, tuple]:

@@ -8,6 +8,7 @@ table serves every mesh from a single CPU device to a pod.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -15,17 +16,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
-#: Default logical -> mesh axis rules (FSDP on the embedding dimension, tensor parallelism on
-#: heads / MLP / vocab, expert parallelism on the expert dimension). The batch is split over every
-#: axis but ``tensor``: with expert parallelism the attention and dense layers still use all devices,
-#: and the MoE layers exchange tokens between the expert shards.
+#: Default logical -> mesh axis rules: tensor parallelism on heads / MLP / vocab, expert parallelism on the expert
+#: dimension, FSDP on the leading dimension of the layers' weights (``embed`` of the q/k/v and gate/up kernels,
+#: ``heads`` and ``mlp`` of the output projections, whose ``embed`` comes last and then finds ``fsdp`` taken). A
+#: weight split on its leading dimension is gathered and its gradient reduce-scattered as contiguous blocks; split on
+#: its last one, every step transposed the stacked weights, their gradients and the optimizer update around the
+#: collectives (a GPU's NCCL moves contiguous blocks only; ``benchmarks/RESULTS.md``, "Scale-out"); PyTorch's FSDP2
+#: shards dimension 0 of every parameter for the same reason. The embedding table keeps FSDP on ``embed``: split on
+#: the vocabulary, XLA's partitioning of the token lookup gathers the whole table and all-reduces its gradient. The
+#: batch is split over every axis but ``tensor``: with expert parallelism the attention and dense layers still use
+#: all devices, and the MoE layers exchange tokens between the expert shards.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
     "activation_length": None,
     "embed": "fsdp",
     "vocab": "tensor",
-    "mlp": "tensor",
-    "heads": "tensor",
+    "mlp": ("tensor", "fsdp"),
+    "heads": ("tensor", "fsdp"),
     "kv_heads": "tensor",
     "head_dim": None,
     "expert": "expert",
@@ -58,8 +65,9 @@ def logical_to_spec(
 
     A mesh axis is used at most once per tensor (the first dimension that asks for it wins), axes of
     size 1 are dropped, and when ``shape`` is given a dimension that does not divide evenly by its mesh
-    axes stays replicated rather than failing at placement time (:func:`undivided_dims` lists them; model
-    placement warns of them, :func:`jrl.sharding.check_placement`).
+    axes stays replicated rather than failing at placement time; a later dimension may then take those
+    axes (:func:`undivided_dims` lists the axes no dimension took; model placement warns of them,
+    :func:`jrl.sharding.check_placement`).
     """
     return _resolve(logical_axes, mesh, rules, shape)[0]
 
@@ -71,7 +79,8 @@ def undivided_dims(
     shape: Sequence[int],
 ) -> list[tuple[int, str, tuple[str, ...], int]]:
     """(dimension, logical name, mesh axes, their size) of each dimension of a ``shape`` tensor that its rule would
-    shard but that stays replicated because its size does not divide by the mesh axes' product."""
+    shard but that stays replicated because its size does not divide by the mesh axes' product, where no other
+    dimension of the tensor took those axes instead."""
     return _resolve(logical_axes, mesh, rules, shape)[1]
 
 
@@ -85,15 +94,16 @@ def _resolve(logical_axes, mesh, rules, shape):
         axes = (target,) if isinstance(target, str) else tuple(target or ())
         axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
         if shape is not None and axes:
-            size = 1
-            for a in axes:
-                size *= mesh.shape[a]
-            if shape[dim] % size:
-                undivided.append((dim, name, axes, size))
-                axes = ()
+            # The longest leading run of the axes that divides the dimension ("tensor" kept where "fsdp" too
+            # would not divide it).
+            kept = next(axes[:k] for k in range(len(axes), -1, -1)
+                        if shape[dim] % math.prod(mesh.shape[a] for a in axes[:k]) == 0)
+            if kept != axes:
+                undivided.append((dim, name, axes, math.prod(mesh.shape[a] for a in axes)))
+            axes = kept
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*spec), undivided
+    return PartitionSpec(*spec), [u for u in undivided if not used.issuperset(u[2])]
 
 
 def logical_sharding(

@@ -67,9 +67,9 @@ class ModelSpec:
     ``mlp_only_layers``) always run unrolled. ``False`` unrolls a Python loop over separate layers."""
     fsdp_prefetch: bool = True
     """On a mesh of ``data`` and ``fsdp`` axes, run the scanned layers and the loss-fused head per device with their
-    weights gathered one layer ahead and their gradients reduce-scattered as the backward leaves each layer (a dense
-    model; measured in benchmarks/RESULTS.md "Scale-out"). Keeps every layer's gathered weights for the backward (the
-    model's weights in the compute dtype per device); ``False`` leaves the collectives to XLA (less memory, slower)."""
+    FSDP collectives placed by hand: each layer's weights gathered inside its rematerialisation checkpoint (again in
+    the backward), its gradient reduce-scattered as the backward leaves it (a dense model; measured in
+    benchmarks/RESULTS.md "Scale-out"). ``False`` leaves the collectives to XLA's partitioner (slower)."""
     grad_reduce_dtype: str | None = None
     """Dtype of the weight gradients' reduce-scatter on that path: ``None`` = the weights' storage dtype, ``float32``
     to sum bf16 weights' gradients in float32 (twice the bytes)."""

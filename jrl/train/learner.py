@@ -286,9 +286,10 @@ class Learner:
                 raise ValueError(f"OptimConfig.{name}={getattr(optim, name)} has no effect: the model has no MoE "
                                  f"layers; leave it at 0")
         self.optim, self.mesh, self.rules = optim, mesh, rules
-        # Gradient programs on one device allocate the forward's saved values without zero-filling them
-        # (jrl.models.scan_outputs; not on a TPU, where it is unmeasured).
-        self._unfilled_scans = (mesh is None or mesh.size == 1) and kernel_backend() != "tpu"
+        # Gradient programs allocate the forward's saved values without zero-filling them (jrl.models.scan_outputs;
+        # on a mesh only the per-device layer scans; not on a TPU, where it is unmeasured).
+        self._unfilled_scans = kernel_backend() != "tpu"
+        self._unfilled_per_device = mesh is not None and mesh.size > 1
         self.lora = has_lora(model)
         graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
         self._params, self._frozen = Flat.of(params), Flat.of(frozen)
@@ -425,7 +426,7 @@ class Learner:
         for index, term, sl in plan:
             if index not in placed_aux:
                 placed_aux[index] = self._replicated(term.aux)
-            with uninitialized_scan_outputs(self._unfilled_scans):
+            with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
                 acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
                                    placed_aux[index], graphdef=self._static_graphdef, loss=term.loss,
                                    router=self._router(len(plan)))
@@ -458,7 +459,7 @@ class Learner:
         if len(plan) == 1:
             (_, term, sl), = plan
             batch = self._put_micro_batch(take_rows(term.rows, sl), term.aux)
-            with uninitialized_scan_outputs(self._unfilled_scans):
+            with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
                 self._params, self._opt_state, part = _micro_and_apply(
                     self._params, self._opt_state, self._frozen, batch,
                     graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router(1))

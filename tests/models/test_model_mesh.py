@@ -31,12 +31,13 @@ def test_sharded_load_forward_export(hf_checkpoints, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     specs, shapes = res["specs"], res["shard_shapes"]
-    # Rules: embed -> fsdp, heads/kv_heads/mlp/expert_mlp/vocab -> tensor, expert -> expert.
+    # Rules: embed -> fsdp, kv_heads/expert_mlp/vocab -> tensor, heads/mlp -> (tensor, fsdp) (fsdp where embed left
+    # it: the output projections' leading dimension), expert -> expert.
     assert specs["layers.0.attn.q_proj.kernel"] == ["fsdp", "tensor", None]
     assert shapes["layers.0.attn.q_proj.kernel"] == [32, 2, 16]
     assert specs["layers.0.mlp.experts.gate_proj"] == ["expert", "fsdp", "tensor"]
     assert shapes["layers.0.mlp.experts.gate_proj"] == [4, 32, 16]
-    assert specs["layers.1.mlp.down_proj.kernel"] == ["tensor", "fsdp"]
+    assert specs["layers.1.mlp.down_proj.kernel"] == [["tensor", "fsdp"], None]
     assert specs["embed.embedding"] == ["tensor", "fsdp"]
     assert specs["final_norm.scale"] == [None]
     assert res["max_diff"] <= 1e-4  # against transformers

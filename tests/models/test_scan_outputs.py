@@ -1,7 +1,8 @@
 """Scan outputs allocated without a zero fill (jrl.models.scan_outputs): the hook into JAX's scan lowering exists
 in the installed JAX, a GPU lowering inside the context allocates the stacked outputs with ``AllocateBuffer``
-instead of broadcasting zeros (checked by lowering for CUDA on this machine), only in the thread that entered it;
-on a GPU a scanned model's gradient is the same with and without (the buffers are fully written)."""
+instead of broadcasting zeros (checked by lowering for CUDA on this machine), only in the thread that entered it,
+and with ``per_device_only`` only for scans inside a ``shard_map``; on a GPU a scanned model's gradient is the same
+with and without (the buffers are fully written)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jrl.models.config import ModelConfig
 from jrl.models.scan_outputs import available, uninitialized_scan_outputs
@@ -41,6 +43,21 @@ def test_gpu_lowering_allocates_scan_outputs_only_inside_the_context():
     assert _cuda_allocations(_scanned_grad()) == 0
     with uninitialized_scan_outputs(enabled=False):
         assert _cuda_allocations(_scanned_grad()) == 0
+
+
+def test_per_device_only_switches_the_scans_inside_a_shard_map():
+    mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+    def loss(w, x):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0].sum()
+
+    def per_device(w, x):  # the same scan inside a shard_map, its loss summed over the mesh
+        return jax.lax.psum(loss(w, x), "fsdp")
+
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("fsdp")), out_specs=P(), check_vma=False)
+    with uninitialized_scan_outputs(per_device_only=True):
+        assert _cuda_allocations(jax.jit(jax.grad(sharded))) > 0
+        assert _cuda_allocations(jax.jit(jax.grad(loss))) == 0  # outside a shard_map: XLA's partitioner's
 
 
 def test_other_threads_keep_the_zero_fill():

@@ -2,7 +2,8 @@
 entropies, intermediate layers' outputs (EBFT's features) and every gradient of a 3-layer model through its scanned
 layers and loss-fused head, full and LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the head's weight is
 gathered once and its gradient reduce-scattered once; a bfloat16 gradient reduction changes the gradients by bf16
-rounding only (see workers/fsdp_prefetch.py)."""
+rounding only; under a remat policy the layers' weights are gathered again in the backward, not kept (see
+workers/fsdp_prefetch.py)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,12 @@ def test_bfloat16_gradient_reduction_rounds_only(result):
     assert r["finite"]
     assert max(r["loss"], r["lp"], r["ent"]) <= RTOL, r  # the forward is unchanged
     assert 1e-5 < r["grad"] <= 1e-2, r  # the reduce-scatter runs in bf16: rounding, nothing worse
+
+
+def test_layer_weights_gathered_again_in_the_backward_under_a_remat_policy(result):
+    r = result["regather"]
+    errs = r["vs_single"]
+    assert errs["finite"] and max(errs["loss"], errs["lp"], errs["ent"], errs["layers"], errs["grad"]) <= RTOL, errs
+    # remat "none" keeps the gathered weights (gathers in the forward's loop only); a policy gathers in the backward's
+    # loop too (static counts: the loops hold two layers per iteration and a remainder).
+    assert r["gathers_kept"] >= 2 and r["gathers"] > r["gathers_kept"], r

@@ -101,3 +101,26 @@ def test_rollout_devices_come_from_every_process_alike():
     for bad in (3, 8, 10):  # not a multiple of the 2 processes, or nothing left for the learner
         with pytest.raises(ValueError, match=rf"RolloutConfig.devices={bad}: .* multiple of 2 .* below 8"):
             S.split_devices(bad, devs)
+
+
+def test_fsdp_takes_the_leading_dimension_of_the_layer_weights():
+    """FSDP splits each layer weight on its first dimension that takes it (contiguous blocks for the collectives):
+    q/gate kernels on embed, the o/down projections on heads/mlp; a dimension that does not divide falls back."""
+    mesh = S.abstract_mesh(S.MeshConfig(fsdp=-1), 8)
+    assert S.logical_to_spec(("embed", "heads", "head_dim"), mesh, shape=(2048, 32, 64)) == P("fsdp", None, None)
+    assert S.logical_to_spec(("heads", "head_dim", "embed"), mesh, shape=(32, 64, 2048)) == P("fsdp", None, None)
+    assert S.logical_to_spec(("mlp", "embed"), mesh, shape=(8192, 2048)) == P("fsdp", None)
+    assert S.logical_to_spec(("embed", "mlp"), mesh, shape=(2048, 8192)) == P("fsdp", None)
+    assert S.logical_to_spec(("vocab", "embed"), mesh, shape=(1024, 2048)) == P(None, "fsdp")  # the lookup's table
+    # 12 heads do not split 8 ways: embed takes fsdp, and nothing is reported as left replicated.
+    shape = (12, 64, 2048)
+    assert S.logical_to_spec(("heads", "head_dim", "embed"), mesh, shape=shape) == P(None, None, "fsdp")
+    assert S.undivided_dims(("heads", "head_dim", "embed"), mesh, None, shape) == []
+    # With tensor: the longest leading run of (tensor, fsdp) that divides, fsdp then found by embed.
+    mesh = S.abstract_mesh(S.MeshConfig(fsdp=2, tensor=4), 8)
+    assert S.logical_to_spec(("heads", "head_dim", "embed"), mesh, shape=shape) == P("tensor", None, "fsdp")
+    assert S.logical_to_spec(("heads", "head_dim", "embed"), mesh, shape=(32, 64, 2048)) == P(
+        ("tensor", "fsdp"), None, None)
+    assert S.undivided_dims(("heads", "head_dim", "embed"), mesh, None, shape) == []
+    # A split lost for good is still reported: 6 heads over tensor=4.
+    assert S.undivided_dims(("embed", "heads"), mesh, None, (64, 6)) == [(1, "heads", ("tensor",), 4)]

@@ -2,7 +2,7 @@
 layer ahead, the loss-fused head per device) against XLA's partitioning of the same model on the same mesh and
 against one device: loss, log-probs, entropies, intermediate layers' outputs and every gradient, for a full model and
 one with LoRA, on fsdp-only and data x fsdp meshes; the collectives the head compiles to; a gradient reduced in
-bfloat16. Prints one JSON line."""
+bfloat16; under a remat policy, the layer weights gathered again in the backward. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -104,6 +104,12 @@ def vocab_collectives(hlo: str) -> dict[str, int]:
     return found
 
 
+def layer_gathers(hlo: str) -> int:
+    """All-gathers in the compiled step whose result is a whole gate/up kernel of one layer ([hidden, intermediate])."""
+    shape = rf"\[{CONFIG.hidden_size},{CONFIG.intermediate_size}\]"
+    return sum(1 for line in hlo.splitlines() if re.search(r" all-gather(-start)?\(", line) and re.search(shape, line))
+
+
 def compare(a: dict, b: dict) -> dict:
     grads = {k: common.rel_err(a["grads"][k], b["grads"][k]) for k in b["grads"]}
     return dict(loss=abs(a["loss"] - b["loss"]) / abs(b["loss"]), lp=common.rel_err(a["lp"], b["lp"]),
@@ -126,6 +132,11 @@ def main() -> None:
                                                              xla=vocab_collectives(xla["hlo"]))
     single = run("full", None)
     out["bf16_reduce"] = compare(run("full", "fsdp8", grad_reduce_dtype="bfloat16"), single)
+    # Under a remat policy the layers' weights are gathered again in the backward instead of being kept.
+    policy = run("full", "fsdp8", remat="dots_with_no_batch_dims_saveable")
+    kept = run("full", "fsdp8", remat="none")
+    out["regather"] = dict(vs_single=compare(policy, single), gathers=layer_gathers(policy["hlo"]),
+                           gathers_kept=layer_gathers(kept["hlo"]))
     print(json.dumps(out))
 
 

@@ -1,7 +1,8 @@
-"""Does the shipped default GRPO run learn? Runs ``configs/grpo.py`` for several seeds and compares the
-mean reward of the first and the last 10 steps.
+"""Does the shipped default GRPO run learn? Runs ``configs/grpo.py`` (or ``--config``) for several seeds and
+compares the mean reward of the first and the last 10 steps.
 
     python benchmarks/grpo_default.py [--seeds 0 1 2] [--max-steps 300] [--out runs/bench_grpo]
+    python benchmarks/grpo_default.py --config configs/grpo_multiturn.py --second env/turns/mean
 
 Each seed is a separate ``scripts/train.py`` process (``--seed S --data.seed S``), timed end to end.
 Prints one markdown row per seed and writes ``reward_curves.png`` (10-step moving means) under ``--out``.
@@ -24,24 +25,27 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_grpo")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "grpo.py")
+    parser.add_argument("--second", default="reward/exact_match/mean", help="a second metric in the table and plot")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d')}")
-    print("| seed | steps | wall (s) | reward first 10 | reward last 10 | gain | exact match first 10 | "
-          "exact match last 10 |")
+    print(f"# {args.config.name}")
+    print(f"| seed | steps | wall (s) | reward first 10 | reward last 10 | gain | {args.second} first 10 | "
+          f"{args.second} last 10 |")
     print("|---|---|---|---|---|---|---|---|")
     curves, gains = {}, []
     for seed in args.seeds:
-        rows, wall = run_seed(ROOT / "configs" / "grpo.py", seed, args.out, max_steps=args.max_steps)
+        rows, wall = run_seed(args.config, seed, args.out, max_steps=args.max_steps)
         curves[seed] = rows
         r0, r1 = first_last(rows, "reward/mean")
-        e0, e1 = first_last(rows, "reward/exact_match/mean")
+        e0, e1 = first_last(rows, args.second)
         gains.append(r1 - r0)
         print(f"| {seed} | {len(rows)} | {wall:.0f} | {r0:.3f} | {r1:.3f} | {r1 - r0:+.3f} | {e0:.3f} | {e1:.3f} |",
               flush=True)
-    plot(curves, ["reward/mean", "reward/exact_match/mean"], args.out / "reward_curves.png")
+    plot(curves, ["reward/mean", args.second], args.out / "reward_curves.png")
     print(f"\nmean gain {np.mean(gains):+.3f}, min gain {np.min(gains):+.3f}; plot: {args.out / 'reward_curves.png'}")
     return 0
 

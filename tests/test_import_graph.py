@@ -91,9 +91,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 BELOW = {
     "kernels": set(), "sharding": set(), "data": set(), "losses": {"kernels"}, "models": {"kernels", "sharding"},
     "rollout": {"models", "data", "sharding"}, "rewards": {"sharding"}, "sources": {"rollout", "data", "losses"},
-    "explore": {"models", "sharding"},
-    "train": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore"},
-    "cli": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore", "train"},
+    "explore": {"models", "sharding"}, "envs": {"rollout"},
+    "train": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore", "envs"},
+    "cli": {"kernels", "sharding", "data", "losses", "models", "rollout", "rewards", "sources", "explore", "envs",
+            "train"},
 }
 HELPERS = {"_lazy", "validation", "registry", "errors"}
 

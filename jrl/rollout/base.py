@@ -61,6 +61,10 @@ class RolloutBatch:
     """[N] bool, True where the completion hit ``max_new_tokens`` without a stop token."""
     policy_version: int = 0
     """Version of the weights that generated the batch (for staleness and IS bookkeeping)."""
+    loss_mask: np.ndarray | None = None
+    """[N, Lc] int32, 1 on the tokens the model wrote (the loss's tokens), 0 on the others; None: the
+    ``completion_mask``. Multi-turn episodes (:mod:`jrl.envs`) put the environment's tokens in the completion as
+    context, with ``completion_mask`` 1 and ``loss_mask`` 0."""
 
     def prompt_lists(self) -> list[list[int]]:
         """Each row's prompt tokens without the padding."""
@@ -152,4 +156,6 @@ def concat_rollouts(parts: list[RolloutBatch], pad_id: int, *, policy_version: i
         sampling_logprobs=np.concatenate([pad_columns(np.asarray(p.sampling_logprobs, np.float32), t, np.nan)
                                           for p in parts]),
         truncated=np.concatenate([np.asarray(p.truncated, bool) for p in parts]),
-        policy_version=versions.pop())
+        policy_version=versions.pop(),
+        loss_mask=None if all(p.loss_mask is None for p in parts) else np.concatenate(
+            [pad_columns(p.completion_mask if p.loss_mask is None else p.loss_mask, t, 0) for p in parts]))

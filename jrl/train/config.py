@@ -27,6 +27,7 @@ from jrl.explore.config import ExploreConfig
 from jrl.train.wandb_config import WandbConfig
 from jrl.train.optim_config import OptimConfig
 from jrl.sources.config import ReplayConfig, RerollConfig
+from jrl.envs.config import EnvConfig
 from jrl.rewards.config import RewardSpec
 from jrl.validation import check_choice, check_int, check_real, invalid
 
@@ -205,6 +206,9 @@ class TrainConfig:
     """Eval prompts, decodings and logged samples of ``eval_every``."""
     explore: ExploreConfig = dataclasses.field(default_factory=ExploreConfig)
     """Experience queue, published weights and explorer settings of ``mode='train'`` / ``'explore'``."""
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    """Multi-turn episodes against an environment (``env.name``; :mod:`jrl.envs`) instead of one completion per
+    prompt; the episode's reward is one more reward column beside the reward functions' (which may then be none)."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     """Weights & Biases logging (off unless ``wandb.project`` is set; offline by default)."""
     resume: bool = False
@@ -248,7 +252,8 @@ class TrainConfig:
         if self.algo.reward_weights is not None:
             raise invalid("TrainConfig", "algo.reward_weights", self.algo.reward_weights,
                           "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
-        if "rewards" not in algorithm.ignores and not self.rewards:
+        self._check_env()
+        if "rewards" not in algorithm.ignores and not self.rewards and self.env.name is None:
             raise invalid("TrainConfig", "rewards", self.rewards, "give at least one RewardSpec")
         rows = self.data.prompts_per_batch * _value_at(self, algorithm.samples_field)
         mb = self.optim.micro_batch_size
@@ -282,6 +287,27 @@ class TrainConfig:
         check_int(self, "seed", lo=-2**63, fix="use an int")
         check_int(self, "resume_from", lo=1, optional=True,
                   fix="use the step of a checkpoint in output_dir/checkpoints, or None")
+
+    def _check_env(self) -> None:
+        """``env``: a registered environment, and none of the parts that do not carry episodes yet."""
+        if self.env.name is None:
+            return
+        from jrl.envs import ENVIRONMENTS
+
+        if self.env.name not in ENVIRONMENTS:
+            raise invalid("TrainConfig", "env.name", self.env.name, f"use one of {ENVIRONMENTS.names()} or None")
+        m = self.algo.max_completion_length
+        if m is not None and m < self.env.max_episode_tokens:
+            raise invalid("TrainConfig", "algo.max_completion_length", m,
+                          f"it must be >= env.max_episode_tokens={self.env.max_episode_tokens}, or None")
+        for field, value, why in (("mode", self.mode != "both", "episodes are played by the trainer's process"),
+                                  ("scoring.stream_groups", self.scoring.stream_groups, "episodes end turn by turn"),
+                                  ("replay.buffer_size", self.replay.buffer_size, "the replay buffer keeps no loss "
+                                                                                  "masks"),
+                                  ("eval_every", self.eval_every, "held-out evaluation is single-turn")):
+            if value:
+                raise invalid("TrainConfig", field, _value_at(self, field), f"leave it at its default with env.name "
+                              f"set ({why}; not built yet)")
 
     def _check_mode(self, algorithm) -> None:
         check_choice(self, "mode", ("both", "train", "explore"))
@@ -329,7 +355,7 @@ class TrainConfig:
 
         if "rewards" in ALGORITHMS.get(self.algorithm).ignores:
             return (1.0,)
-        return tuple(float(r.weight) for r in self.rewards)
+        return tuple(float(r.weight) for r in self.rewards) + ((self.env.reward_weight,) if self.env.name else ())
 
 
 def _default_at(path: str):

@@ -1,7 +1,8 @@
 """Every field ``scripts/train.py --help`` documents either reaches the code path it documents or is
 rejected: the fields of ``TrainConfig`` (and its sections) are walked; each must appear in ``--help``, and
 is either read by real runs of the three algorithms (a 2-step run each, LoRA on, every section exercised),
-by the vLLM backend's own code and by a trainer fed by an explorer (``mode='train'`` / ``'explore'``), or —
+by the vLLM backend's own code, by a trainer fed by an explorer (``mode='train'`` / ``'explore'``) and by a
+multi-turn run (``env``), or —
 where the chosen algorithm / backend ignores it — refused at config construction with an error naming it."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from train_testlib import write_reward_file
 
 from jrl.data.pipeline import DataConfig
 from jrl.data.tasks.arithmetic import ArithmeticConfig
+from jrl.envs import EnvConfig
 from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig
 from jrl.rollout.config import RolloutConfig
@@ -246,6 +248,10 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
                                   algo=GRPOConfig(num_generations=2, objective="vespo", vespo_k_pos=1.5,
                                                   vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)),
               progress=False)
+        train(dataclasses.replace(runs[0], max_steps=1, output_dir=str(tmp_path / "multiturn"), eval_every=0,
+                                  eval=EvalConfig(), wandb=WandbConfig(), replay=ReplayConfig(), scoring=ScoringConfig(),
+                                  env=EnvConfig(name="tools", tools=("calculator",), max_turns=2, max_episode_tokens=12,
+                                                step_timeout_s=30.0, reward_weight=0.5)), progress=False)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
     # dataset (tests/data reads them); for these runs' built-in source they are refused.

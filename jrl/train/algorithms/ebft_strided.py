@@ -259,7 +259,7 @@ PROGRESS = (("align↑", "ebft/alignment"), ("cfm↓", "ebft/cfm_loss"), ("rewar
 class EBFTStrided:
     """Strided EBFT (see the module docstring)."""
 
-    ignores = ("rewards", "scoring", "replay", "reroll", "eval_every", "eval", "algo", "num_iterations",
+    ignores = ("rewards", "env", "scoring", "replay", "reroll", "eval_every", "eval", "algo", "num_iterations",
                "docs_per_step", "loss_head", "rollout.backend", "rollout.sync", "rollout.vllm", "rollout.max_new_tokens",
                "rollout.stop_token_ids",
                "rollout.sync_interval", "rollout.prefetch_depth", "rollout.max_staleness", "ebft.adaptive_max_tokens",

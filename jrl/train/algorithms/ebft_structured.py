@@ -112,7 +112,7 @@ def _reduction(name: str) -> str:
 class EBFTStructured:
     """GRPO with EBFT's feature-matching reward (see the module docstring)."""
 
-    ignores = ("rewards", "scoring", "replay", "reroll", "eval_every", "eval", "docs_per_step", "ebft.stride",
+    ignores = ("rewards", "env", "scoring", "replay", "reroll", "eval_every", "eval", "docs_per_step", "ebft.stride",
                "ebft.context_length", "ebft.generate_max_len", "ebft.n_samples_per_prompt", "ebft.rl_coef",
                "ebft.min_completion_prefix")
     progress_desc = "ebft"

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jrl.data.pipeline import left_pad
+from jrl.envs import ENVIRONMENTS, EnvSteps, EpisodeRollout, run_episodes
 from jrl.kernels._dispatch import backend as kernel_backend
 from jrl.kernels.logprobs import token_logprobs
 from jrl.losses import (
@@ -71,7 +72,8 @@ class StepBatch(NamedTuple):
     completion_ids: np.ndarray
     """[N, T] int32."""
     completion_mask: np.ndarray
-    """[N, T] int32, 1 up to and including the stop token."""
+    """[N, T] int32, 1 on the tokens the loss covers: up to and including the stop token, or a multi-turn episode's
+    model-written tokens (its environment's tokens are 0 here and 1 in ``attention_mask``)."""
     advantages: np.ndarray
     """[N] float32."""
     truncated: np.ndarray
@@ -92,6 +94,13 @@ def trim_completions(batch: StepBatch, width: int) -> StepBatch:
     per_token = ("completion_ids", "completion_mask", "sampler_logprobs", "old_logprobs", "ref_logprobs")
     return batch._replace(input_ids=batch.input_ids[:, :cut], attention_mask=batch.attention_mask[:, :cut],
                           **{k: getattr(batch, k)[:, :width] for k in per_token if getattr(batch, k) is not None})
+
+
+def loss_extent(mask) -> np.ndarray:
+    """[N] the position after each row's last loss token (``mask`` [N, T]; 0 for a row without one): what a
+    micro-batch may be trimmed to (later tokens do not change earlier ones' log-probs)."""
+    mask = np.asarray(mask) > 0
+    return np.where(mask.any(-1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=-1), 0)
 
 
 def length_groups(lengths: np.ndarray, micro_batch_size: int, bucket: int, width: int) -> list[tuple[np.ndarray, int]]:
@@ -121,11 +130,12 @@ def build_step_batch(rollout: RolloutBatch, advantages: np.ndarray, *, pad_id: i
     pad = completion_length - t
     c_ids = np.pad(np.asarray(rollout.completion_ids, np.int32), ((0, 0), (0, pad)), constant_values=pad_id)
     c_mask = np.pad(np.asarray(rollout.completion_mask, np.int32), ((0, 0), (0, pad)))
+    loss = c_mask if rollout.loss_mask is None else np.pad(np.asarray(rollout.loss_mask, np.int32), ((0, 0), (0, pad)))
     samp = np.pad(np.asarray(rollout.sampling_logprobs, np.float32), ((0, 0), (0, pad)), constant_values=np.nan)
     return StepBatch(
         input_ids=np.concatenate([np.asarray(p_ids, np.int32), c_ids], axis=1),
         attention_mask=np.concatenate([np.asarray(p_mask, np.int32), c_mask], axis=1),
-        completion_ids=c_ids, completion_mask=c_mask, advantages=np.asarray(advantages, np.float32),
+        completion_ids=c_ids, completion_mask=loss, advantages=np.asarray(advantages, np.float32),
         truncated=np.asarray(rollout.truncated, bool), sampler_logprobs=samp,
         has_signal=None if has_signal is None else np.asarray(has_signal, bool))
 
@@ -279,7 +289,7 @@ class PolicyUpdate:
         bucket, mb = learner.optim.length_bucket, learner.optim.micro_batch_size or n
         if not bucket or width <= bucket or self.algo.loss_type == "bnpo":
             return [term]
-        groups = length_groups(np.asarray(batch.completion_mask).sum(-1), mb, bucket, width)
+        groups = length_groups(loss_extent(batch.completion_mask), mb, bucket, width)
         if len(groups) == 1 and groups[0][1] == width:
             return [term]
         loss = _with_completion_length(self.loss, width)
@@ -365,11 +375,20 @@ class GroupSampler:
         self.scorer = RewardScorer(load_reward_functions(cfg.rewards), num_workers=cfg.scoring.num_workers,
                                    timeout_s=cfg.scoring.timeout_s, max_failed_steps=cfg.scoring.max_failed_steps)
         self.stream = cfg.scoring.stream_groups
+        self.env_cfg = cfg.env
+        self.env = None if cfg.env.name is None else ENVIRONMENTS.get(cfg.env.name)(cfg.env)
+        self.env_steps = None if self.env is None else EnvSteps(cfg.env.step_timeout_s)
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout:
+    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout | EpisodeRollout:
         """The batch's completions; with ``scoring.stream_groups``, generated in chunks of that many prompts (chunk
-        ``k`` sampled with a seed derived from ``seed`` and ``k``), each chunk's rewards started once it is out."""
+        ``k`` sampled with a seed derived from ``seed`` and ``k``), each chunk's rewards started once it is out; with
+        ``env.name``, episodes against the environment (:func:`jrl.envs.run_episodes`)."""
         g = self.algo.num_generations
+        if self.env is not None:
+            return run_episodes(engine, self.env, prompt_batch, self.sampling, num_generations=g, seed=seed,
+                                cfg=self.env_cfg, encode=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
+                                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                                pad_id=self.pad_id, steps=self.env_steps)
         if not self.stream:
             return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=g, seed=seed)
         parts, started = [], []
@@ -386,9 +405,12 @@ class GroupSampler:
         texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         return self.scorer.start(rep.prompts, texts, ids, rep.columns, group_size=g)
 
-    def score(self, rollout: RolloutBatch | StreamedRollout, prompt_batch, step: int) -> ScoredRollout:
+    def score(self, rollout: RolloutBatch | StreamedRollout | EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:
         """The rollout of ``prompt_batch`` with its rewards; ``step`` (0-based) names the step in logs and counts
-        consecutive failing steps."""
+        consecutive failing steps. Episodes add their reward as the last column (``env/<name>``), after the reward
+        functions' (scored on the whole episode's text)."""
+        if isinstance(rollout, EpisodeRollout):
+            return self._score_episodes(rollout, prompt_batch, step)
         if isinstance(rollout, StreamedRollout):
             started, rollout = rollout.scoring, rollout.rollout
         else:
@@ -401,8 +423,23 @@ class GroupSampler:
                                "(reward/%s/mean is null in metrics.jsonl)", step + 1, name, name)
         return ScoredRollout(rollout, np.asarray(rewards, np.float32), tuple(names), dict(failures))
 
+    def _score_episodes(self, episodes: EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:
+        rollout, n = episodes.rollout, len(episodes.rewards)
+        if self.scorer.fns:
+            scored = self.score(rollout, prompt_batch, step)
+            rewards, names, failures = scored.rewards, scored.reward_names, scored.failures
+        else:
+            rewards, names, failures = np.zeros((n, 0), np.float32), (), {}
+        rewards = np.concatenate([rewards, episodes.rewards[:, None]], axis=1)
+        env = {f"env/errors/{kind}": float(count) for kind, count in sorted(episodes.errors.items())}
+        env.update({"env/turns/mean": float(np.mean(episodes.turns)),
+                    "env/model_tokens/mean": float(np.asarray(rollout.loss_mask).sum(-1).mean())})
+        return ScoredRollout(rollout, rewards, (*names, f"env/{self.env_cfg.name}"), {**failures, **env})
+
     def close(self) -> None:
         self.scorer.close()
+        if self.env_steps is not None:
+            self.env_steps.close()
 
 
 @ALGORITHMS.register("grpo")
@@ -424,6 +461,8 @@ class GRPO:
         self.pad_id = policy.pad_id
         self.algo, self.sampling, self.update_policy = grpo_pipeline(cfg, policy, learner)
         self.sampler = GroupSampler(cfg, policy) if cfg.mode == "both" else None
+        #: Completion columns of a step batch: a turn's tokens, or an episode's.
+        self.completion_length = cfg.env.max_episode_tokens if cfg.env.name else self.sampling.max_new_tokens
         self._flat_steps = 0  # consecutive steps without a learning signal
         g = self.algo.num_generations
         self.replay = ReplayBuffer(cfg.replay, group_size=g, seed=cfg.seed) if cfg.replay.buffer_size else None
@@ -463,7 +502,7 @@ class GRPO:
                            "zero and nothing is learned; the task may be too easy or too hard for the policy, or a "
                            "reward function constant: raise algo.num_generations or rollout.temperature, or check "
                            "the rewards", step + 2 - FLAT_REWARD_STEPS, step + 1)
-        batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.sampling.max_new_tokens,
+        batch = build_step_batch(rollout, adv, pad_id=self.pad_id, completion_length=self.completion_length,
                                  has_signal=has_signal)
         return batch, {**metrics, **scored.failures}
 
@@ -489,10 +528,11 @@ class GRPO:
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)
 
-    def generated_tokens(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout) -> int:
-        if isinstance(rollout, (StreamedRollout, ScoredRollout)):
+    def generated_tokens(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout | EpisodeRollout) -> int:
+        if isinstance(rollout, (StreamedRollout, ScoredRollout, EpisodeRollout)):
             rollout = rollout.rollout
-        return int(np.asarray(rollout.completion_mask).sum())
+        mask = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask
+        return int(np.asarray(mask).sum())
 
     def progress_postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{metrics['reward/mean']:.3f}", "loss": f"{metrics['loss']:.4f}",

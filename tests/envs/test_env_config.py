@@ -1,0 +1,62 @@
+"""The ``env`` section: a run with an environment needs no reward functions and gets the episode's reward as one
+more weighted column; wrong names and the parts that do not carry episodes yet are refused by name; the shipped
+multi-turn config trains through the CLI and logs the episodes' metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jrl.envs import EnvConfig
+from jrl.train.config import ARITHMETIC_REWARDS, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_an_environment_run_needs_no_reward_functions_and_weighs_the_episode_reward():
+    cfg = TrainConfig(rewards=(), env=EnvConfig(name="higher_lower", reward_weight=2.0))
+    assert cfg.reward_weights == (2.0,)
+    both = TrainConfig(rewards=ARITHMETIC_REWARDS, env=EnvConfig(name="higher_lower"))
+    assert both.reward_weights == (1.0, 0.5, 1.0)
+    with pytest.raises(ValueError, match="TrainConfig.rewards"):
+        TrainConfig(rewards=())
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(env=EnvConfig(name="nope")), "env.name"),
+    (dict(env=EnvConfig(name="higher_lower", max_episode_tokens=512)), "algo.max_completion_length"),
+    (dict(env=EnvConfig(name="higher_lower"), mode="train"), "mode"),
+    (dict(env=EnvConfig(name="higher_lower"), eval_every=5), "eval_every"),
+    (dict(env=EnvConfig(name="higher_lower"), algorithm="ebft_structured"), "env"),
+])
+def test_refused_by_name(change, field):
+    base = TrainConfig()
+    if "max_episode_tokens" in str(change):
+        base = dataclasses.replace(base, algo=dataclasses.replace(base.algo, max_completion_length=256))
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        dataclasses.replace(base, **change)
+
+
+@pytest.mark.parametrize("field, value", [("max_turns", 0), ("max_episode_tokens", 0), ("step_timeout_s", 0.0),
+                                          ("name", "")])
+def test_env_config_fields_are_checked(field, value):
+    with pytest.raises(ValueError, match=f"EnvConfig.{field}"):
+        EnvConfig(**{field: value})
+
+
+def test_the_multi_turn_config_trains_through_the_cli(tmp_path):
+    out = subprocess.run([sys.executable, "scripts/train.py", "--config", "configs/grpo_multiturn.py",
+                          "--max-steps", "2", "--output-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert len(rows) == 2 and 1 <= last["env/turns/mean"] <= 3
+    episode_reward = last["reward/env/higher_lower/mean"]
+    assert 0 <= episode_reward <= 1 and last["reward/mean"] == episode_reward
+    assert 0 < last["env/model_tokens/mean"] <= last["completions/mean_length"]  # observations are not the model's

@@ -26,6 +26,10 @@ class EnvConfig:
     step result ends its episode with no reward (NaN) and is counted in ``env/errors/<kind>``."""
     tools: tuple[str, ...] = ("calculator",)
     """Tools the ``tools`` environment runs (``TOOLS`` names: ``calculator``, ``python``)."""
+    reuse_kv_cache: bool = True
+    """Continue an episode on the KV cache of its previous turns where the engine can (the embedded sampler: only
+    the observation is prefilled); False, or an engine that cannot (vLLM), prefills the whole conversation at every
+    turn."""
     reward_weight: float = 1.0
     """Weight of the episode's reward (the sum of its turns' rewards) among the run's rewards: it is one more
     reward column, ``env/<name>``, beside the reward functions'."""

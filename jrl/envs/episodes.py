@@ -1,10 +1,10 @@
 """Multi-turn episodes on any rollout engine: the model's turn, the environment's answer, the model's next turn.
 
-Each turn of every live episode is one ``engine.generate`` call with the episode's whole token sequence so far as
-the prompt (prompt, the model's turns and the observations, as ids): the ids the engine continues from are the ids
-trained on, with no re-tokenisation between turns, for the embedded sampler and for vLLM alike. The first turn
-samples ``num_generations`` completions per prompt; each later turn one continuation per live episode. (Each turn
-prefills the conversation again: keeping the KV cache across turns is not built.)
+The first turn samples ``num_generations`` completions per prompt; each later turn one continuation per live
+episode, from token ids, so the ids the engine continues from are the ids trained on (no re-tokenisation between
+turns). An engine with the ``sessions`` capability (the embedded sampler) keeps each episode's KV cache between
+turns and prefills only the observation (``JaxRolloutEngine.continue_session``); others (vLLM), or
+``env.reuse_kv_cache=False``, get the episode's whole token sequence so far as the next turn's prompt.
 
 The trained row is the prompt followed by the episode: every model turn and observation in order, with
 ``completion_mask`` 1 over all of them (the model attends to everything) and ``loss_mask`` 1 on the model's tokens
@@ -62,6 +62,8 @@ class _Row:
     used: int = 0
     truncated: bool = False
     live: bool = True
+    pending: list[int] = dataclasses.field(default_factory=list)
+    """The observation the next turn continues after."""
 
 
 class EnvSteps:
@@ -113,10 +115,17 @@ def run_episodes(engine, env, prompt_batch, sampling: SamplingParams, *, num_gen
             rows.append(_Row(env.reset(dict(columns)), list(ids)))
     errors: collections.Counter = collections.Counter()
     live = list(range(len(rows)))
-    turn, version = 0, None
+    turn, version, session, previous = 0, None, None, live
+    sessions = cfg.reuse_kv_cache and "sessions" in getattr(engine, "capabilities", ())
     while live:
-        if turn == 0:
+        if turn == 0 and sessions:
+            batch, session = engine.start_session(prompt_batch.prompt_ids, sampling, num_generations=g, seed=seed)
+        elif turn == 0:
             batch = engine.generate(prompt_batch.prompt_ids, sampling, num_generations=g, seed=seed)
+        elif sessions:  # the rows of ``session`` are the episodes live at the previous turn, in order
+            slot = {i: k for k, i in enumerate(previous)}
+            batch, session = engine.continue_session(session, [slot[i] for i in live], [rows[i].pending for i in live],
+                                                     sampling, seed=_seed(seed, turn))
         else:
             batch = engine.generate([rows[i].context for i in live], sampling, num_generations=1,
                                     seed=_seed(seed, turn))
@@ -158,12 +167,13 @@ def run_episodes(engine, env, prompt_batch, sampling: SamplingParams, *, num_gen
                 obs = list(result.observation) if not isinstance(result.observation, str) else encode(
                     result.observation)
                 obs = [int(t) for t in obs][:cfg.max_episode_tokens - row.used]
+                row.pending = obs
                 row.pieces.append((obs, [math.nan] * len(obs), False))
                 row.used += len(obs)
                 row.context += obs
                 if row.used >= cfg.max_episode_tokens:
                     row.truncated, row.live = True, False
-        live = [i for i in live if rows[i].live]
+        previous, live = live, [i for i in live if rows[i].live]
         turn += 1
     return EpisodeRollout(_assemble(rows, prompt_batch, g, pad_id, version),
                           np.asarray([r.reward for r in rows], np.float32), np.asarray([r.turns for r in rows]),

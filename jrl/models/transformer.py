@@ -318,6 +318,15 @@ class Transformer(nnx.Module):
 
         return tuple(KVCache(take(c.k), take(c.v)) for c in cache)
 
+    def extend_cache(self, cache: tuple[KVCache, ...], source: jax.Array, slots: int) -> tuple[KVCache, ...]:
+        """The cache whose row r is row ``source[r]`` of ``cache``, with ``slots`` empty slots after its own (a
+        conversation continued), sharded as :meth:`init_cache`'s."""
+        def grow(x):
+            return constrain(jnp.pad(x[source], ((0, 0), (0, slots), (0, 0), (0, 0))), _KV_CACHE, self.mesh,
+                             self.rules)
+
+        return tuple(KVCache(grow(c.k), grow(c.v)) for c in cache)
+
     def decode(self, input_ids: jax.Array, positions: jax.Array, key_mask: jax.Array | None,
                cache: tuple[KVCache, ...], cache_index: jax.Array | int, *,
                mask: jax.Array | None = None) -> tuple[jax.Array, tuple[KVCache, ...]]:

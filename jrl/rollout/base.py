@@ -86,8 +86,10 @@ class RolloutEngine(Protocol):
     an engine a copy of the weights when it may generate after the next update.
 
     ``capabilities`` names what an engine can do beyond these methods, for the algorithms that need it
-    (``Algorithm.engine_needs``): ``blocks``, block-parallel sampling for strided EBFT (``generate_blocks``). The
-    registered factory carries the same set, so a config is checked before any engine is built.
+    (``Algorithm.engine_needs``): ``blocks``, block-parallel sampling for strided EBFT (``generate_blocks``);
+    ``sessions``, conversations continued on their KV cache (``start_session`` / ``continue_session``, used by
+    multi-turn episodes, :mod:`jrl.envs.episodes`). The registered factory carries the same set, so a config is
+    checked before any engine is built.
     """
 
     shares_trainer_devices: bool

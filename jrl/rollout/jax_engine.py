@@ -63,41 +63,24 @@ class _Program:
     rules: tuple | None
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "program"))
-def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, source: jax.Array, used_rows: jax.Array,
-              key: jax.Array, temperature: jax.Array, top_p: jax.Array, program: _Program):
-    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for N rows, row r continuing the left-padded prompt
-    ``source[r]`` of ``prompt_ids`` [P, Lp]: each prompt is prefilled once and its cache and last logits copied to
-    the rows that continue it (the ``num_generations`` copies of a prompt). Rows from ``used_rows`` on fill a row
-    bucket and start stopped (they never keep the loop running).
+def _rows_constraint(p: _Program):
+    rules = dict(p.rules) if p.rules is not None else None
+    return lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1), p.mesh, rules)
+
+
+def _sample_loop(model, p: _Program, *, cache, logits, key_mask, position, stopped, key, temperature, top_p,
+                 start: int) -> dict:
+    """Sample up to ``p.max_new_tokens`` tokens per row from ``logits`` on, each decoded into cache slot ``start +
+    i``: the loop's final carry (``tokens``, ``mask``, ``logprobs`` [N, max_new], ``stopped`` [N], ``cache``).
 
     The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
     (the last iteration's decode is unused: one extra decode step instead of a branch in the loop)."""
-    p = program
-    model = decoding_view(nnx.merge(graphdef, state))  # layers sliced (adapters merged) once per call
-    rules = dict(p.rules) if p.rules is not None else None
-    (n,), (prompts, prompt_len) = source.shape, prompt_ids.shape
-    max_len = prompt_len + p.max_new_tokens
-
-    def rows(x):
-        return constrain(x, ("batch",) + (None,) * (x.ndim - 1), p.mesh, rules)
-
-    def to_rows(x):
-        """Per-prompt values [P, ...] -> per-row values [N, ...] (the identity when the prompts are the rows)."""
-        return rows(x if prompts == n else x[source])
-
-    key_mask = rows(jnp.zeros((prompts, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
-    hidden, cache = model.decode(prompt_ids, positions_from_mask(prompt_mask), key_mask,
-                                 model.init_cache(prompts, max_len), 0)
-    logits = model.logits(hidden[:, -1])  # left padding: the last slot is every row's last prompt token
-    cache = cache if prompts == n else model.cache_rows(cache, source)
+    rows = _rows_constraint(p)
+    n = logits.shape[0]
     stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
-
     carry = dict(
-        step=jnp.zeros((), jnp.int32), cache=cache, logits=to_rows(logits), key_mask=to_rows(key_mask),
-        position=to_rows(jnp.sum(prompt_mask.astype(jnp.int32), axis=-1)),
-        stopped=rows(jnp.arange(n) >= used_rows),
-        tokens=rows(jnp.full((n, p.max_new_tokens), p.pad_id, jnp.int32)),
+        step=jnp.zeros((), jnp.int32), cache=cache, logits=logits, key_mask=key_mask, position=position,
+        stopped=stopped, tokens=rows(jnp.full((n, p.max_new_tokens), p.pad_id, jnp.int32)),
         mask=rows(jnp.zeros((n, p.max_new_tokens), jnp.int32)),
         logprobs=rows(jnp.zeros((n, p.max_new_tokens), jnp.float32)),
     )
@@ -112,7 +95,7 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, so
         active = ~c["stopped"]
         token = jnp.where(active, token, p.pad_id)
         stopped = c["stopped"] | (active & jnp.any(token[:, None] == stops[None, :], axis=-1))
-        slot = prompt_len + i
+        slot = start + i
         # A stopped row attends to no slot: the decode attention reads none of its cache (its output is unused).
         key_mask = c["key_mask"].at[:, slot].set(active) & active[:, None]
         hidden, cache = model.decode(token[:, None], c["position"][:, None], key_mask, c["cache"], slot)
@@ -124,8 +107,95 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, so
             logprobs=c["logprobs"].at[:, i].set(jnp.where(active, logprob, 0.0)),
         )
 
-    out = jax.lax.while_loop(cond, body, carry)
-    return out["tokens"], out["mask"], out["logprobs"], out["stopped"]
+    return jax.lax.while_loop(cond, body, carry)
+
+
+def _session_state(out: dict, key_mask, position, start: int):
+    """What a continuation needs of a finished loop (:class:`DecodeSession`): the cache, the slots each row fills
+    without its last token (which the next turn feeds again: its logits were not kept), and that token's
+    position. The loop's own key mask cannot serve: it clears a row's slots once the row stops."""
+    mask = out["mask"].astype(bool)
+    written = key_mask.at[:, start:start + mask.shape[1]].set(mask)
+    count = jnp.sum(out["mask"], axis=-1)
+    last = start + count - 1
+    kept = written & (jnp.arange(written.shape[1])[None, :] != last[:, None])
+    return out["cache"], kept, position + count - 1
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "program", "keep"))
+def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, source: jax.Array, used_rows: jax.Array,
+              key: jax.Array, temperature: jax.Array, top_p: jax.Array, program: _Program, keep: bool = False):
+    """(tokens, mask, logprobs [N, max_new] and stopped [N]) for N rows, row r continuing the left-padded prompt
+    ``source[r]`` of ``prompt_ids`` [P, Lp]: each prompt is prefilled once and its cache and last logits copied to
+    the rows that continue it (the ``num_generations`` copies of a prompt). Rows from ``used_rows`` on fill a row
+    bucket and start stopped (they never keep the loop running). With ``keep``, also the state a continuation
+    starts from (:func:`_session_state`)."""
+    p = program
+    model = decoding_view(nnx.merge(graphdef, state))  # layers sliced (adapters merged) once per call
+    rows = _rows_constraint(p)
+    (n,), (prompts, prompt_len) = source.shape, prompt_ids.shape
+    max_len = prompt_len + p.max_new_tokens
+
+    def to_rows(x):
+        """Per-prompt values [P, ...] -> per-row values [N, ...] (the identity when the prompts are the rows)."""
+        return rows(x if prompts == n else x[source])
+
+    key_mask = rows(jnp.zeros((prompts, max_len), bool).at[:, :prompt_len].set(prompt_mask.astype(bool)))
+    hidden, cache = model.decode(prompt_ids, positions_from_mask(prompt_mask), key_mask,
+                                 model.init_cache(prompts, max_len), 0)
+    logits = model.logits(hidden[:, -1])  # left padding: the last slot is every row's last prompt token
+    cache = cache if prompts == n else model.cache_rows(cache, source)
+    key_mask, position = to_rows(key_mask), to_rows(jnp.sum(prompt_mask.astype(jnp.int32), axis=-1))
+    out = _sample_loop(model, p, cache=cache, logits=to_rows(logits), key_mask=key_mask, position=position,
+                       stopped=rows(jnp.arange(n) >= used_rows), key=key, temperature=temperature, top_p=top_p,
+                       start=prompt_len)
+    result = out["tokens"], out["mask"], out["logprobs"], out["stopped"]
+    return (*result, _session_state(out, key_mask, position, prompt_len)) if keep else result
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "program"))
+def _continue(graphdef, state, cache, key_mask: jax.Array, position: jax.Array, source: jax.Array,
+              added_ids: jax.Array, added_mask: jax.Array, used_rows: jax.Array, key: jax.Array,
+              temperature: jax.Array, top_p: jax.Array, program: _Program):
+    """A conversation's next turn for N rows, row r continuing row ``source[r]`` of a session (its ``cache``,
+    ``key_mask`` and next ``position``): the tokens ``added_ids`` [N, La] (right-padded, ``added_mask``; the
+    previous turn's last token first) are written after the session's slots in one prefill, then sampling goes on as
+    in :func:`_generate`. Returns the same outputs and the session state after this turn."""
+    p = program
+    model = decoding_view(nnx.merge(graphdef, state))
+    rows = _rows_constraint(p)
+    (n, added), width = added_ids.shape, key_mask.shape[1]
+    cache = model.extend_cache(cache, source, added + p.max_new_tokens)
+    added_mask = added_mask.astype(bool)
+    key_mask = rows(jnp.zeros((n, width + added + p.max_new_tokens), bool).at[:, :width].set(key_mask[source])
+                    .at[:, width:width + added].set(added_mask))
+    position = rows(position[source])
+    hidden, cache = model.decode(added_ids, position[:, None] + jnp.arange(added, dtype=jnp.int32)[None, :],
+                                 key_mask, cache, width)
+    count = jnp.sum(added_mask.astype(jnp.int32), axis=-1)
+    logits = model.logits(hidden[jnp.arange(n), count - 1])  # each row's last added token
+    position = position + count
+    out = _sample_loop(model, p, cache=cache, logits=logits, key_mask=key_mask, position=position,
+                       stopped=rows(jnp.arange(n) >= used_rows), key=key, temperature=temperature, top_p=top_p,
+                       start=width + added)
+    return (out["tokens"], out["mask"], out["logprobs"], out["stopped"],
+            _session_state(out, key_mask, position, width + added))
+
+
+@dataclasses.dataclass
+class DecodeSession:
+    """Conversations a :class:`JaxRolloutEngine` can continue without prefilling them again: their KV cache,
+    filled slots and next positions on the devices (rows padded to a bucket), each row's last token (fed again with
+    the next turn's tokens), and the weights and version they were sampled with."""
+
+    cache: tuple
+    key_mask: jax.Array
+    position: jax.Array
+    last_tokens: np.ndarray
+    rows: int
+    graphdef: object
+    state: object
+    version: int
 
 
 def row_bucket(rows: int, shards: int = 1) -> int:
@@ -207,8 +277,9 @@ class JaxRolloutEngine:
     when prefetching).
     """
 
-    #: Block-parallel sampling for strided EBFT (:meth:`generate_blocks`).
-    capabilities = frozenset({"blocks"})
+    #: Block-parallel sampling for strided EBFT (:meth:`generate_blocks`); conversations continued on their KV
+    #: cache (:meth:`start_session`, :meth:`continue_session`).
+    capabilities = frozenset({"blocks", "sessions"})
 
     def __init__(self, model, *, pad_id: int, mesh=None, rules=None, prompt_bucket: int = 32):
         if prompt_bucket < 1:
@@ -262,6 +333,48 @@ class JaxRolloutEngine:
                  seed: int) -> RolloutBatch:
         """``num_generations`` completions per prompt, rows ``p*G .. p*G+G-1``; reproducible for a ``seed``
         (on a given device setup)."""
+        return self._generate(prompt_ids, params, num_generations=num_generations, seed=seed, keep=False)[0]
+
+    def start_session(self, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
+                      seed: int) -> tuple[RolloutBatch, DecodeSession]:
+        """:meth:`generate`, and a session that continues each row's conversation (:meth:`continue_session`)."""
+        return self._generate(prompt_ids, params, num_generations=num_generations, seed=seed, keep=True)
+
+    def continue_session(self, session: DecodeSession, rows: list[int], added: list[list[int]],
+                         params: SamplingParams, *, seed: int) -> tuple[RolloutBatch, DecodeSession]:
+        """The next turn of rows ``rows`` of ``session``, each after its tokens ``added`` (an observation; may be
+        empty): the same tokens and log-probs as :meth:`generate` on the whole conversation so far, without
+        prefilling it again (tested with greedy decoding). Sampled with the session's weights; its batch rows are
+        ``rows`` in order (its ``prompt_ids`` are the added tokens), and the new session holds only them."""
+        if not rows or len(rows) != len(added):
+            raise ValueError(f"continue_session: {len(rows)} rows and {len(added)} additions; give one addition per "
+                             "row, at least one row")
+        if any(not 0 <= r < session.rows for r in rows):
+            raise ValueError(f"continue_session: rows {rows} outside the session's {session.rows}")
+        rules = dict(self.rules) if self.rules is not None else None
+        padded = row_bucket(len(rows), _batch_shards(self.mesh, rules))
+        feed = [[int(session.last_tokens[r])] + [int(t) for t in extra] for r, extra in zip(rows, added)]
+        width = max(8, 1 << (max(map(len, feed)) - 1).bit_length())  # bucketed: few programs
+        ids = np.full((padded, width), self.pad_id, np.int32)
+        mask = np.zeros((padded, width), np.int32)
+        for i, tokens in enumerate(feed):
+            ids[i, :len(tokens)], mask[i, :len(tokens)] = tokens, 1
+        mask[len(feed):, 0] = 1  # bucket rows (stopped) read one token
+        source = np.array(list(rows) + [rows[0]] * (padded - len(rows)), np.int32)
+        out = _continue(session.graphdef, session.state, session.cache, session.key_mask, session.position, source,
+                        place(ids, _ROWS, self.mesh, rules), place(mask, _ROWS, self.mesh, rules),
+                        np.int32(len(rows)), jax.random.key(int(seed)), np.float32(params.temperature),
+                        np.float32(params.top_p), program=self._program(params))
+        batch, state = self._batch(out, len(rows), ids[:len(rows)], mask[:len(rows)], session.version)
+        return batch, DecodeSession(*state, last_tokens=self._last_tokens(batch), rows=len(rows),
+                                    graphdef=session.graphdef, state=session.state, version=session.version)
+
+    def _program(self, params: SamplingParams) -> _Program:
+        return _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k), use_top_p=params.top_p < 1.0,
+                        stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
+                        mesh=self.mesh, rules=self.rules)
+
+    def _generate(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int, keep: bool):
         check_generate_args(prompt_ids, num_generations)
         rows = len(prompt_ids) * num_generations
         rules = dict(self.rules) if self.rules is not None else None
@@ -277,18 +390,30 @@ class JaxRolloutEngine:
             prefill = [i if i < len(prompt_ids) else 0 for i in range(padded_prompts)]
         ids, mask = left_pad([prompt_ids[i] for i in prefill], self.pad_id, multiple_of=self.prompt_bucket)
         graphdef, state, version = self._weights()
-        program = _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
-                           use_top_p=params.top_p < 1.0,
-                           stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
-                           mesh=self.mesh, rules=self.rules)
         out = _generate(graphdef, state, place(ids, _ROWS, self.mesh, rules),
                         place(mask, _ROWS, self.mesh, rules), source, np.int32(rows), jax.random.key(int(seed)),
-                        np.float32(params.temperature), np.float32(params.top_p), program=program)
-        tokens, completion_mask, logprobs, stopped = (x[:rows] for x in gather_to_host(out))
+                        np.float32(params.temperature), np.float32(params.top_p), program=self._program(params),
+                        keep=keep)
         own = source[:rows]
-        return RolloutBatch(prompt_ids=ids[own], prompt_mask=mask[own], completion_ids=tokens,
-                            completion_mask=completion_mask, sampling_logprobs=logprobs.astype(np.float32),
-                            truncated=~stopped.astype(bool), policy_version=version)
+        batch, kept = self._batch(out, rows, ids[own], mask[own], version)
+        if not keep:
+            return batch, None
+        return batch, DecodeSession(*kept, last_tokens=self._last_tokens(batch), rows=rows, graphdef=graphdef,
+                                    state=state, version=version)
+
+    @staticmethod
+    def _batch(out, rows: int, prompt_ids, prompt_mask, version: int) -> tuple[RolloutBatch, tuple]:
+        """The host batch of a program's first ``rows`` rows, and its session state (when it returned one)."""
+        tokens, completion_mask, logprobs, stopped = (x[:rows] for x in gather_to_host(out[:4]))
+        batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens,
+                             completion_mask=completion_mask, sampling_logprobs=logprobs.astype(np.float32),
+                             truncated=~stopped.astype(bool), policy_version=version)
+        return batch, out[4] if len(out) > 4 else ()
+
+    @staticmethod
+    def _last_tokens(batch: RolloutBatch) -> np.ndarray:
+        count = np.asarray(batch.completion_mask).sum(-1)
+        return np.asarray(batch.completion_ids)[np.arange(len(count)), np.maximum(count - 1, 0)]
 
     def close(self) -> None:
         """Nothing to release: the engine holds the trainer's arrays, or a copy that goes with the engine."""

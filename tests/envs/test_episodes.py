@@ -146,3 +146,45 @@ def test_a_failing_environment_ends_its_episode_with_no_reward(engine):
     assert np.isnan(out.rewards[bad]).all() and out.turns[bad].tolist() == [1, 1, 1]
     np.testing.assert_allclose(np.delete(out.rewards, bad), 1.5)  # the other episodes played on
     assert not math.isnan(float(np.delete(out.rewards, bad).sum()))
+
+
+def test_episodes_on_the_kv_cache_equal_episodes_prefilled_again(engine):
+    """Greedy decoding (top_k=1): continuing on the cache gives the tokens of prefilling every turn's conversation."""
+    _, eng = engine
+    env = Scripted([StepResult(observation=OBS, reward=0.25), StepResult(observation=[], reward=0.5),
+                    StepResult(observation="43 44 45 46 47 1 2 3 4 5", reward=0.5), StepResult(done=True)])
+    greedy = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, stop_token_ids=(5, 9, 17))
+    runs = []
+    for reuse in (True, False):
+        steps = EnvSteps(20.0)
+        try:
+            runs.append(run_episodes(eng, env, prompts(), greedy, num_generations=2, seed=1,
+                                     cfg=EnvConfig(name="x", max_turns=4, max_episode_tokens=200,
+                                                   reuse_kv_cache=reuse),
+                                     encode=lambda t: [int(x) for x in t.split()],
+                                     decode=lambda ids: " ".join(map(str, ids)), pad_id=PAD, steps=steps))
+        finally:
+            steps.close()
+    cached, prefilled = (r.rollout for r in runs)
+    assert (runs[0].turns == 4).all() and cached.completion_ids.shape == prefilled.completion_ids.shape
+    np.testing.assert_array_equal(cached.completion_ids, prefilled.completion_ids)
+    np.testing.assert_array_equal(cached.loss_mask, prefilled.loss_mask)
+
+
+def test_a_session_continues_like_generate_on_the_whole_conversation(engine):
+    """The engine's own contract: continue_session (an addition, an empty one, rows in another order) samples what
+    generate samples on the conversation so far, with the same log-probs, at temperature 0.7 with the same seed."""
+    _, eng = engine
+    params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE, stop_token_ids=(5,))
+    first, session = eng.start_session(prompts().prompt_ids, params, num_generations=2, seed=3)
+    conversations = [list(p) + list(c[m > 0]) for p, c, m in zip(np.repeat(np.asarray(
+        prompts().prompt_ids, dtype=object), 2), first.completion_ids, first.completion_mask)]
+    rows, added = [4, 0, 3], [[7, 8], [], [11]]
+    second, _ = eng.continue_session(session, rows, added, params, seed=9)
+    again = eng.generate([conversations[r] + a for r, a in zip(rows, added)], params, num_generations=1, seed=9)
+    np.testing.assert_array_equal(second.completion_ids, again.completion_ids)
+    np.testing.assert_array_equal(second.completion_mask, again.completion_mask)
+    m = second.completion_mask > 0
+    assert np.abs(second.sampling_logprobs - again.sampling_logprobs)[m].max() <= 1e-5
+    with pytest.raises(ValueError, match="outside the session"):
+        eng.continue_session(session, [6], [[1]], params, seed=0)

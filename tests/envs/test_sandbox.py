@@ -1,6 +1,6 @@
 """The Python sandbox of the ``python`` tool (jrl.envs.sandbox): code runs and prints; every limit ends it (wall
-time, CPU time, memory); attempts to leave it are refused (network, files outside its directory, child processes, signals,
-ctypes), and nothing it wrote survives it."""
+time, CPU time, memory); attempts to leave it are refused (network, files outside its directory, child processes,
+signals, ctypes), and nothing it wrote survives it."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def test_declared_capabilities_are_the_members_an_algorithm_has(name):
 
 
 def test_engine_factories_carry_their_engines_capabilities():
-    assert ROLLOUT_ENGINES.get("jax").capabilities == JaxRolloutEngine.capabilities == {"blocks"}
+    assert ROLLOUT_ENGINES.get("jax").capabilities == JaxRolloutEngine.capabilities == {"blocks", "sessions"}
     assert ROLLOUT_ENGINES.get("vllm").capabilities == VLLMRolloutEngine.capabilities == frozenset()
     assert MultiServerEngine.capabilities == frozenset()
     assert not VLLMRolloutEngine.shares_trainer_devices and not MultiServerEngine.shares_trainer_devices

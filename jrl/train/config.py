@@ -289,7 +289,8 @@ class TrainConfig:
                   fix="use the step of a checkpoint in output_dir/checkpoints, or None")
 
     def _check_env(self) -> None:
-        """``env``: a registered environment, and none of the parts that do not carry episodes yet."""
+        """``env``: a registered environment, and none of the parts that do not carry episodes yet (explorers,
+        streaming scoring, replay)."""
         if self.env.name is None:
             return
         from jrl.envs import ENVIRONMENTS
@@ -303,8 +304,7 @@ class TrainConfig:
         for field, value, why in (("mode", self.mode != "both", "episodes are played by the trainer's process"),
                                   ("scoring.stream_groups", self.scoring.stream_groups, "episodes end turn by turn"),
                                   ("replay.buffer_size", self.replay.buffer_size, "the replay buffer keeps no loss "
-                                                                                  "masks"),
-                                  ("eval_every", self.eval_every, "held-out evaluation is single-turn")):
+                                                                                  "masks")):
             if value:
                 raise invalid("TrainConfig", field, _value_at(self, field), f"leave it at its default with env.name "
                               f"set ({why}; not built yet)")

@@ -38,6 +38,8 @@ class Completions(NamedTuple):
     ids: list[list[int]]
     truncated: np.ndarray
     """[N] bool: no stop token within ``max_new_tokens``."""
+    episode_rewards: np.ndarray | None = None
+    """[N] float32 reward of each multi-turn episode (``env``), scored with the reward functions' columns."""
 
 
 class Evaluator:
@@ -65,8 +67,10 @@ class Evaluator:
             for start in range(0, len(self.prompts), self.cfg.batch_size):
                 batch = self.prompts.batch(range(start, min(start + self.cfg.batch_size, len(self.prompts))))
                 parts.append(self._complete(engine, batch, params, seed=self.seed + 7919 * step + start))
+            episodes = [p.episode_rewards for p in parts]
             done = Completions([t for p in parts for t in p.texts], [x for p in parts for x in p.ids],
-                               np.concatenate([p.truncated for p in parts]))
+                               np.concatenate([p.truncated for p in parts]),
+                               None if episodes[0] is None else np.concatenate(episodes))
             rewards, names, metrics = self._score(self._all, done, step)
             lengths = np.asarray([len(x) for x in done.ids], np.float32)
             metrics = {**metrics, "completions/mean_length": float(lengths.mean()),

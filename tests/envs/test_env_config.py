@@ -1,6 +1,6 @@
 """The ``env`` section: a run with an environment needs no reward functions and gets the episode's reward as one
 more weighted column; wrong names and the parts that do not carry episodes yet are refused by name; the shipped
-multi-turn config trains through the CLI and logs the episodes' metrics."""
+multi-turn config trains through the CLI, logs the episodes' metrics and evaluates held-out episodes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jrl.envs import EnvConfig
+from jrl.sources.config import ReplayConfig
 from jrl.train.config import ARITHMETIC_REWARDS, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def test_an_environment_run_needs_no_reward_functions_and_weighs_the_episode_rew
     (dict(env=EnvConfig(name="nope")), "env.name"),
     (dict(env=EnvConfig(name="higher_lower", max_episode_tokens=512)), "algo.max_completion_length"),
     (dict(env=EnvConfig(name="higher_lower"), mode="train"), "mode"),
-    (dict(env=EnvConfig(name="higher_lower"), eval_every=5), "eval_every"),
+    (dict(env=EnvConfig(name="higher_lower"), replay=ReplayConfig(buffer_size=2)), "replay.buffer_size"),
     (dict(env=EnvConfig(name="higher_lower"), algorithm="ebft_structured"), "env"),
 ])
 def test_refused_by_name(change, field):
@@ -51,7 +52,8 @@ def test_env_config_fields_are_checked(field, value):
 
 def test_the_multi_turn_config_trains_through_the_cli(tmp_path):
     out = subprocess.run([sys.executable, "scripts/train.py", "--config", "configs/grpo_multiturn.py",
-                          "--max-steps", "2", "--output-dir", str(tmp_path / "run")],
+                          "--max-steps", "2", "--output-dir", str(tmp_path / "run"), "--eval-every", "2",
+                          "--eval.holdout", "8", "--eval.decodings", "greedy"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -60,3 +62,8 @@ def test_the_multi_turn_config_trains_through_the_cli(tmp_path):
     episode_reward = last["reward/env/higher_lower/mean"]
     assert 0 <= episode_reward <= 1 and last["reward/mean"] == episode_reward
     assert 0 < last["env/model_tokens/mean"] <= last["completions/mean_length"]  # observations are not the model's
+    # Held-out episodes: one per prompt, scored by the environment (before the first step and at step 2).
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert len(evals) == 2 and all(0 <= e["eval/greedy/reward/env/higher_lower/mean"] <= 1 for e in evals), evals
+    samples = [json.loads(line) for line in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
+    assert samples and set(samples[0]["rewards"]) == {"env/higher_lower"}

@@ -385,10 +385,7 @@ class GroupSampler:
         ``env.name``, episodes against the environment (:func:`jrl.envs.run_episodes`)."""
         g = self.algo.num_generations
         if self.env is not None:
-            return run_episodes(engine, self.env, prompt_batch, self.sampling, num_generations=g, seed=seed,
-                                cfg=self.env_cfg, encode=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
-                                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                                pad_id=self.pad_id, steps=self.env_steps)
+            return self._episodes(engine, prompt_batch, self.sampling, num_generations=g, seed=seed)
         if not self.stream:
             return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=g, seed=seed)
         parts, started = [], []
@@ -422,6 +419,20 @@ class GroupSampler:
                                "completion, so it adds nothing to the advantages; check the function "
                                "(reward/%s/mean is null in metrics.jsonl)", step + 1, name, name)
         return ScoredRollout(rollout, np.asarray(rewards, np.float32), tuple(names), dict(failures))
+
+    def generate_once(self, engine, prompt_batch, sampling: SamplingParams, *,
+                      seed: int) -> RolloutBatch | EpisodeRollout:
+        """One completion per prompt at ``sampling`` (held-out evaluation): an episode each with an environment."""
+        if self.env is None:
+            return engine.generate(prompt_batch.prompt_ids, sampling, num_generations=1, seed=seed)
+        return self._episodes(engine, prompt_batch, sampling, num_generations=1, seed=seed)
+
+    def _episodes(self, engine, prompt_batch, sampling: SamplingParams, *, num_generations: int,
+                  seed: int) -> EpisodeRollout:
+        return run_episodes(engine, self.env, prompt_batch, sampling, num_generations=num_generations, seed=seed,
+                            cfg=self.env_cfg, encode=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
+                            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                            pad_id=self.pad_id, steps=self.env_steps)
 
     def _score_episodes(self, episodes: EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:
         rollout, n = episodes.rollout, len(episodes.rewards)
@@ -547,14 +558,23 @@ class GRPO:
                          weights=self.algo.reward_weights, output_dir=output_dir, seed=seed)
 
     def _complete(self, engine, prompt_batch, sampling: SamplingParams, *, seed: int) -> Completions:
-        rollout = engine.generate(prompt_batch.prompt_ids, sampling, num_generations=1, seed=seed)
+        episodes = self.sampler.generate_once(engine, prompt_batch, sampling, seed=seed)
+        rollout = episodes if isinstance(episodes, RolloutBatch) else episodes.rollout
         ids = completion_token_lists(rollout)
         return Completions([self.sampler.tokenizer.decode(x, skip_special_tokens=True) for x in ids], ids,
-                           np.asarray(rollout.truncated, bool))
+                           np.asarray(rollout.truncated, bool),
+                           None if isinstance(episodes, RolloutBatch) else episodes.rewards)
 
     def _score_eval(self, prompt_batch, done: Completions, step: int):
-        rewards, names, _ = self.sampler.scorer.score(prompt_batch.prompts, done.texts, done.ids, prompt_batch.columns,
-                                              step=step, group_size=1, count_failures=False)
+        if self.sampler.scorer.fns:
+            rewards, names, _ = self.sampler.scorer.score(prompt_batch.prompts, done.texts, done.ids,
+                                                          prompt_batch.columns, step=step, group_size=1,
+                                                          count_failures=False)
+        else:
+            rewards, names = np.zeros((len(done.texts), 0), np.float32), ()
+        if done.episode_rewards is not None:
+            rewards = np.concatenate([np.asarray(rewards, np.float32), done.episode_rewards[:, None]], axis=1)
+            names = (*names, f"env/{self.sampler.env_cfg.name}")
         rm = reward_metrics(rewards, group_size=1, reward_weights=self.algo.reward_weights, reward_names=tuple(names))
         kept = {k: float(v) for k, v in rm.items() if k == "reward" or k.endswith("/mean")}
         return rewards, names, {reward_log_name(k): v for k, v in kept.items()}

@@ -1,7 +1,8 @@
 """Child process for test_rollout_mesh.py (4 fake CPU devices set by the parent): generates on a 2-device mesh of
 the model, on the model's 2 devices laid out for decoding (the model FSDP-sharded, the engine's copy replicated),
-and on a 2-device mesh of its own, and prints one JSON line with the tokens, logprobs, the devices holding the
-engine's weights and whether each engine weight is whole on every device, per layout."""
+and on a 2-device mesh of its own, and prints one JSON line with the tokens, logprobs (of generate, and of a second
+turn continued on the KV cache), the devices holding the engine's weights and whether each engine weight is whole
+on every device, per layout."""
 
 import json
 import sys
@@ -14,6 +15,10 @@ from rollout_testlib import PAD, tiny_model
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
 from jrl.sharding import MeshConfig, make_mesh, split_devices
+
+
+#: A conversation's next turn: the session rows continued (another order, one left out) and what each reads first.
+SESSION_TURN = ([4, 0, 3], [[7, 8], [], [11]])
 
 
 def _engine(name: str) -> JaxRolloutEngine:
@@ -45,7 +50,12 @@ def main(prompts_json):
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), num_generations=1, seed=0)
         sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(4,)),
                                   num_generations=2, seed=1)
+        params = SamplingParams(max_new_tokens=4, temperature=0.9, stop_token_ids=(4,))
+        first, session = engine.start_session(prompts, params, num_generations=2, seed=2)
+        turn, _ = engine.continue_session(session, *SESSION_TURN, params, seed=3)
         out[name] = dict(greedy=greedy.completion_ids.tolist(), sampled=sampled.completion_ids.tolist(),
+                         session=[first.completion_ids.tolist(), turn.completion_ids.tolist(),
+                                  np.asarray(turn.sampling_logprobs).tolist()],
                          sampled_mask=sampled.completion_mask.tolist(),
                          sampled_logprobs=np.asarray(sampled.sampling_logprobs).tolist(),
                          weight_devices=sorted(devices), shares_trainer_devices=engine.shares_trainer_devices,

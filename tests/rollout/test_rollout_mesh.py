@@ -1,6 +1,7 @@
 """The engine on a 2-device mesh (fake CPU devices in a child process; batch split over ``data``, or cache
 heads and vocabulary split over ``tensor``, or a replicated copy of an FSDP-sharded model's weights on its devices,
-or a rollout mesh of its own beside the model's) generates what it generates on one device."""
+or a rollout mesh of its own beside the model's) generates what it generates on one device, and continues a
+conversation on its KV cache as one device does."""
 
 import json
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 import child_processes as helpers
 import jax.numpy as jnp
 import numpy as np
+from rollout_mesh_worker import SESSION_TURN
 from rollout_testlib import PAD, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
@@ -43,8 +45,14 @@ def test_two_device_mesh_matches_one_device():
     assert decode["replicated"]
     own = result["own_mesh"]  # the model on devices 0 and 1, the engine's copy of the weights on 2 and 3
     assert own["weight_devices"] == [2, 3] and not own["shares_trainer_devices"] and own["copies_weights"]
+    params = SamplingParams(max_new_tokens=4, temperature=0.9, stop_token_ids=(4,))
+    first, session = engine.start_session(prompts, params, num_generations=2, seed=2)
+    turn, _ = engine.continue_session(session, *SESSION_TURN, params, seed=3)
     for name in ("data", "tensor", "decode_layout", "own_mesh"):
         got = result[name]
+        # A conversation continued on its KV cache (rows sharded over the mesh, gathered in another order).
+        assert got["session"][:2] == [first.completion_ids.tolist(), turn.completion_ids.tolist()], name
+        np.testing.assert_allclose(got["session"][2], turn.sampling_logprobs, atol=1e-4, err_msg=name)
         assert got["greedy"] == greedy.completion_ids.tolist(), name
         assert got["sampled"] == sampled.completion_ids.tolist(), name
         assert got["sampled_mask"] == sampled.completion_mask.tolist(), name

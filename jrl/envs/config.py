@@ -26,6 +26,10 @@ class EnvConfig:
     step result ends its episode with no reward (NaN) and is counted in ``env/errors/<kind>``."""
     tools: tuple[str, ...] = ("calculator",)
     """Tools the ``tools`` environment runs (``TOOLS`` names: ``calculator``, ``python``)."""
+    observation_role: str | None = None
+    """None: an observation's text follows the model's turn as is; a role (``user``, ``tool``): it is wrapped as that
+    role's message by the tokenizer's chat template, with the next assistant turn's generation prompt after it
+    (:mod:`jrl.envs.chat`), so episodes read as the template renders a conversation."""
     reuse_kv_cache: bool = True
     """Continue an episode on the KV cache of its previous turns where the engine can (the embedded sampler: only
     the observation is prefilled); False, or an engine that cannot (vLLM), prefills the whole conversation at every
@@ -42,3 +46,6 @@ class EnvConfig:
         check_real(self, "step_timeout_s", gt=0.0, fix="use a number of seconds > 0")
         check_real(self, "reward_weight", fix="use a finite number")
         object.__setattr__(self, "tools", tuple(self.tools))
+        if self.observation_role is not None and (not isinstance(self.observation_role, str)
+                                                  or not self.observation_role):
+            raise invalid("EnvConfig", "observation_role", self.observation_role, "use a chat role or None")

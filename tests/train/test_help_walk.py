@@ -251,7 +251,8 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         train(dataclasses.replace(runs[0], max_steps=1, output_dir=str(tmp_path / "multiturn"), eval_every=0,
                                   eval=EvalConfig(), wandb=WandbConfig(), replay=ReplayConfig(), scoring=ScoringConfig(),
                                   env=EnvConfig(name="tools", tools=("calculator",), max_turns=2, max_episode_tokens=12,
-                                                step_timeout_s=30.0, reward_weight=0.5)), progress=False)
+                                                step_timeout_s=30.0, reward_weight=0.5, observation_role="user")),
+              progress=False)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
     # dataset (tests/data reads them); for these runs' built-in source they are refused.

@@ -30,6 +30,7 @@ import numpy as np
 
 from jrl.data.pipeline import left_pad
 from jrl.envs import ENVIRONMENTS, EnvSteps, EpisodeRollout, run_episodes
+from jrl.envs.chat import observation_encoder
 from jrl.kernels._dispatch import backend as kernel_backend
 from jrl.kernels.logprobs import token_logprobs
 from jrl.losses import (
@@ -378,6 +379,7 @@ class GroupSampler:
         self.env_cfg = cfg.env
         self.env = None if cfg.env.name is None else ENVIRONMENTS.get(cfg.env.name)(cfg.env)
         self.env_steps = None if self.env is None else EnvSteps(cfg.env.step_timeout_s)
+        self.encode_observation = observation_encoder(self.tokenizer, cfg.env.observation_role)
 
     def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout | EpisodeRollout:
         """The batch's completions; with ``scoring.stream_groups``, generated in chunks of that many prompts (chunk
@@ -430,8 +432,7 @@ class GroupSampler:
     def _episodes(self, engine, prompt_batch, sampling: SamplingParams, *, num_generations: int,
                   seed: int) -> EpisodeRollout:
         return run_episodes(engine, self.env, prompt_batch, sampling, num_generations=num_generations, seed=seed,
-                            cfg=self.env_cfg, encode=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
-                            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                            cfg=self.env_cfg, encode=self.encode_observation, decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                             pad_id=self.pad_id, steps=self.env_steps)
 
     def _score_episodes(self, episodes: EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:

@@ -11,7 +11,7 @@ import re
 
 from jrl.envs.base import ENVIRONMENTS, StepResult
 from jrl.envs.config import EnvConfig
-from jrl.envs.tools import parse_tool_calls, run_tool_call, tool_response
+from jrl.envs.tools import TOOLS, parse_tool_calls, run_tool_call, tool_response
 
 _TAGGED = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 _NUMBER = re.compile(r"-?\d+")
@@ -92,8 +92,6 @@ def higher_lower(cfg: EnvConfig) -> HigherLower:
 
 @ENVIRONMENTS.register("tools")
 def tool_use(cfg: EnvConfig) -> ToolUse:
-    from jrl.envs.tools import TOOLS
-
     for name in cfg.tools:
         TOOLS.get(name)  # an unknown tool fails here, naming the registered ones
     return ToolUse(cfg.tools)

@@ -28,7 +28,7 @@ import numpy as np
 
 from jrl.envs.base import Episode, StepResult
 from jrl.envs.config import EnvConfig
-from jrl.rollout.base import RolloutBatch, SamplingParams
+from jrl.rollout.base import RolloutBatch, SamplingParams, step_seed
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +89,13 @@ class EnvSteps:
                                type(e).__name__, e)
                 out.append("exception")
                 continue
-            ok = isinstance(result, StepResult) and math.isfinite(float(result.reward))
+            ok = (isinstance(result, StepResult) and isinstance(result.reward, (int, float))
+                  and math.isfinite(result.reward))
             out.append(result if ok else "bad_result")
         return out
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _seed(seed: int, turn: int) -> int:
-    return int(np.random.SeedSequence([seed, turn]).generate_state(1)[0])
 
 
 def run_episodes(engine, env, prompt_batch, sampling: SamplingParams, *, num_generations: int, seed: int,
@@ -125,10 +122,10 @@ def run_episodes(engine, env, prompt_batch, sampling: SamplingParams, *, num_gen
         elif sessions:  # the rows of ``session`` are the episodes live at the previous turn, in order
             slot = {i: k for k, i in enumerate(previous)}
             batch, session = engine.continue_session(session, [slot[i] for i in live], [rows[i].pending for i in live],
-                                                     sampling, seed=_seed(seed, turn))
+                                                     sampling, seed=step_seed(seed, turn))
         else:
             batch = engine.generate([rows[i].context for i in live], sampling, num_generations=1,
-                                    seed=_seed(seed, turn))
+                                    seed=step_seed(seed, turn))
         version = batch.policy_version if version is None else version
         if batch.policy_version != version:
             raise RuntimeError(f"turn {turn} was sampled from weights version {batch.policy_version}, the episode's "

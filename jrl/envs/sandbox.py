@@ -36,10 +36,9 @@ import ctypes, json, os, resource, sys
 _job = json.loads(sys.stdin.read())
 for _name, _value in _job["limits"].items():
     resource.setrlimit(getattr(resource, _name), (_value, _value))
-_job["network_isolated"] = False
-if _job["isolate_network"]:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _job["network_isolated"] = _libc.unshare(0x40000000) == 0 or _libc.unshare(0x10000000 | 0x40000000) == 0
+_libc = ctypes.CDLL(None, use_errno=True) if _job["isolate_network"] else None
+_job["network_isolated"] = _libc is not None and (_libc.unshare(0x40000000) == 0
+                                                  or _libc.unshare(0x10000000 | 0x40000000) == 0)
 _root = os.path.realpath(os.getcwd())
 _blocked = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "subprocess.Popen",
             "os.system", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.kill", "os.killpg",

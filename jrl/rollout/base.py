@@ -120,6 +120,12 @@ class RolloutEngine(Protocol):
 ROLLOUT_ENGINES = Registry("rollout engine", "rollout.backend", how_to_register="@ROLLOUT_ENGINES.register(name)")
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of ``step`` of something seeded with ``seed`` (a trainer's step, a chunk of a batch, an
+    episode's turn): a pure function of both."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
 def check_generate_args(prompt_ids: list[list[int]], num_generations: int) -> None:
     """The errors every :meth:`RolloutEngine.generate` gives for no prompts, an empty prompt or
     ``num_generations < 1``."""

@@ -42,7 +42,7 @@ from jrl.rollout.sampling import sample_tokens
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
 from jrl.sharding.memory import device_bytes, memory_limit
 from jrl.sharding.placement import gather_to_host, reshard, state_shardings
-from jrl.sharding.rules import logical_to_spec
+from jrl.sharding.rules import logical_to_spec, mesh_axes
 
 _ROWS = ("batch", None)
 
@@ -210,9 +210,7 @@ def _batch_shards(mesh, rules) -> int:
     """How many ways the batch dimension is split on ``mesh`` (1 without a mesh)."""
     if mesh is None:
         return 1
-    axes = logical_to_spec(("batch",), mesh, rules)[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in mesh_axes(logical_to_spec(("batch",), mesh, rules)[0]))
 
 
 def _device_ids(mesh) -> frozenset | None:
@@ -354,7 +352,7 @@ class JaxRolloutEngine:
         rules = dict(self.rules) if self.rules is not None else None
         padded = row_bucket(len(rows), _batch_shards(self.mesh, rules))
         feed = [[int(session.last_tokens[r])] + [int(t) for t in extra] for r, extra in zip(rows, added)]
-        width = max(8, 1 << (max(map(len, feed)) - 1).bit_length())  # bucketed: few programs
+        width = max(8, row_bucket(max(map(len, feed))))  # bucketed like rows: few programs
         ids = np.full((padded, width), self.pad_id, np.int32)
         mask = np.zeros((padded, width), np.int32)
         for i, tokens in enumerate(feed):

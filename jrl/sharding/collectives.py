@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jrl.sharding.rules import logical_to_spec, undivided_dims
+from jrl.sharding.rules import logical_to_spec, mesh_axes, undivided_dims
 
 #: (dimension, mesh axes) pairs: where a shard is split, as read from its PartitionSpec.
 Gathers = tuple[tuple[int, tuple[str, ...]], ...]
@@ -33,7 +33,7 @@ def spec_gathers(spec: PartitionSpec, ndim: int, skip: int = 0) -> Gathers:
     out = []
     for dim, axes in enumerate(entries[skip:]):
         if axes is not None:
-            out.append((dim, (axes,) if isinstance(axes, str) else tuple(axes)))
+            out.append((dim, mesh_axes(axes)))
     return tuple(out)
 
 
@@ -80,8 +80,7 @@ def batch_axes(mesh: Mesh, rules: Mapping, rows: int) -> tuple[str, ...] | None:
     among them (the caller then keeps the automatic partitioning)."""
     if undivided_dims(("batch",), mesh, rules, (rows,)):
         return None
-    entry = logical_to_spec(("batch",), mesh, rules, (rows,))[0]
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return mesh_axes(logical_to_spec(("batch",), mesh, rules, (rows,))[0])
 
 
 def only_axes(mesh: Mesh, allowed: Sequence[str]) -> bool:

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec
+from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec, mesh_axes
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +240,7 @@ def make_global_batch(local: Any, mesh: Mesh, rules: Mapping[str, MeshAxes] | No
 def _batch_blocks(mesh: Mesh, rules) -> tuple[int, int]:
     """(number of batch shards on the mesh, number of distinct ones on this process)."""
     spec = batch_sharding(mesh, 1, rules).spec
-    axes = spec[0] if len(spec) else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = mesh_axes(spec[0] if len(spec) else None)
     n_shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     sharding = batch_sharding(mesh, 1, rules, shape=(n_shards,))
     local = {(s[0].start, s[0].stop) for s in sharding.addressable_devices_indices_map((n_shards,)).values()}

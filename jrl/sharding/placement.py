@@ -20,7 +20,7 @@ from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec, undivided_dims
+from jrl.sharding.rules import DEFAULT_RULES, MeshAxes, logical_to_spec, mesh_axes, undivided_dims
 
 Rules = Mapping[str, MeshAxes]
 logger = logging.getLogger("jrl.sharding")
@@ -370,12 +370,15 @@ def check_placement(tree: Any, mesh: Mesh, rules: Rules | None = None) -> list[s
             continue
         value = _var_value(x)
         shape, itemsize = tuple(value.shape), np.dtype(value.dtype).itemsize
-        for dim, name, mesh_axes, size in undivided_dims(tuple(axes), mesh, rules, shape):
-            spec = logical_to_spec(tuple(axes), mesh, rules, shape)
-            shards = int(np.prod([mesh.shape[a] for p in spec if p for a in _axes_of(p)]))
-            per_device = int(np.prod(shape)) * itemsize // shards
-            extra += per_device - per_device // (size // int(np.prod([mesh.shape[a] for a in _axes_of(spec[dim])])))
-            lines.append(f"{path_str(path)} dim {dim} ({name!r}, {shape[dim]}) over {'x'.join(mesh_axes)}={size}")
+        undivided = undivided_dims(tuple(axes), mesh, rules, shape)
+        if not undivided:
+            continue
+        spec = logical_to_spec(tuple(axes), mesh, rules, shape)
+        per_device = int(np.prod(shape)) * itemsize // int(np.prod([mesh.shape[a] for p in spec for a in mesh_axes(p)]))
+        for dim, name, wanted, size in undivided:
+            kept = int(np.prod([mesh.shape[a] for a in mesh_axes(spec[dim])]))  # the axes the dimension did take
+            extra += per_device - per_device // (size // kept)
+            lines.append(f"{path_str(path)} dim {dim} ({name!r}, {shape[dim]}) over {'x'.join(wanted)}={size}")
     key = (tuple(mesh.shape.items()), tuple(sorted((k, str(v)) for k, v in rules.items())), tuple(lines))
     if lines and key not in _WARNED:
         _WARNED.add(key)
@@ -387,11 +390,6 @@ def check_placement(tree: Any, mesh: Mesh, rules: Rules | None = None) -> list[s
 
 
 _WARNED: set = set()
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def unknown_logical_axes(tree: Any, rules: Rules | None = None) -> dict[str, tuple]:

@@ -43,6 +43,11 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 }
 
 
+def mesh_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of a rule's target or of one PartitionSpec entry (None, an axis name, or names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def merge_rules(
     overrides: Mapping[str, MeshAxes] | Sequence[tuple[str, MeshAxes]] = (),
     base: Mapping[str, MeshAxes] | None = None,
@@ -91,8 +96,7 @@ def _resolve(logical_axes, mesh, rules, shape):
     undivided = []
     for dim, name in enumerate(logical_axes):
         target = rules.get(name) if name is not None else None
-        axes = (target,) if isinstance(target, str) else tuple(target or ())
-        axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
+        axes = tuple(a for a in mesh_axes(target) if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
         if shape is not None and axes:
             # The longest leading run of the axes that divides the dimension ("tensor" kept where "fsdp" too
             # would not divide it).

@@ -26,19 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
 from jrl.rollout import ROLLOUT_ENGINES, RolloutEngine
+from jrl.rollout.base import step_seed
 from jrl.rollout.config import RolloutConfig
 from jrl.sources.prefetch import ProducedRollout, RolloutProducer, RolloutSchedule
 
 logger = logging.getLogger(__name__)
-
-
-def step_seed(seed: int, step: int) -> int:
-    """Sampling seed of ``step`` (a pure function of the run seed and the step)."""
-    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
 def make_rollout_engine(rollout: RolloutConfig, model, *, pad_id: int, mesh=None, rules=None,

@@ -292,6 +292,7 @@ class TrainConfig:
         """``env``: a registered environment, and none of the parts that do not carry episodes yet (explorers,
         streaming scoring, replay)."""
         if self.env.name is None:
+            reject_unused(self, ("env",), "env.name=None (single-turn rollouts)", "set env.name to play episodes")
             return
         from jrl.envs import ENVIRONMENTS
 

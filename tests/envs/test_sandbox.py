@@ -73,3 +73,10 @@ def test_the_network_namespace_where_the_kernel_allows_one():
     r = run_python("print(open('/proc/net/dev').read())")
     interfaces = [line.split(":")[0].strip() for line in r.stdout.splitlines()[2:] if ":" in line]
     assert interfaces == ["lo"], r.stdout
+
+
+def test_without_a_network_namespace_the_hook_still_refuses_sockets():
+    r = run_python("print('ok')", isolate_network=False, report_isolation=True)
+    assert r.ok and r.stdout.splitlines() == ['{"network_isolated": false}', "ok"], r
+    r = run_python("import socket\nsocket.socket()", isolate_network=False)
+    assert not r.ok and "PermissionError" in r.stderr and "socket" in r.stderr

@@ -45,7 +45,7 @@ from jrl.losses import (
     sequence_has_signal,
     step_normalizers,
 )
-from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts
+from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts, step_seed
 from jrl.sharding import on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
@@ -55,7 +55,6 @@ from jrl.sources.scored import ScoredRollout, reward_log_name, rollout_metrics
 from jrl.sources.reroll import RerollBuffer, all_fail_groups
 from jrl.rewards.pool import RewardScorer, StartedScoring
 from jrl.rewards.functions import load_reward_functions
-from jrl.sources.rollout import step_seed
 
 logger = logging.getLogger(__name__)
 
@@ -432,21 +431,27 @@ class GroupSampler:
     def _episodes(self, engine, prompt_batch, sampling: SamplingParams, *, num_generations: int,
                   seed: int) -> EpisodeRollout:
         return run_episodes(engine, self.env, prompt_batch, sampling, num_generations=num_generations, seed=seed,
-                            cfg=self.env_cfg, encode=self.encode_observation, decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                            cfg=self.env_cfg, encode=self.encode_observation,
+                            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                             pad_id=self.pad_id, steps=self.env_steps)
 
+    def with_episode_rewards(self, rewards, names: tuple, episode_rewards: np.ndarray) -> tuple[np.ndarray, tuple]:
+        """The reward functions' columns (None: the run has none) with the episodes' reward as the last one."""
+        rewards = np.zeros((len(episode_rewards), 0), np.float32) if rewards is None else np.asarray(rewards,
+                                                                                                       np.float32)
+        return (np.concatenate([rewards, np.asarray(episode_rewards, np.float32)[:, None]], axis=1),
+                (*names, f"env/{self.env_cfg.name}"))
+
     def _score_episodes(self, episodes: EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:
-        rollout, n = episodes.rollout, len(episodes.rewards)
+        rollout, rewards, names, failures = episodes.rollout, None, (), {}
         if self.scorer.fns:
             scored = self.score(rollout, prompt_batch, step)
             rewards, names, failures = scored.rewards, scored.reward_names, scored.failures
-        else:
-            rewards, names, failures = np.zeros((n, 0), np.float32), (), {}
-        rewards = np.concatenate([rewards, episodes.rewards[:, None]], axis=1)
+        rewards, names = self.with_episode_rewards(rewards, names, episodes.rewards)
         env = {f"env/errors/{kind}": float(count) for kind, count in sorted(episodes.errors.items())}
         env.update({"env/turns/mean": float(np.mean(episodes.turns)),
                     "env/model_tokens/mean": float(np.asarray(rollout.loss_mask).sum(-1).mean())})
-        return ScoredRollout(rollout, rewards, (*names, f"env/{self.env_cfg.name}"), {**failures, **env})
+        return ScoredRollout(rollout, rewards, names, {**failures, **env})
 
     def close(self) -> None:
         self.scorer.close()
@@ -567,15 +572,13 @@ class GRPO:
                            None if isinstance(episodes, RolloutBatch) else episodes.rewards)
 
     def _score_eval(self, prompt_batch, done: Completions, step: int):
+        rewards, names = None, ()
         if self.sampler.scorer.fns:
             rewards, names, _ = self.sampler.scorer.score(prompt_batch.prompts, done.texts, done.ids,
                                                           prompt_batch.columns, step=step, group_size=1,
                                                           count_failures=False)
-        else:
-            rewards, names = np.zeros((len(done.texts), 0), np.float32), ()
         if done.episode_rewards is not None:
-            rewards = np.concatenate([np.asarray(rewards, np.float32), done.episode_rewards[:, None]], axis=1)
-            names = (*names, f"env/{self.sampler.env_cfg.name}")
+            rewards, names = self.sampler.with_episode_rewards(rewards, names, done.episode_rewards)
         rm = reward_metrics(rewards, group_size=1, reward_weights=self.algo.reward_weights, reward_names=tuple(names))
         kept = {k: float(v) for k, v in rm.items() if k == "reward" or k.endswith("/mean")}
         return rewards, names, {reward_log_name(k): v for k, v in kept.items()}

@@ -13,6 +13,11 @@ weights once plus the KV cache written so far, at ``--bandwidth-tbs``.
     python benchmarks/sampler.py --shape llama1b --rows 64 --prompt 128 --new 256 --out results.jsonl
     python benchmarks/sampler.py --rows 64 --generations 4 --new 256    # 16 prompts x 4 completions
     python benchmarks/sampler.py --backend transformers --rows 64 --prompt 128 --new 256
+    python benchmarks/sampler.py --rows 512 --generations 8 --new 8192 --stop-fraction 0.002 --kv paged --slots 256
+
+``--kv paged`` decodes with the paged KV cache and continuous batching (``rollout.kv``); reported besides: the KV
+memory the dense layout would allocate, the paged pool's, the most pages the rows held at once (and the prompts'),
+preemptions and scheduling rounds.
 """
 
 from __future__ import annotations
@@ -45,11 +50,13 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     from jrl.models.transformer import create_model
     from jrl.rollout.base import SamplingParams
     from jrl.rollout.jax_engine import JaxRolloutEngine
+    from jrl.rollout.kv_config import KVCacheConfig
 
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt)
+    kv = KVCacheConfig(layout=args.kv, page_size=args.page_size, slots=args.slots, pages=args.pages)
+    engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
     times, lengths = [], []
     for rep in range(args.reps + 1):
@@ -58,6 +65,8 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
         jax.block_until_ready(out.completion_ids)
         times.append(time.perf_counter() - t0)
         lengths.append(float(out.completion_mask.sum(axis=1).mean()))
+    if args.kv == "paged":
+        args.paged_stats = paged_memory(engine, cfg, prompts, params, args)
     profile = None
     if args.profile:
         from kernels_common import kernel_profile
@@ -66,6 +75,24 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
                                                          seed=0).completion_ids,
                                  trace_dir=args.profile)
     return times, statistics.mean(lengths[1:]), profile
+
+
+def paged_memory(engine, cfg, prompts, params, args) -> dict:
+    """KV bytes of the dense layout and of the paged pool for this generation, and what the rows held at most
+    (one more paged generation, seed 0)."""
+    from jrl.rollout.jax_engine import row_bucket
+    from jrl.rollout.paged import generate_paged
+
+    graphdef, state, _ = engine._weights()
+    stats = generate_paged(graphdef, state, prompts, params, num_generations=args.generations, seed=0, kv=engine.kv,
+                           pad_id=0, prompt_bucket=args.prompt, slot_bucket=row_bucket)
+    slot_bytes = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim  # K and V, bf16
+    page_bytes = slot_bytes * args.page_size
+    gib = 2 ** 30
+    return dict(dense_kv_gib=round(row_bucket(args.rows) * (args.prompt + args.new) * slot_bytes / gib, 3),
+                pool_kv_gib=round(stats["pool"] * page_bytes / gib, 3),
+                peak_kv_gib=round((stats["peak_pages"] + stats["prompt_pages"]) * page_bytes / gib, 3),
+                preempted=stats["preempted"], rounds=stats["rounds"])
 
 
 def run_transformers(args, shape, prompts) -> tuple[list[float], float]:
@@ -101,6 +128,10 @@ def main():
                     help="rows per prompt (jrl: num_generations, each prompt prefilled once; --rows / this prompts)")
     ap.add_argument("--stop-fraction", type=float, default=0.0,
                     help="share of the vocabulary that stops a row (ragged lengths; jrl)")
+    ap.add_argument("--kv", choices=("dense", "paged"), default="dense", help="rollout.kv.layout (jrl)")
+    ap.add_argument("--page-size", type=int, default=16, help="rollout.kv.page_size (paged)")
+    ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
+    ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--bandwidth-tbs", type=float, default=3.35, help="HBM bandwidth in TB/s (H100 SXM: 3.35)")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -136,6 +167,8 @@ def main():
     limit = bandwidth_limit_s(cfg, args.rows, args.prompt, args.new, args.bandwidth_tbs)
     report(dict(bench="sampler", backend=args.backend, shape=args.shape, rows=args.rows, prompt=args.prompt,
                 new=args.new, generations=args.generations, lora=args.lora, stop_fraction=args.stop_fraction,
+                kv=args.kv, **(dict(page_size=args.page_size, slots=args.slots, pages=args.pages,
+                                    **args.paged_stats) if args.kv == "paged" else {}),
                 mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),
                 tokens_per_s=round(args.rows * mean_len / med), limit_s=round(limit, 4),

@@ -120,6 +120,10 @@ class ExperienceQueue(Protocol):
     def counts(self) -> QueueCounts:
         ...
 
+    def written_by(self, explorer: str) -> int:
+        """How many groups explorer ``explorer`` has put (a restarted explorer goes on from there)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -257,6 +261,9 @@ class SQLQueue:
             "COALESCE(SUM(CASE WHEN consumed_step IS NOT NULL THEN 1 ELSE 0 END), 0), COALESCE(SUM(stale), 0) "
             "FROM {table}").fetchone()
         return QueueCounts(available=int(available), consumed=int(consumed), stale=int(stale))
+
+    def written_by(self, explorer: str) -> int:
+        return int(self._run("SELECT COUNT(*) FROM {table} WHERE explorer = ?", (explorer,)).fetchone()[0])
 
     def close(self) -> None:
         self.db.close()

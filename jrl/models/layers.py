@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jrl.kernels.attention import AttentionMask, attention, decode_attention, decode_attention_append
+from jrl.kernels.attention import (AttentionMask, attention, decode_attention, decode_attention_append,
+                                  paged_decode_attention)
 from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.attention.rope import apply_rope
 from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
@@ -198,6 +199,35 @@ class KVCache:
                        jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), start))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """One attention layer's keys and values as a pool of pages: ``k``, ``v`` [K, P, page_size, D] (rope applied).
+    Which pages hold a row's slots is a :class:`PageSlots`' page table, shared by every layer."""
+
+    k: jax.Array
+    v: jax.Array
+
+    def write(self, k: jax.Array, v: jax.Array, slots: PageSlots) -> PagedKV:
+        """The pool with one token per row, ``k``, ``v`` [B, K, D], stored at ``slots.page`` / ``slots.offset``."""
+        at = (slice(None), slots.page, slots.offset)
+        return PagedKV(self.k.at[at].set(k.transpose(1, 0, 2).astype(self.k.dtype)),
+                       self.v.at[at].set(v.transpose(1, 0, 2).astype(self.v.dtype)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageSlots:
+    """Where a one-token decode step of B rows reads and writes a paged cache: ``page_table`` int32 [B, M] (row b's
+    pages in order), ``lengths`` int32 [B] (its slots after this step's token is written), and the page and offset
+    its token is written to (``page``, ``offset`` int32 [B]; a row with nothing to write points at a scratch page)."""
+
+    page_table: jax.Array
+    lengths: jax.Array
+    page: jax.Array
+    offset: jax.Array
+
+
 class Attention(nnx.Module):
     """Multi-head attention with GQA, optional q/k/v (and o) bias, optional q/k RMSNorm, RoPE.
 
@@ -260,6 +290,8 @@ class Attention(nnx.Module):
         one-token step's rope, cache write and attention as one call
         (:func:`jrl.kernels.attention.decode_attention_append`)."""
         scale = self.config.head_dim ** -0.5
+        if isinstance(cache, PagedKV):
+            return self._decode_paged(x, positions, cache, index, residual, fused=fused, scale=scale)
         if fused and x.shape[1] == 1:
             qkv = jnp.concatenate(self._project(x), axis=-2)[:, 0]  # [B, N + 2K, D]
             cos, sin = rope_cos_sin(positions, self.config)
@@ -273,6 +305,18 @@ class Attention(nnx.Module):
         else:
             out = attend_dense(q, cache.k, cache.v, mask, scale=scale)
         return linear_add(self.o_proj, out, residual, fused=fused), cache
+
+    def _decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKV, slots: PageSlots,
+                      residual: jax.Array, *, fused: bool, scale: float) -> tuple[jax.Array, PagedKV]:
+        """A one-token step over a paged cache (``x`` [B, 1, H]): the token's keys and values written at
+        ``slots``, then attention over each row's first ``slots.lengths`` slots through its page table."""
+        if x.shape[1] != 1:
+            raise ValueError(f"a paged KV cache decodes one token per row per step; got {x.shape[1]}")
+        q, k, v = self.qkv(x, positions)
+        cache = cache.write(k[:, 0], v[:, 0], slots)
+        out = paged_decode_attention(q[:, 0], cache.k, cache.v, slots.page_table, slots.lengths,
+                                     impl=self._decode_impl(), scale=scale)
+        return linear_add(self.o_proj, out[:, None], residual, fused=fused), cache
 
     def _decode_impl(self) -> str:
         return "reference" if self.config.attention == "reference" else "auto"

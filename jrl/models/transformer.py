@@ -20,6 +20,8 @@ from jrl.models.layers import (
     Embed,
     KVCache,
     Linear,
+    PagedKV,
+    PageSlots,
     RMSNorm,
     cache_attention_mask,
     constrain,
@@ -347,13 +349,32 @@ class Transformer(nnx.Module):
         elif mask.shape != (input_ids.shape[0], t, slots):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, tokens, cache slots) = "
                              f"{(input_ids.shape[0], t, slots)}")
+        return self._decode_layers(input_ids, positions, mask, cache, cache_index)
+
+    def _decode_layers(self, input_ids, positions, mask, cache: tuple, index) -> tuple[jax.Array, tuple]:
         x = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
-        layers = self.unstacked().layers
         new_cache = []
-        for layer, layer_cache in zip(layers, cache, strict=True):
-            x, layer_cache = layer(x, positions, mask, layer_cache, cache_index)
+        for layer, layer_cache in zip(self.unstacked().layers, cache, strict=True):
+            x, layer_cache = layer(x, positions, mask, layer_cache, index)
             new_cache.append(layer_cache)
         return self.final_norm(x), tuple(new_cache)
+
+    def init_pages(self, num_pages: int, page_size: int) -> tuple[PagedKV, ...]:
+        """An empty (zero) paged KV cache: a pool of ``num_pages`` pages of ``page_size`` slots per layer."""
+        c = self.config
+        shape = (c.num_key_value_heads, num_pages, page_size, c.head_dim)
+        return tuple(PagedKV(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
+                     for _ in range(c.num_hidden_layers))
+
+    def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: tuple[PagedKV, ...],
+                     slots: PageSlots) -> tuple[jax.Array, tuple[PagedKV, ...]]:
+        """Final hidden states [B, 1, H] of one token per row, ``input_ids`` [B, 1] at ``positions`` [B, 1], written
+        to a paged cache at ``slots`` and attending to each row's first ``slots.lengths`` slots (one device; no
+        sliding window). Returns (hidden, updated cache)."""
+        if self.config.sliding_window is not None:
+            raise ValueError("a paged KV cache attends to every slot of a row; this model has a sliding window "
+                             f"({self.config.sliding_window}): use rollout.kv.layout='dense'")
+        return self._decode_layers(input_ids, positions, None, cache, slots)
 
     def lm_head_weight(self) -> jax.Array:
         """The output projection ``[H, V]`` (the transposed embedding when tied)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jrl.rollout.base import ROLLOUT_ENGINES, SamplingParams
+from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.rollout.weight_sync import AUTO, WEIGHT_TRANSPORTS
 from jrl.sharding.mesh import MeshConfig
@@ -62,6 +63,9 @@ class RolloutConfig:
     tensor-parallel over the fewest devices that hold them so (:func:`sampler_mesh`). Set ``tensor`` yourself
     (e.g. ``data=-1, fsdp=1, tensor=4``), or the learner's own layout to decode from its FSDP shards without a copy
     (every layer's weights gathered at every token: slowest)."""
+    kv: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)
+    """The ``jax`` sampler's KV cache: ``dense`` (default) or ``paged`` with continuous batching (page size, decode
+    slots, pool size)."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0

@@ -38,6 +38,8 @@ from jrl.models.lora import decoding_view
 from jrl.models.transformer import freeze_rules, on_mesh, place
 from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
+from jrl.rollout.kv_config import KVCacheConfig
+from jrl.rollout.paged import generate_paged
 from jrl.rollout.sampling import sample_tokens
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
 from jrl.sharding.memory import device_bytes, memory_limit
@@ -265,7 +267,8 @@ class JaxRolloutEngine:
     (:func:`jrl.sharding.reshard`), so generation and training can run at the same time.
     ``pad_id``: the id filling prompt padding and completion slots after a stop (the policy's, see
     :func:`jrl.train.policy.load_policy`). ``prompt_bucket``: prompts are left-padded to
-    a multiple of this many tokens, so the program compiles once per bucket.
+    a multiple of this many tokens, so the program compiles once per bucket. ``kv``: the KV cache's layout; a
+    ``paged`` one (:mod:`jrl.rollout.paged`, one device) generates, but keeps no sessions.
 
     Concurrent use (a producer thread calls :meth:`generate` while the trainer calls :meth:`sync_weights`):
     a ``generate`` call takes the arrays and version of the latest sync once, under a lock, and samples
@@ -279,7 +282,8 @@ class JaxRolloutEngine:
     #: cache (:meth:`start_session`, :meth:`continue_session`).
     capabilities = frozenset({"blocks", "sessions"})
 
-    def __init__(self, model, *, pad_id: int, mesh=None, rules=None, prompt_bucket: int = 32):
+    def __init__(self, model, *, pad_id: int, mesh=None, rules=None, prompt_bucket: int = 32,
+                 kv: KVCacheConfig = KVCacheConfig()):
         if prompt_bucket < 1:
             raise ValueError(f"JaxRolloutEngine prompt_bucket={prompt_bucket} must be >= 1")
         model_mesh, model_rules = getattr(model, "mesh", None), getattr(model, "rules", None)
@@ -293,6 +297,12 @@ class JaxRolloutEngine:
         self.copies_weights = self.mesh is not None and (self.mesh, self.rules) != (model_mesh, freeze_rules(model_rules))
         self.pad_id = int(pad_id)
         self.prompt_bucket = int(prompt_bucket)
+        if kv.layout == "paged" and self.mesh is not None and self.mesh.size > 1:
+            raise ValueError(f"rollout.kv.layout='paged' decodes on one device; this sampler's mesh has "
+                             f"{self.mesh.size}: use rollout.kv.layout='dense' on a mesh")
+        self.kv = kv
+        if kv.layout == "paged":  # conversations are not kept (episodes prefill each turn)
+            self.capabilities = type(self).capabilities - {"sessions"}
         self._compute_dtype = jnp.dtype(model.config.dtype)
         self._lock = threading.Lock()
         self._own_layouts: dict = {}  # the model's graphdef -> (it constrained to this layout, shardings)
@@ -374,6 +384,11 @@ class JaxRolloutEngine:
 
     def _generate(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int, keep: bool):
         check_generate_args(prompt_ids, num_generations)
+        if self.kv.layout == "paged":
+            if keep:
+                raise ValueError("rollout.kv.layout='paged' keeps no decode sessions (multi-turn episodes); use "
+                                 "rollout.kv.layout='dense' with an environment")
+            return self._generate_paged(prompt_ids, params, num_generations=num_generations, seed=seed), None
         rows = len(prompt_ids) * num_generations
         rules = dict(self.rules) if self.rules is not None else None
         shards = _batch_shards(self.mesh, rules)
@@ -398,6 +413,19 @@ class JaxRolloutEngine:
             return batch, None
         return batch, DecodeSession(*kept, last_tokens=self._last_tokens(batch), rows=rows, graphdef=graphdef,
                                     state=state, version=version)
+
+    def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
+        graphdef, state, version = self._weights()
+        out = generate_paged(graphdef, state, prompt_ids, params, num_generations=num_generations, seed=seed,
+                             kv=self.kv, pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket)
+        if out["preempted"]:
+            logger.info("paged sampler: %d rows gave their pages back and started again (pool of %d pages; "
+                        "rollout.kv.pages)", out["preempted"], out["pool"])
+        ids, mask = left_pad([prompt_ids[r // num_generations] for r in range(len(out["tokens"]))], self.pad_id,
+                             multiple_of=self.prompt_bucket)
+        return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=out["tokens"],
+                            completion_mask=out["mask"], sampling_logprobs=out["logprobs"],
+                            truncated=~out["stopped"], policy_version=version)
 
     @staticmethod
     def _batch(out, rows: int, prompt_ids, prompt_mask, version: int) -> tuple[RolloutBatch, tuple]:
@@ -429,8 +457,8 @@ class JaxRolloutEngine:
 @ROLLOUT_ENGINES.register("jax")
 def make_jax_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir) -> JaxRolloutEngine:
     """The ``jax`` backend: the embedded sampler on the trained model (weights shared in memory)."""
-    del rollout, output_dir  # no settings beyond sampling, nothing written
-    return JaxRolloutEngine(model, pad_id=pad_id, mesh=mesh, rules=rules)
+    del output_dir  # nothing written
+    return JaxRolloutEngine(model, pad_id=pad_id, mesh=mesh, rules=rules, kv=rollout.kv)
 
 
 #: Config fields the embedded engine does not read (it shares the trainer's arrays: no transport, no server).

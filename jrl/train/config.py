@@ -232,6 +232,9 @@ class TrainConfig:
 
         engine = ROLLOUT_ENGINES.get(self.rollout.backend)
         reject_unused(self, engine.ignores, f"rollout.backend={self.rollout.backend!r}")
+        if self.rollout.kv.layout == "dense":
+            reject_unused(self, ("rollout.kv.page_size", "rollout.kv.slots", "rollout.kv.pages"),
+                          "rollout.kv.layout='dense'", "set rollout.kv.layout='paged'")
         missing = sorted(algorithm.engine_needs - engine.capabilities)
         if missing:
             raise invalid("TrainConfig", "rollout.backend", self.rollout.backend,
@@ -298,6 +301,10 @@ class TrainConfig:
 
         if self.env.name not in ENVIRONMENTS:
             raise invalid("TrainConfig", "env.name", self.env.name, f"use one of {ENVIRONMENTS.names()} or None")
+        if self.env.reuse_kv_cache and self.rollout.backend == "jax" and self.rollout.kv.layout == "paged":
+            raise invalid("TrainConfig", "env.reuse_kv_cache", True, "the paged KV cache keeps no sessions across "
+                          "turns; set env.reuse_kv_cache=False (each turn prefills the conversation) or "
+                          "rollout.kv.layout='dense'")
         m = self.algo.max_completion_length
         if m is not None and m < self.env.max_episode_tokens:
             raise invalid("TrainConfig", "algo.max_completion_length", m,

@@ -312,8 +312,9 @@ class Explorer:
         self._wait_first_weights()
         self.queue = open_queue(self.cfg.explore.queue_url(self.cfg.output_dir))
         writer = MetricsWriter(self.log_dir, tensorboard=False)
-        done = writer.history()
-        batch = done[-1]["step"] + 1 if done else 0  # a restarted explorer goes on where it stopped
+        # A restarted explorer goes on after the batches the queue holds from it (each put is one whole batch; a
+        # kill between the put and the metrics line must not sample that batch's prompts and seed again).
+        batch = self.queue.written_by(self.name) // self.cfg.data.prompts_per_batch
         for _ in range(batch):
             next(self.loader)
         first, budget = batch, self.cfg.explore.max_batches

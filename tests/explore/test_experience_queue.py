@@ -106,6 +106,8 @@ def test_groups_round_trip_in_order_and_stale_ones_are_skipped(url):
     with pytest.raises(TimeoutError, match=r"1 groups of policy version 2\.\.2, 0 arrived"):
         queue.take(1, step=3, min_version=2, max_version=2, timeout=0.0)
     assert queue.counts() == QueueCounts(available=0, consumed=6, stale=2)
+    # explorer-0 wrote indices 0, 2, 4, 6 and explorer-1 the others, whatever became of them
+    assert (queue.written_by("explorer-0"), queue.written_by("explorer-1"), queue.written_by("x")) == (4, 4, 0)
     queue.close()
 
 

@@ -2,7 +2,7 @@
 rejected: the fields of ``TrainConfig`` (and its sections) are walked; each must appear in ``--help``, and
 is either read by real runs of the three algorithms (a 2-step run each, LoRA on, every section exercised),
 by the vLLM backend's own code, by a trainer fed by an explorer (``mode='train'`` / ``'explore'``) and by a
-multi-turn run (``env``), or —
+multi-turn run (``env``) and by a run on the paged sampler (``rollout.kv``), or —
 where the chosen algorithm / backend ignores it — refused at config construction with an error naming it."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jrl.envs import EnvConfig
 from jrl.losses import GRPOConfig
 from jrl.models.lora import LoraConfig
 from jrl.rollout.config import RolloutConfig
+from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.config import ModelSpec, OptimConfig, ScoringConfig, TrainConfig
@@ -253,6 +254,11 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
                                   env=EnvConfig(name="tools", tools=("calculator",), max_turns=2, max_episode_tokens=12,
                                                 step_timeout_s=30.0, reward_weight=0.5, observation_role="user")),
               progress=False)
+        train(dataclasses.replace(runs[0], max_steps=1, output_dir=str(tmp_path / "paged"), eval_every=0,
+                                  eval=EvalConfig(), wandb=WandbConfig(), rollout=dataclasses.replace(
+                                      runs[0].rollout, kv=KVCacheConfig(layout="paged", page_size=8, slots=2,
+                                                                        pages=64))),
+              progress=False)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
     # dataset (tests/data reads them); for these runs' built-in source they are refused.
@@ -278,3 +284,7 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         dataclasses.replace(runs[0], rollout=RolloutConfig(vllm=VLLMConfig(max_retries=1)))
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.devices=2.*rollout\.backend='vllm' does not use it"):
         dataclasses.replace(runs[0], rollout=RolloutConfig(backend="vllm", devices=2))
+    with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.kv\.slots=4.*layout='dense' does not use it"):
+        dataclasses.replace(runs[0], rollout=RolloutConfig(kv=KVCacheConfig(slots=4)))
+    with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.kv=.*rollout\.backend='vllm' does not use it"):
+        dataclasses.replace(runs[0], rollout=RolloutConfig(backend="vllm", kv=KVCacheConfig(layout="paged")))

@@ -24,6 +24,17 @@ configuration on the ``jrl.kernels`` logger.
 :func:`decode_attention_append` is the same step with the step's own rope and cache write folded in (same
 implementations; the kernel rotates the queries and the new keys, stores the new keys and values in the cache in
 place, and reads the cache only before the step's slot).
+
+:func:`paged_decode_attention` is a decode step over a paged cache (fixed-size pages of a shared pool, a page table
+per row):
+
+| name         | where                         | what                                                         |
+|--------------|-------------------------------|--------------------------------------------------------------|
+| `reference`  | anywhere                      | each row's pages gathered into a dense cache (the truth)     |
+| `pallas_gpu` | NVIDIA GPU (interpret mode elsewhere) | JAX's Pallas paged attention: reads only the pages up to each row's length |
+| `pallas_tpu` | TPU (interpret mode elsewhere) | JAX's Pallas TPU paged attention (bfloat16 only)           |
+
+``impl="auto"`` order: GPU: pallas_gpu, reference. TPU: pallas_tpu, reference. Elsewhere: reference.
 """
 
 from __future__ import annotations
@@ -55,6 +66,13 @@ DECODE_IMPLS = {
     "pallas_gpu": Impl("pallas_gpu", "jrl.kernels.attention.decode_pallas_gpu", ("gpu",), interpret_ok=True),
 }
 DECODE_ORDER = {"gpu": ("pallas_gpu", "reference"), "default": ("reference",)}
+
+PAGED_IMPLS = {
+    "reference": Impl("reference", "jrl.kernels.attention.paged_reference", ("cpu", "gpu", "tpu")),
+    "pallas_gpu": Impl("pallas_gpu", "jrl.kernels.attention.paged_pallas_gpu", ("gpu",), interpret_ok=True),
+    "pallas_tpu": Impl("pallas_tpu", "jrl.kernels.attention.paged_pallas_tpu", ("tpu",), interpret_ok=True),
+}
+PAGED_ORDER = {"gpu": ("pallas_gpu", "reference"), "tpu": ("pallas_tpu", "reference"), "default": ("reference",)}
 
 
 def available_impls() -> list[str]:
@@ -171,3 +189,39 @@ def decode_attention_append(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_ca
     _, mod = _dispatch.select("decode_attention_append", DECODE_IMPLS, DECODE_ORDER, impl, config=config,
                               call_check=call_check)
     return mod.decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, scale=scale, **kwargs)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                           lengths: jax.Array, *, impl: str = "auto", scale: float | None = None,
+                           **kwargs) -> jax.Array:
+    """Grouped-query attention of one query per row over a paged KV cache.
+
+    Args:
+      q: [B, N, D] queries.
+      k_pages, v_pages: [K, P, page_size, D] the page pool (N % K == 0, never repeated).
+      page_table: int32 [B, M], row b's pages in order (slot s of the row is slot ``s % page_size`` of page
+        ``page_table[b, s // page_size]``); entries past the row's length are not read.
+      lengths: int32 [B], the slots each row's query attends to (its first ``lengths[b]``).
+      impl: "auto" or a name of :data:`PAGED_IMPLS`.
+      scale: score scale (default D ** -0.5).
+      **kwargs: implementation options (``interpret=`` for the Pallas kernels).
+
+    Returns:
+      [B, N, D] in v's dtype; scores and softmax in float32. The output of a row of length 0 is unspecified
+      (finite).
+    """
+    b, n, d = q.shape
+    if (k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[3] != d or n % k_pages.shape[0]
+            or page_table.ndim != 2 or page_table.shape[0] != b or lengths.shape != (b,)):
+        raise ValueError(f"paged_decode_attention needs q [B, N, D], k_pages = v_pages [K, P, page_size, D] with "
+                         f"N % K == 0, page_table [B, M] and lengths [B]; got {q.shape}, {k_pages.shape}, "
+                         f"{v_pages.shape}, {page_table.shape}, {lengths.shape}")
+    scale = d ** -0.5 if scale is None else float(scale)
+    config = ("paged", tuple(q.shape), tuple(k_pages.shape), tuple(page_table.shape), str(q.dtype))
+
+    def call_check(name: str) -> str | None:
+        return None if name == "reference" else PAGED_IMPLS[name].load().call_unsupported(q, k_pages)
+
+    _, mod = _dispatch.select("paged_decode_attention", PAGED_IMPLS, PAGED_ORDER, impl, config=config,
+                              call_check=call_check)
+    return mod.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale, **kwargs)

@@ -1,0 +1,39 @@
+"""The ``rollout.kv`` section: how the embedded sampler keeps its KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jrl.validation import check_int, invalid
+
+KV_LAYOUTS = ("dense", "paged")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheConfig:
+    """The embedded (``jax``) sampler's KV cache. ``dense``: every row of a generation gets ``prompt +
+    max_new_tokens`` slots and the generation runs until its longest row ends (one jitted loop; the fastest while
+    the rows fit). ``paged``: a pool of fixed-size pages, taken as a row grows and returned when it stops, a prompt's
+    pages shared by its ``num_generations`` rows; rows decode in ``slots`` decode slots and a stopped row's slot
+    takes the next waiting row (continuous batching), so memory follows the tokens actually generated
+    (:mod:`jrl.rollout.paged`)."""
+
+    layout: str = "dense"
+    """``dense`` or ``paged``."""
+    page_size: int = 16
+    """Slots per page (``paged``); also the decode steps between two scheduling rounds of the slots."""
+    slots: int = 0
+    """Rows decoded at once (``paged``): 0 = every row of a generation; fewer bounds the pages in use and the work
+    of a decode step, the rows waiting for a slot start as others stop."""
+    pages: int = 0
+    """Pages in the pool (``paged``), shared by all layers' keys and values: 0 = enough for every slot's longest
+    completion (never preempts). Fewer saves memory: when a growing row finds no free page, the row admitted last
+    gives its pages back and starts again later (its tokens come out the same: each row samples from a key of its
+    own). Too few for one whole row is an error that names the minimum."""
+
+    def __post_init__(self):
+        if self.layout not in KV_LAYOUTS:
+            raise invalid("KVCacheConfig", "layout", self.layout, f"use one of {KV_LAYOUTS}")
+        check_int(self, "page_size", lo=1)
+        check_int(self, "slots", lo=0, fix="use 0 (every row at once) or a slot count")
+        check_int(self, "pages", lo=0, fix="use 0 (enough for every slot) or a page count")

@@ -1,0 +1,331 @@
+"""The embedded sampler with a paged KV cache and continuous batching (``rollout.kv.layout = "paged"``).
+
+A generation of N rows (``num_generations`` per prompt) runs in three parts:
+
+1. **Prefill**: every prompt once, right-aligned at slot 0, into pages of the pool (``page_size`` slots each). Its
+   full pages are shared, read-only, by the prompt's rows; a row whose prompt ends inside a page starts with a copy
+   of that page (its own, so its tokens continue in it). The prompts' last logits are kept for the rows to start
+   from.
+2. **Decode in slots**: ``slots`` rows decode at once, each reading its cache through a page table
+   (:func:`jrl.kernels.attention.paged_decode_attention`). The device runs ``page_size`` steps at a time (one
+   jitted program, left early when every slot has stopped); between two such rounds the host scheduler
+   (:class:`PageScheduler`) frees the pages of rows that stopped, gives each waiting row a free slot (continuous
+   batching), and gives each running row the page its next ``page_size`` tokens need. When the pool has no page
+   left, the row admitted last gives its pages back and waits to start again (preemption, as vLLM's scheduler
+   does); the oldest row always goes on, so every generation ends.
+3. Rows come back in their order, padded to ``max_new_tokens`` like the dense sampler's.
+
+Sampling: token i of row r is drawn with the key ``fold_in(fold_in(key(seed), r), i)``, so a row's tokens do not
+depend on the slots, the pool or when the row ran (a preempted row samples the same tokens again). The dense
+sampler draws one key per step for all rows instead; the two agree in distribution, not token for token (they
+agree token for token when sampling is near greedy, which the tests use).
+
+Memory: the pool holds the prompts once and ``slots`` rows' completions as they grow, against the dense layout's
+``rows x (prompt + max_new_tokens)`` slots. One device only (a mesh decodes with the dense layout).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jrl.models.layers import PageSlots, PagedKV
+from jrl.models.lora import decoding_view
+from jrl.rollout.base import SamplingParams
+from jrl.rollout.kv_config import KVCacheConfig
+from jrl.rollout.sampling import sample_tokens
+
+SCRATCH_PAGE = 0
+"""The pool's page 0 holds no row's slots: writes of rows with nothing to write go there."""
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedProgram:
+    """Everything static about one compiled decode round (its jit cache key besides the array shapes)."""
+
+    max_new_tokens: int
+    top_k: int
+    use_top_p: bool
+    stop_token_ids: tuple[int, ...]
+    pad_id: int
+    page_size: int
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size"))
+def _prefill(graphdef, state, ids: jax.Array, mask: jax.Array, page_ids: jax.Array, *, pool: int, page_size: int):
+    """A pool of ``pool`` pages holding the right-padded prompts ``ids`` [P, L] (``mask``) in pages ``page_ids``
+    [P, L / page_size] (the scratch page past a prompt's end), and each prompt's last logits [P, V]."""
+    model = nnx.merge(graphdef, state)
+    (p, length), lengths = ids.shape, jnp.sum(mask, axis=-1)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (p, length))
+    hidden, dense = model.decode(ids, positions, mask.astype(bool), model.init_cache(p, length), 0)
+    logits = model.logits(hidden[jnp.arange(p), lengths - 1])
+    flat = page_ids.reshape(-1)
+
+    def paged(x):  # [P, L, K, D] -> the prompts' pages [K, P * L / page, page, D]
+        k, d = x.shape[2:]
+        return x.reshape(p, length // page_size, page_size, k, d).transpose(3, 0, 1, 2, 4).reshape(
+            k, -1, page_size, d)
+
+    pages = tuple(PagedKV(c.k.at[:, flat].set(paged(d.k)), c.v.at[:, flat].set(paged(d.v)))
+                  for c, d in zip(model.init_pages(pool, page_size), dense, strict=True))
+    return pages, logits
+
+
+def _draw(key, rows, generated, logits, temperature, top_p, p: PagedProgram):
+    """One token per slot, slot s's from the key of (row ``rows[s]``, its token ``generated[s]``)."""
+    def one(row, index, row_logits):
+        k = jax.random.fold_in(jax.random.fold_in(key, row), index)
+        token, logprob = sample_tokens(k, row_logits[None], temperature=temperature, top_k=p.top_k,
+                                       top_p=top_p if p.use_top_p else None)
+        return token[0], logprob[0]
+
+    return jax.vmap(one)(rows, generated, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "program", "steps"), donate_argnames=("cache", "logits"))
+def _decode_round(graphdef, state, cache, logits, prompt_logits, page_table, lengths, generated, rows, active,
+                  admit_prompt, copy_src, copy_dst, key, temperature, top_p, *, program: PagedProgram, steps: int):
+    """Up to ``steps`` decode steps of S slots (stops early when no slot is active). First the round's admissions:
+    slots with ``admit_prompt`` >= 0 start from that prompt's logits, and page ``copy_src[s]`` is copied to
+    ``copy_dst[s]`` (a prompt's partial last page to a new row's own; scratch to scratch where nothing is copied).
+    Slot s holds row ``rows[s]`` with ``lengths[s]`` cache slots filled and ``generated[s]`` tokens sampled.
+    Returns the cache, logits, lengths, generated counts and still-active slots after the round, and its tokens,
+    log-probs and which of them are real ([S, steps])."""
+    p = program
+    model = nnx.merge(graphdef, state)
+    n = rows.shape[0]
+    logits = jnp.where((admit_prompt >= 0)[:, None], prompt_logits[jnp.maximum(admit_prompt, 0)], logits)
+    cache = tuple(PagedKV(c.k.at[:, copy_dst].set(c.k[:, copy_src]), c.v.at[:, copy_dst].set(c.v[:, copy_src]))
+                  for c in cache)
+    stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
+    slot_ids = jnp.arange(n)
+    carry = dict(i=jnp.zeros((), jnp.int32), cache=cache, logits=logits, lengths=lengths, generated=generated,
+                 active=active, tokens=jnp.full((n, steps), p.pad_id, jnp.int32),
+                 logprobs=jnp.zeros((n, steps), jnp.float32), real=jnp.zeros((n, steps), bool))
+
+    def body(c):
+        i, on = c["i"], c["active"]
+        token, logprob = _draw(key, rows, c["generated"], c["logits"], temperature, top_p, p)
+        token = jnp.where(on, token, p.pad_id)
+        generated = c["generated"] + on
+        done = jnp.any(token[:, None] == stops[None, :], axis=-1) | (generated >= p.max_new_tokens)
+        go_on = on & ~done  # rows whose token is decoded: its keys and values are the next step's context
+        at = c["lengths"]
+        page = jnp.where(go_on, page_table[slot_ids, at // p.page_size], SCRATCH_PAGE)
+        slots = PageSlots(page_table=page_table, lengths=at + 1, page=page,
+                          offset=jnp.where(go_on, at % p.page_size, 0))
+        hidden, cache = model.decode_paged(token[:, None], at[:, None], c["cache"], slots)
+        return dict(i=i + 1, cache=cache, logits=model.logits(hidden[:, 0]), lengths=at + go_on,
+                    generated=generated, active=go_on, tokens=c["tokens"].at[:, i].set(token),
+                    logprobs=c["logprobs"].at[:, i].set(jnp.where(on, logprob, 0.0)), real=c["real"].at[:, i].set(on))
+
+    out = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["active"]), body, carry)
+    return (out["cache"], out["logits"], out["lengths"], out["generated"], out["active"], out["tokens"],
+            out["logprobs"], out["real"])
+
+
+@dataclasses.dataclass
+class _Slot:
+    row: int
+    own: list[int]  # the row's own pages (the prompt's shared ones are not freed with it)
+    admitted: int  # admission order: the latest admitted is preempted first
+
+
+class PageScheduler:
+    """The host side of paged decoding: the free pages, which row each slot holds and each row's pages.
+
+    ``prompt_pages[i]``: prompt i's pages (its last one partial when ``prompt_lengths[i] % page_size``); row r
+    continues prompt ``r // num_generations``."""
+
+    def __init__(self, *, slots: int, free: list[int], prompt_pages: list[list[int]], prompt_lengths: list[int],
+                 num_generations: int, page_size: int, table_width: int):
+        self.page_size, self.g = page_size, num_generations
+        self.free = list(reversed(free))  # a stack: the lowest page ids are taken first
+        self.prompt_pages, self.prompt_lengths = prompt_pages, prompt_lengths
+        self.slots: list[_Slot | None] = [None] * slots
+        self.waiting = collections.deque(range(len(prompt_lengths) * num_generations))
+        self.page_table = np.zeros((slots, table_width), np.int32)
+        self.lengths = np.zeros(slots, np.int32)
+        self.preempted = 0
+        self.peak_pages = 0  # the most pages rows owned at once (the prompts' pages not counted)
+        self._admissions = 0
+
+    def _shared(self, prompt: int) -> list[int]:
+        """The prompt's pages a row reads without owning them: its full ones."""
+        return self.prompt_pages[prompt][:self.prompt_lengths[prompt] // self.page_size]
+
+    def _need(self, slot: int, steps: int) -> int:
+        """Pages slot ``slot``'s row lacks for its next ``steps`` tokens."""
+        s = self.slots[slot]
+        have = len(self._shared(s.row // self.g)) + len(s.own)
+        return max(pages_for(int(self.lengths[slot]) + steps, self.page_size) - have, 0)
+
+    def _take(self, slot: int, count: int) -> None:
+        s = self.slots[slot]
+        for _ in range(count):
+            s.own.append(self.free.pop())
+        row = self._shared(s.row // self.g) + s.own
+        self.page_table[slot, :len(row)] = row
+
+    def release(self, slot: int) -> int:
+        """Free slot ``slot`` and its row's own pages; returns the row."""
+        s = self.slots[slot]
+        self.free.extend(reversed(s.own))
+        self.slots[slot] = None
+        self.page_table[slot] = SCRATCH_PAGE
+        return s.row
+
+    def schedule(self, steps: int) -> tuple[dict[int, int], list[int]]:
+        """Make room for every running row's next ``steps`` tokens, oldest first, preempting the rows admitted last
+        when the pool runs out; then fill free slots with waiting rows while pages allow. Returns the admissions
+        (slot -> row) and the rows preempted (back at the front of the waiting queue, to start again)."""
+        preempted: list[int] = []
+        for slot in sorted((i for i, s in enumerate(self.slots) if s is not None),
+                           key=lambda i: self.slots[i].admitted):
+            if self.slots[slot] is None:  # preempted for an older row
+                continue
+            need = self._need(slot, steps)
+            while need > len(self.free) and self.slots[slot] is not None:
+                youngest = max((i for i, s in enumerate(self.slots) if s is not None),
+                               key=lambda i: self.slots[i].admitted)
+                row = self.release(youngest)
+                preempted.append(row)
+                self.waiting.appendleft(row)
+                self.preempted += 1
+            if self.slots[slot] is not None:
+                self._take(slot, need)
+        admitted: dict[int, int] = {}
+        for slot in range(len(self.slots)):
+            if self.slots[slot] is not None or not self.waiting:
+                continue
+            row = self.waiting[0]
+            prompt = row // self.g
+            if pages_for(self.prompt_lengths[prompt] + steps, self.page_size) - len(self._shared(prompt)) > len(
+                    self.free):
+                break
+            self.waiting.popleft()
+            self.slots[slot] = _Slot(row=row, own=[], admitted=self._admissions)
+            self._admissions += 1
+            self.lengths[slot] = self.prompt_lengths[prompt]
+            self.page_table[slot] = SCRATCH_PAGE
+            self._take(slot, self._need(slot, steps))
+            admitted[slot] = row
+        self.peak_pages = max(self.peak_pages, sum(len(s.own) for s in self.slots if s is not None))
+        return admitted, preempted
+
+
+def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucket_pages: int,
+               max_new_tokens: int) -> int:
+    """The pool's size: ``kv.pages`` (an error when it cannot hold the ``prompt_pages`` and one whole row), or
+    enough for every slot's longest completion beside ``prompt_bucket_pages`` (the prompt pages of the generation's
+    buckets: the size, a compiled shape, stays the same from call to call)."""
+    per_row = pages_for(max_new_tokens, kv.page_size) + 2  # a partial prompt page's copy, and a round's look-ahead
+    least = 1 + prompt_pages + per_row
+    if kv.pages and kv.pages < least:
+        raise ValueError(f"rollout.kv.pages={kv.pages} cannot hold one whole row of this generation (scratch page + "
+                         f"{prompt_pages} prompt pages + {per_row} for a completion of {max_new_tokens} tokens); "
+                         f"use rollout.kv.pages >= {least}, or 0 for enough for every slot")
+    return kv.pages or 1 + prompt_bucket_pages + slots * per_row
+
+
+def generate_paged(graphdef, state, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
+                   seed: int, kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket) -> dict:
+    """Rows ``p*G .. p*G+G-1`` continuing each prompt, decoded with a paged cache (see the module docstring).
+    Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens], ``stopped`` [N] and the counts
+    ``preempted`` (rows), ``pool``, ``peak_pages`` (the most the rows owned at once), ``prompt_pages`` and
+    ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots
+    runs with (bucketed, so that few programs compile)."""
+    page = kv.page_size
+    rows = len(prompt_ids) * num_generations
+    lengths = [len(p) for p in prompt_ids]
+    width = pages_for(max(lengths), math.lcm(page, prompt_bucket)) * math.lcm(page, prompt_bucket)
+    prompts = slot_bucket(len(prompt_ids))
+    slots = slot_bucket(min(kv.slots or rows, rows))
+    pool = pool_pages(kv, slots=slots, prompt_pages=sum(pages_for(n, page) for n in lengths),
+                      prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens)
+    free = list(range(1, pool))
+    prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in lengths]
+    page_ids = np.full((prompts, width // page), SCRATCH_PAGE, np.int32)
+    ids, mask = np.full((prompts, width), pad_id, np.int32), np.zeros((prompts, width), np.int32)
+    for i, (tokens, own) in enumerate(zip(prompt_ids, prompt_pages)):
+        ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
+    mask[len(prompt_ids):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
+    # The view a decode step runs on (layers unstacked, adapters merged), made once for the whole generation.
+    view_graphdef, view_state = nnx.split(decoding_view(nnx.merge(graphdef, state)))
+    cache, prompt_logits = _prefill(view_graphdef, view_state, ids, mask, page_ids, pool=pool, page_size=page)
+    sched = PageScheduler(slots=slots, free=free, prompt_pages=prompt_pages, prompt_lengths=lengths,
+                          num_generations=num_generations, page_size=page,
+                          table_width=pages_for(width + params.max_new_tokens, page) + 1)
+    program = PagedProgram(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
+                           use_top_p=params.top_p < 1.0, stop_token_ids=tuple(int(t) for t in params.stop_token_ids),
+                           pad_id=pad_id, page_size=page)
+    key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
+    out_tokens = [[] for _ in range(rows)]
+    out_logprobs = [[] for _ in range(rows)]
+    generated, active = np.zeros(slots, np.int32), np.zeros(slots, bool)
+    slot_rows = np.zeros(slots, np.int32)
+    logits = jnp.zeros((slots, prompt_logits.shape[-1]), prompt_logits.dtype)
+    done, rounds = 0, 0
+    # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
+    # far above any real schedule, so that a scheduling fault fails instead of looping.
+    most_rounds = 4 * rows * (pages_for(params.max_new_tokens, page) + 2)
+    while done < rows:
+        if rounds > most_rounds:
+            raise RuntimeError(f"paged sampler: {rows - done} of {rows} rows unfinished after {rounds} rounds "
+                               f"({sched.preempted} preemptions); a scheduling fault")
+        admitted, preempted = sched.schedule(page)
+        for row in preempted:
+            out_tokens[row], out_logprobs[row] = [], []
+        active = np.array([s is not None for s in sched.slots])
+        if not active.any():  # cannot happen with a pool of at least pool_pages' least; never loop on nothing
+            raise RuntimeError(f"paged sampler: {len(sched.waiting)} rows wait and no slot can take one "
+                               f"({len(sched.free)} free pages)")
+        admit_prompt = np.full(slots, -1, np.int32)
+        copy_src = np.full(slots, SCRATCH_PAGE, np.int32)
+        copy_dst = np.full(slots, SCRATCH_PAGE, np.int32)
+        for slot, row in admitted.items():
+            prompt = row // num_generations
+            slot_rows[slot], generated[slot], admit_prompt[slot] = row, 0, prompt
+            if lengths[prompt] % page:  # the partial last prompt page becomes the row's first own page
+                copy_src[slot], copy_dst[slot] = prompt_pages[prompt][-1], sched.slots[slot].own[0]
+        cache, logits, new_lengths, new_generated, still, tokens, logprobs, real = _decode_round(
+            view_graphdef, view_state, cache, logits, prompt_logits, sched.page_table.copy(), sched.lengths.copy(),
+            generated, slot_rows, active, admit_prompt, copy_src, copy_dst, key, temperature, top_p,
+            program=program, steps=page)
+        rounds += 1
+        new_lengths, new_generated, still, tokens, logprobs, real = jax.device_get(
+            (new_lengths, new_generated, still, tokens, logprobs, real))
+        sched.lengths[:], generated[:] = new_lengths, new_generated
+        for slot in np.flatnonzero(active):
+            row, keep = int(slot_rows[slot]), real[slot]
+            out_tokens[row].extend(tokens[slot][keep].tolist())
+            out_logprobs[row].extend(logprobs[slot][keep].tolist())
+            if not still[slot]:
+                sched.release(int(slot))
+                done += 1
+    return _rows(out_tokens, out_logprobs, params, pad_id) | dict(
+        preempted=sched.preempted, pool=pool, rounds=rounds, peak_pages=sched.peak_pages,
+        prompt_pages=sum(map(len, prompt_pages)))
+
+
+def _rows(tokens: list[list[int]], logprobs: list[list[float]], params: SamplingParams, pad_id: int) -> dict:
+    n, width = len(tokens), params.max_new_tokens
+    ids, mask = np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32)
+    lp, stopped = np.zeros((n, width), np.float32), np.zeros(n, bool)
+    stops = set(int(t) for t in params.stop_token_ids)
+    for r, (t, l) in enumerate(zip(tokens, logprobs)):
+        ids[r, :len(t)], mask[r, :len(t)], lp[r, :len(t)] = t, 1, l
+        stopped[r] = bool(t) and t[-1] in stops
+    return dict(tokens=ids, mask=mask, logprobs=lp, stopped=stopped)

@@ -1,0 +1,139 @@
+"""The paged sampler (``rollout.kv.layout = "paged"``): sampled log-probs equal a full forward over the same
+tokens (prompts ending inside a page, on a page boundary, one token long; rows decoded in fewer slots than rows; a
+pool small enough to preempt), near-greedy tokens equal the dense sampler's and greedy decoding by full forwards,
+a row's tokens do not depend on the slots, the pool or the page size, and the scheduler keeps every page in exactly
+one place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rollout_testlib import PAD, full_forward_logprobs, greedy_by_full_forward, random_prompts, tiny_model
+
+from jrl.rollout import SamplingParams
+from jrl.rollout.jax_engine import JaxRolloutEngine
+from jrl.rollout.kv_config import KVCacheConfig
+from jrl.rollout.paged import SCRATCH_PAGE, PageScheduler, generate_paged, pages_for
+from jrl.rollout.jax_engine import row_bucket
+from flax import nnx
+
+LENGTHS = [1, 8, 13, 17, 5]
+STOPS = (5, 9, 17)
+
+
+def _paged(model, prompts, params, kv, *, g=3, seed=7):
+    graphdef, state = nnx.split(model)
+    return generate_paged(graphdef, state, prompts, params, num_generations=g, seed=seed, kv=kv, pad_id=PAD,
+                          prompt_bucket=8, slot_bucket=row_bucket)
+
+
+def _batch(model, prompts, params, kv, g=3, seed=7):
+    return JaxRolloutEngine(model, pad_id=PAD, prompt_bucket=8, kv=kv).generate(prompts, params, num_generations=g,
+                                                                              seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe", "qwen2_bias"])
+def test_paged_logprobs_match_a_full_forward_with_few_slots_and_preemption(kind):
+    model = tiny_model(kind, seed=3)
+    prompts = random_prompts(np.random.default_rng(2), LENGTHS)
+    params = SamplingParams(max_new_tokens=30, temperature=0.7, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, slots=6, pages=16)
+    out = _paged(model, prompts, params, kv)
+    assert out["preempted"] > 0 and out["pool"] == 16
+    batch = _batch(model, prompts, params, kv)
+    assert np.array_equal(batch.completion_ids, out["tokens"])
+    mask = batch.completion_mask.astype(bool)
+    assert mask.any() and (~mask).any() and batch.truncated.any() and (~batch.truncated).any()
+    reference = full_forward_logprobs(model, batch, 0.7)
+    assert np.isfinite(batch.sampling_logprobs).all() and (batch.sampling_logprobs[mask] < 0).all()
+    assert np.abs(batch.sampling_logprobs - reference)[mask].max() <= 1e-4
+    assert (batch.sampling_logprobs[~mask] == 0).all() and (batch.completion_ids[~mask] == PAD).all()
+
+
+def test_near_greedy_paged_tokens_equal_the_dense_sampler_and_full_forward_greedy():
+    model = tiny_model("llama", seed=4)
+    prompts = random_prompts(np.random.default_rng(3), LENGTHS)
+    params = SamplingParams(max_new_tokens=20, temperature=1e-6, stop_token_ids=STOPS)
+    dense = _batch(model, prompts, params, KVCacheConfig())
+    paged = _batch(model, prompts, params, KVCacheConfig(layout="paged", page_size=8, slots=4))
+    assert np.array_equal(paged.completion_ids, dense.completion_ids)
+    assert np.array_equal(paged.completion_mask, dense.completion_mask)
+    assert np.array_equal(paged.truncated, dense.truncated) and np.array_equal(paged.prompt_ids, dense.prompt_ids)
+    greedy = greedy_by_full_forward(model, prompts, 20, STOPS)
+    for r in range(len(paged.completion_ids)):
+        n = int(paged.completion_mask[r].sum())
+        assert paged.completion_ids[r, :n].tolist() == greedy[r // 3]
+
+
+def test_a_rows_tokens_do_not_depend_on_slots_pool_or_page_size():
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(4), LENGTHS)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
+    runs = [_paged(model, prompts, params, kv) for kv in (
+        KVCacheConfig(layout="paged"), KVCacheConfig(layout="paged", page_size=8, slots=2),
+        KVCacheConfig(layout="paged", page_size=16, slots=5, pages=12), KVCacheConfig(layout="paged", page_size=8,
+                                                                                      slots=16, pages=14))]
+    assert runs[0]["preempted"] == 0 and runs[2]["preempted"] + runs[3]["preempted"] > 0
+    lengths = runs[0]["mask"].sum(1)
+    assert len(set(lengths.tolist())) > 3  # ragged
+    for run in runs[1:]:
+        assert np.array_equal(run["tokens"], runs[0]["tokens"]) and np.array_equal(run["mask"], runs[0]["mask"])
+        assert np.abs(run["logprobs"] - runs[0]["logprobs"]).max() <= 1e-5
+    other_seed = _paged(model, prompts, params, KVCacheConfig(layout="paged"), seed=8)
+    assert not np.array_equal(other_seed["tokens"], runs[0]["tokens"])
+
+
+def test_the_scheduler_keeps_every_page_in_one_place():
+    """Random stops drive the scheduler round after round: a page is free, a prompt's or one running row's, never
+    two of them; the scratch page is nobody's; each running row has the pages of its next round; preemption takes
+    the row admitted last; every row finishes."""
+    rng = np.random.default_rng(0)
+    page, steps, g = 4, 4, 2
+    lengths = [1, 4, 7, 9]
+    pool = 18
+    free = list(range(1, pool))
+    prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in lengths]
+    sched = PageScheduler(slots=3, free=free, prompt_pages=prompt_pages, prompt_lengths=lengths, num_generations=g,
+                          page_size=page, table_width=12)
+    prompt_owned = {p for pages in prompt_pages for p in pages}
+    finished, grown = set(), {}
+    for _ in range(200):
+        if len(finished) == len(lengths) * g:
+            break
+        before = {s.row: s.admitted for s in sched.slots if s is not None}
+        admitted, preempted = sched.schedule(steps)
+        for row in preempted:
+            grown.pop(row, None)
+        running = [(i, s) for i, s in enumerate(sched.slots) if s is not None]
+        assert running, "a round with nothing to run"
+        owned = [p for _, s in running for p in s.own]
+        assert len(owned) == len(set(owned)) and not set(owned) & set(sched.free) and not set(owned) & prompt_owned
+        assert SCRATCH_PAGE not in owned and SCRATCH_PAGE not in sched.free
+        assert len(owned) + len(sched.free) + len(prompt_owned) == pool - 1
+        for i, s in running:
+            table = sched.page_table[i][:pages_for(int(sched.lengths[i]) + steps, page)]
+            assert SCRATCH_PAGE not in table and set(table) <= prompt_owned | set(s.own)
+        if preempted:  # the rows preempted were admitted after every row still running
+            assert max(before[r] for r in preempted) > max(before.get(s.row, -1) for _, s in running)
+        for i, s in running:  # each running row writes up to ``steps`` tokens, or stops
+            n = int(rng.integers(1, steps + 1))
+            sched.lengths[i] += n
+            grown[s.row] = grown.get(s.row, 0) + n
+            if rng.random() < 0.25 or grown[s.row] > 20:
+                finished.add(sched.release(i))
+    assert len(finished) == len(lengths) * g and sorted(sched.free) == free and sched.preempted > 0
+
+
+def test_paged_errors_name_the_knob():
+    model = tiny_model("llama", seed=3)
+    prompts = random_prompts(np.random.default_rng(2), LENGTHS)
+    params = SamplingParams(max_new_tokens=30, temperature=0.7)
+    with pytest.raises(ValueError, match=r"rollout\.kv\.pages=8 cannot hold one whole row.*use rollout\.kv\.pages >= "):
+        _paged(model, prompts, params, KVCacheConfig(layout="paged", page_size=8, pages=8))
+    engine = JaxRolloutEngine(model, pad_id=PAD, kv=KVCacheConfig(layout="paged"))
+    with pytest.raises(ValueError, match=r"keeps no decode sessions"):
+        engine.start_session(prompts, params, num_generations=1, seed=0)
+    with pytest.raises(ValueError, match=r"sliding window \(3\): use rollout\.kv\.layout='dense'"):
+        _batch(tiny_model("mixtral_sliding"), prompts, params, KVCacheConfig(layout="paged"))
+    with pytest.raises(ValueError, match=r"KVCacheConfig\.layout"):
+        KVCacheConfig(layout="blocked")

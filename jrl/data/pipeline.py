@@ -48,8 +48,10 @@ STATE_VERSION = 1
 # Rendering and tokenizing
 
 
-def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = None) -> str:
-    """Text of one prompt: through the chat template (with the generation prompt) or as is."""
+def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = None,
+                  tools: list[dict] | None = None) -> str:
+    """Text of one prompt: through the chat template (with the generation prompt; ``tools``: the tools it declares,
+    as ``apply_chat_template(tools=...)`` takes them) or as is."""
     where = f"row {row}" if row is not None else "prompt"
     if cfg.use_chat_template:
         if isinstance(prompt, str):
@@ -68,7 +70,8 @@ def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = 
         if cfg.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **({"tools": tools} if tools else {}))
         except Exception as e:
             raise ValueError(f"{where}: the tokenizer's chat template failed: {type(e).__name__}: {e}") from e
         return text
@@ -78,6 +81,22 @@ def render_prompt(prompt: Any, cfg: DataConfig, tokenizer, *, row: int | None = 
             f"plain-text prompts; set use_chat_template=True for chat messages"
         )
     return prompt
+
+
+def _check_tools_rendered(cfg: DataConfig, tokenizer, tools: list[dict]) -> None:
+    """A warning when the prompts cannot declare ``tools``: plain-text prompts, or a chat template that renders
+    the same text with and without them."""
+    names = [t.get("function", t).get("name") for t in tools]
+    if not cfg.use_chat_template:
+        why = "use_chat_template=False: plain-text prompts declare no tools"
+    else:
+        probe = [{"role": "user", "content": "1+1"}]
+        plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        if tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, tools=tools) != plain:
+            return
+        why = "the tokenizer's chat template ignores tools= (it renders no tool declarations)"
+    logger.warning("jrl.data: the model may call tools %s, but %s; describe them in data.system_prompt, or use a "
+                   "tokenizer whose template declares tools (Qwen's, Llama 3.1's)", names, why)
 
 
 @dataclasses.dataclass
@@ -134,8 +153,9 @@ class PromptDataset:
         return h.hexdigest()
 
 
-def build_prompt_dataset(cfg: DataConfig, tokenizer) -> PromptDataset:
-    """Load ``cfg.source``, render and tokenize every prompt, drop over-long ones."""
+def build_prompt_dataset(cfg: DataConfig, tokenizer, *, tools: list[dict] | None = None) -> PromptDataset:
+    """Load ``cfg.source``, render and tokenize every prompt, drop over-long ones. ``tools``: tools every prompt
+    declares through the chat template (a multi-turn environment's, :func:`jrl.envs.prompt_tools`)."""
     records = load_records(cfg)
     if cfg.max_examples is not None:
         records = records[: cfg.max_examples]
@@ -157,7 +177,9 @@ def build_prompt_dataset(cfg: DataConfig, tokenizer) -> PromptDataset:
             "DataConfig.use_chat_template=True but the tokenizer has no chat template; "
             "set use_chat_template=False or use a tokenizer with one"
         )
-    texts = [render_prompt(r[cfg.prompt_column], cfg, tokenizer, row=i) for i, r in enumerate(records)]
+    if tools:
+        _check_tools_rendered(cfg, tokenizer, tools)
+    texts = [render_prompt(r[cfg.prompt_column], cfg, tokenizer, row=i, tools=tools) for i, r in enumerate(records)]
     # A chat template writes its own special tokens (BOS); plain text gets the tokenizer's defaults.
     ids = tokenizer(texts, add_special_tokens=not cfg.use_chat_template)["input_ids"]
     ids = [list(map(int, x)) for x in ids]

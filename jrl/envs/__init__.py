@@ -4,10 +4,10 @@ call format (:mod:`jrl.envs.tools`), a sandbox for model-written Python (:mod:`j
 environments (:mod:`jrl.envs.builtin`, registered on import)."""
 
 from jrl.envs import builtin  # noqa: F401  (registers the built-in environments)
-from jrl.envs.base import ENVIRONMENTS, Environment, Episode, StepResult
+from jrl.envs.base import ENVIRONMENTS, Environment, Episode, StepResult, prompt_tools
 from jrl.envs.config import EnvConfig
 from jrl.envs.episodes import EnvSteps, EpisodeRollout, run_episodes
 from jrl.envs.tools import TOOLS, ToolCall, parse_tool_calls, register_tool
 
 __all__ = ["ENVIRONMENTS", "TOOLS", "EnvConfig", "EnvSteps", "Environment", "Episode", "EpisodeRollout", "StepResult",
-           "ToolCall", "parse_tool_calls", "register_tool", "run_episodes"]
+           "ToolCall", "prompt_tools", "parse_tool_calls", "register_tool", "run_episodes"]

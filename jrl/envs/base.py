@@ -49,7 +49,20 @@ class Environment(Protocol):
         (the prompt text the model read)."""
         ...
 
+    def prompt_tools(self) -> list[dict]:
+        """The tools the model may call, as ``tokenizer.apply_chat_template(..., tools=...)`` takes them (the
+        prompts declare them through the chat template); empty for an environment without tools."""
+        ...
+
 
 #: ``env.name`` → factory ``(EnvConfig) -> Environment``; the built-in ones register in :mod:`jrl.envs.builtin`.
 ENVIRONMENTS = Registry("environment", "env.name",
                         how_to_register="@ENVIRONMENTS.register(name) on a factory (EnvConfig) -> Environment")
+
+
+def prompt_tools(cfg) -> list[dict] | None:
+    """The tools the prompts of a run with ``env`` section ``cfg`` declare (:meth:`Environment.prompt_tools`), or
+    None: no environment, or one without tools."""
+    if cfg.name is None:
+        return None
+    return ENVIRONMENTS.get(cfg.name)(cfg).prompt_tools() or None

@@ -11,7 +11,7 @@ import re
 
 from jrl.envs.base import ENVIRONMENTS, StepResult
 from jrl.envs.config import EnvConfig
-from jrl.envs.tools import TOOLS, parse_tool_calls, run_tool_call, tool_response
+from jrl.envs.tools import TOOLS, parse_tool_calls, run_tool_call, tool_response, tool_schemas
 
 _TAGGED = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 _NUMBER = re.compile(r"-?\d+")
@@ -59,6 +59,9 @@ class HigherLower:
     def reset(self, row: dict) -> HigherLowerEpisode:
         return HigherLowerEpisode(_target(row), self.decay)
 
+    def prompt_tools(self) -> list[dict]:
+        return []
+
 
 @dataclasses.dataclass
 class ToolEpisode:
@@ -83,6 +86,9 @@ class ToolUse:
 
     def reset(self, row: dict) -> ToolEpisode:
         return ToolEpisode(_target(row), self.tools)
+
+    def prompt_tools(self) -> list[dict]:
+        return tool_schemas(self.tools)
 
 
 @ENVIRONMENTS.register("higher_lower")

@@ -104,10 +104,11 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", "<br>")
 
 
-def split_eval_prompts(cfg: EvalConfig, data: DataConfig, train: PromptDataset,
-                       tokenizer) -> tuple[PromptDataset, PromptDataset]:
+def split_eval_prompts(cfg: EvalConfig, data: DataConfig, train: PromptDataset, tokenizer, *,
+                       tools: list[dict] | None = None) -> tuple[PromptDataset, PromptDataset]:
     """(the training prompts, the eval prompts): the last ``holdout`` of ``train`` when ``cfg.source`` is None,
-    else ``train`` and the prompts of ``cfg.source`` rendered as the ``data`` section renders prompts."""
+    else ``train`` and the prompts of ``cfg.source`` rendered as the ``data`` section renders prompts (declaring
+    ``tools`` as the training prompts do)."""
     if cfg.source is None:
         if not 0 < cfg.holdout < len(train):
             raise invalid("EvalConfig", "holdout", cfg.holdout,
@@ -116,4 +117,4 @@ def split_eval_prompts(cfg: EvalConfig, data: DataConfig, train: PromptDataset,
     eval_data = DataConfig(source=cfg.source, prompt_column=data.prompt_column,
                            use_chat_template=data.use_chat_template, system_prompt=data.system_prompt,
                            max_prompt_length=data.max_prompt_length, shuffle=False)
-    return train, build_prompt_dataset(eval_data, tokenizer)
+    return train, build_prompt_dataset(eval_data, tokenizer, tools=tools)

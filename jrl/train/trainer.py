@@ -48,6 +48,7 @@ from typing import Any
 import jax
 
 from jrl.data.pipeline import PromptLoader, build_prompt_dataset
+from jrl.envs import prompt_tools
 from jrl.rollout.base import RolloutEngine
 from jrl.sharding import any_process, barrier, is_main_process
 from jrl.train.algorithms import ALGORITHMS
@@ -74,9 +75,10 @@ class Trainer:
         check_processes(cfg)
         policy = load_policy(cfg)
         self.tokenizer, self.pad_id, self.mesh = policy.tokenizer, policy.pad_id, policy.mesh
-        prompts = build_prompt_dataset(cfg.data, self.tokenizer)
+        tools = prompt_tools(cfg.env)
+        prompts = build_prompt_dataset(cfg.data, self.tokenizer, tools=tools)
         if cfg.eval_every:
-            prompts, eval_prompts = split_eval_prompts(cfg.eval, cfg.data, prompts, self.tokenizer)
+            prompts, eval_prompts = split_eval_prompts(cfg.eval, cfg.data, prompts, self.tokenizer, tools=tools)
         self.loader = PromptLoader(prompts, cfg.data)
         self.learner = Learner(policy.model, cfg.optim, total_updates=cfg.max_steps * cfg.updates_per_step,
                                mesh=policy.mesh, rules=policy.rules)

@@ -73,3 +73,55 @@ def test_higher_lower_hints_and_decays():
     done = episode.step("<answer>12</answer>", [])
     assert done.done and done.reward == 0.5 ** 3
     assert read_answer("<answer> -3 </answer> or 7") == -3 and read_answer("7 then 8") == 8 and read_answer("") is None
+
+
+#: A ChatML template that declares tools the way Qwen's does (a system block listing each tool's JSON schema).
+TOOLS_TEMPLATE = ("{%- if tools -%}{{- '<|im_start|>system\\n# Tools\\n<tools>' -}}{%- for t in tools -%}"
+                  "{{- '\\n' ~ (t | tojson) -}}{%- endfor -%}{{- '\\n</tools>' ~ eos_token ~ '\\n' -}}{%- endif -%}"
+                  "{%- for m in messages -%}{{- '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] ~ eos_token ~ '\\n' -}}"
+                  "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_a_tools_run_declares_its_tools_in_every_prompt(tmp_path):
+    """The ``tools`` environment's tools reach the chat template (``tools=``) of every training and held-out prompt;
+    ``higher_lower`` declares none."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from jrl.data.config import DataConfig
+    from jrl.envs import prompt_tools
+    from jrl.train.config import ModelSpec, TrainConfig
+    from jrl.train.evaluation import EvalConfig
+    from jrl.train.trainer import Trainer
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "models" / "tiny-arithmetic", model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    env = EnvConfig(name="tools", tools=("calculator", "python"))
+    cfg = TrainConfig(model=ModelSpec(path=str(model_dir)), rewards=(), env=env, output_dir=str(tmp_path / "run"),
+                      eval_every=1, eval=EvalConfig(holdout=4), data=DataConfig(max_prompt_length=1024, max_examples=16))
+    trainer = Trainer(cfg, progress=False)
+    texts = trainer.loader.dataset.prompt_texts + trainer.evaluator.prompts.prompt_texts
+    assert len(texts) > 4
+    for text in texts:
+        assert text.startswith("<|im_start|>system\n# Tools\n<tools>")
+        assert '"name": "calculator"' in text and '"name": "python"' in text and '"expression"' in text
+    assert prompt_tools(EnvConfig(name="higher_lower")) is None and prompt_tools(EnvConfig()) is None
+
+
+def test_a_template_that_ignores_tools_is_warned_about(caplog):
+    import logging
+
+    from jrl.data.config import DataConfig
+    from jrl.data.pipeline import build_prompt_dataset
+    from jrl.data.tokenizer import load_byte_tokenizer
+
+    tools = tool_schemas(("calculator",))
+    with caplog.at_level(logging.WARNING, logger="jrl.data.pipeline"):
+        data = build_prompt_dataset(DataConfig(max_examples=4), load_byte_tokenizer(), tools=tools)
+    assert data.prompt_texts == build_prompt_dataset(DataConfig(max_examples=4), load_byte_tokenizer()).prompt_texts
+    warnings = [r.getMessage() for r in caplog.records if "tools" in r.getMessage()]
+    assert len(warnings) == 1 and "['calculator']" in warnings[0] and "ignores tools=" in warnings[0]
+    assert "data.system_prompt" in warnings[0]

@@ -81,11 +81,8 @@ def paged_memory(engine, cfg, prompts, params, args) -> dict:
     """KV bytes of the dense layout and of the paged pool for this generation, and what the rows held at most
     (one more paged generation, seed 0)."""
     from jrl.rollout.jax_engine import row_bucket
-    from jrl.rollout.paged import generate_paged
 
-    graphdef, state, _ = engine._weights()
-    stats = generate_paged(graphdef, state, prompts, params, num_generations=args.generations, seed=0, kv=engine.kv,
-                           pad_id=0, prompt_bucket=args.prompt, slot_bucket=row_bucket)
+    stats = engine.paged_generation(prompts, params, num_generations=args.generations, seed=0)
     slot_bytes = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim  # K and V, bf16
     page_bytes = slot_bytes * args.page_size
     gib = 2 ** 30

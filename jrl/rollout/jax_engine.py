@@ -268,7 +268,8 @@ class JaxRolloutEngine:
     ``pad_id``: the id filling prompt padding and completion slots after a stop (the policy's, see
     :func:`jrl.train.policy.load_policy`). ``prompt_bucket``: prompts are left-padded to
     a multiple of this many tokens, so the program compiles once per bucket. ``kv``: the KV cache's layout; a
-    ``paged`` one (:mod:`jrl.rollout.paged`, one device) generates, but keeps no sessions.
+    ``paged`` one (:mod:`jrl.rollout.paged`; one part of the prompts per device of a data-parallel layout) generates,
+    but keeps no sessions.
 
     Concurrent use (a producer thread calls :meth:`generate` while the trainer calls :meth:`sync_weights`):
     a ``generate`` call takes the arrays and version of the latest sync once, under a lock, and samples
@@ -297,9 +298,9 @@ class JaxRolloutEngine:
         self.copies_weights = self.mesh is not None and (self.mesh, self.rules) != (model_mesh, freeze_rules(model_rules))
         self.pad_id = int(pad_id)
         self.prompt_bucket = int(prompt_bucket)
-        if kv.layout == "paged" and self.mesh is not None and self.mesh.size > 1:
-            raise ValueError(f"rollout.kv.layout='paged' decodes on one device; this sampler's mesh has "
-                             f"{self.mesh.size}: use rollout.kv.layout='dense' on a mesh")
+        if kv.layout == "paged" and self.mesh is not None and len(self.mesh.local_devices) < self.mesh.size:
+            raise ValueError("rollout.kv.layout='paged' decodes on the devices of one process; this sampler's mesh "
+                             "spans several processes: use rollout.kv.layout='dense'")
         self.kv = kv
         if kv.layout == "paged":  # conversations are not kept (episodes prefill each turn)
             self.capabilities = type(self).capabilities - {"sessions"}
@@ -414,10 +415,37 @@ class JaxRolloutEngine:
         return batch, DecodeSession(*kept, last_tokens=self._last_tokens(batch), rows=rows, graphdef=graphdef,
                                     state=state, version=version)
 
-    def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
+    def _device_states(self, state) -> list:
+        """The weights on each of the mesh's devices (a paged generation runs one part per device): the arrays'
+        own single-device shards, which needs every weight whole on every device."""
+        if self.mesh is None or self.mesh.size == 1:
+            return [state]
+        leaves = jax.tree.leaves(state)
+        split = [x for x in leaves if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated]
+        if split:
+            raise ValueError(f"rollout.kv.layout='paged' needs the whole model on every device of the sampler's mesh "
+                             f"({len(split)} weights are split over it); use a data-parallel rollout.mesh (the "
+                             "default, data=-1 fsdp=1 tensor=1) or rollout.kv.layout='dense'")
+
+        def on(device):
+            def shard(x):
+                if not isinstance(x, jax.Array):
+                    return x
+                return next(s.data for s in x.addressable_shards if s.device == device)
+            return jax.tree.map(shard, state)
+
+        return [on(d) for d in self.mesh.devices.flat]
+
+    def paged_generation(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> dict:
+        """What :meth:`generate` computes with ``kv.layout='paged'``, as :func:`jrl.rollout.paged.generate_paged`
+        returns it (the rows' arrays and the pool's counts: pages, preemptions, rounds), and the weights' version."""
         graphdef, state, version = self._weights()
-        out = generate_paged(graphdef, state, prompt_ids, params, num_generations=num_generations, seed=seed,
-                             kv=self.kv, pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket)
+        return generate_paged(graphdef, self._device_states(state), prompt_ids, params,
+                              num_generations=num_generations, seed=seed, kv=self.kv, pad_id=self.pad_id,
+                              prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket) | dict(version=version)
+
+    def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
+        out = self.paged_generation(prompt_ids, params, num_generations=num_generations, seed=seed)
         if out["preempted"]:
             logger.info("paged sampler: %d rows gave their pages back and started again (pool of %d pages; "
                         "rollout.kv.pages)", out["preempted"], out["pool"])
@@ -425,7 +453,7 @@ class JaxRolloutEngine:
                              multiple_of=self.prompt_bucket)
         return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=out["tokens"],
                             completion_mask=out["mask"], sampling_logprobs=out["logprobs"],
-                            truncated=~out["stopped"], policy_version=version)
+                            truncated=~out["stopped"], policy_version=out["version"])
 
     @staticmethod
     def _batch(out, rows: int, prompt_ids, prompt_mask, version: int) -> tuple[RolloutBatch, tuple]:

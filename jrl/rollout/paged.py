@@ -21,7 +21,12 @@ sampler draws one key per step for all rows instead; the two agree in distributi
 agree token for token when sampling is near greedy, which the tests use).
 
 Memory: the pool holds the prompts once and ``slots`` rows' completions as they grow, against the dense layout's
-``rows x (prompt + max_new_tokens)`` slots. One device only (a mesh decodes with the dense layout).
+``rows x (prompt + max_new_tokens)`` slots.
+
+Several devices (a data-parallel sampler mesh, every device holding the whole model): each device takes a
+contiguous part of the prompts with all their rows, and runs its own pool, slots and scheduler; the host starts
+every device's round before it reads the first one back, so the devices decode side by side. ``slots`` and
+``pages`` are per device.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from flax import nnx
 
 from jrl.models.layers import PageSlots, PagedKV
 from jrl.models.lora import decoding_view
+from jrl.models.transformer import on_mesh
 from jrl.rollout.base import SamplingParams
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.sampling import sample_tokens
@@ -240,84 +246,119 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
     return kv.pages or 1 + prompt_bucket_pages + slots * per_row
 
 
-def generate_paged(graphdef, state, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
-                   seed: int, kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket) -> dict:
-    """Rows ``p*G .. p*G+G-1`` continuing each prompt, decoded with a paged cache (see the module docstring).
-    Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens], ``stopped`` [N] and the counts
-    ``preempted`` (rows), ``pool``, ``peak_pages`` (the most the rows owned at once), ``prompt_pages`` and
-    ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots
-    runs with (bucketed, so that few programs compile)."""
-    page = kv.page_size
-    rows = len(prompt_ids) * num_generations
-    lengths = [len(p) for p in prompt_ids]
-    width = pages_for(max(lengths), math.lcm(page, prompt_bucket)) * math.lcm(page, prompt_bucket)
-    prompts = slot_bucket(len(prompt_ids))
-    slots = slot_bucket(min(kv.slots or rows, rows))
-    pool = pool_pages(kv, slots=slots, prompt_pages=sum(pages_for(n, page) for n in lengths),
-                      prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens)
-    free = list(range(1, pool))
-    prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in lengths]
-    page_ids = np.full((prompts, width // page), SCRATCH_PAGE, np.int32)
-    ids, mask = np.full((prompts, width), pad_id, np.int32), np.zeros((prompts, width), np.int32)
-    for i, (tokens, own) in enumerate(zip(prompt_ids, prompt_pages)):
-        ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
-    mask[len(prompt_ids):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
-    # The view a decode step runs on (layers unstacked, adapters merged), made once for the whole generation.
-    view_graphdef, view_state = nnx.split(decoding_view(nnx.merge(graphdef, state)))
-    cache, prompt_logits = _prefill(view_graphdef, view_state, ids, mask, page_ids, pool=pool, page_size=page)
-    sched = PageScheduler(slots=slots, free=free, prompt_pages=prompt_pages, prompt_lengths=lengths,
-                          num_generations=num_generations, page_size=page,
-                          table_width=pages_for(width + params.max_new_tokens, page) + 1)
-    program = PagedProgram(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
-                           use_top_p=params.top_p < 1.0, stop_token_ids=tuple(int(t) for t in params.stop_token_ids),
-                           pad_id=pad_id, page_size=page)
-    key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
-    out_tokens = [[] for _ in range(rows)]
-    out_logprobs = [[] for _ in range(rows)]
-    generated, active = np.zeros(slots, np.int32), np.zeros(slots, bool)
-    slot_rows = np.zeros(slots, np.int32)
-    logits = jnp.zeros((slots, prompt_logits.shape[-1]), prompt_logits.dtype)
-    done, rounds = 0, 0
-    # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
-    # far above any real schedule, so that a scheduling fault fails instead of looping.
-    most_rounds = 4 * rows * (pages_for(params.max_new_tokens, page) + 2)
-    while done < rows:
-        if rounds > most_rounds:
-            raise RuntimeError(f"paged sampler: {rows - done} of {rows} rows unfinished after {rounds} rounds "
-                               f"({sched.preempted} preemptions); a scheduling fault")
-        admitted, preempted = sched.schedule(page)
+class _Generation:
+    """One device's part of a paged generation: rows ``offset + r`` for its prompts' rows r (all G rows of a prompt
+    on one device, which holds the prompt's pages). :meth:`dispatch` schedules and starts a decode round;
+    :meth:`collect` reads it back."""
+
+    def __init__(self, graphdef, state, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
+                 offset: int, kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket):
+        page = kv.page_size
+        self.g, self.offset, self.page, self.params = num_generations, offset, page, params
+        self.rows = len(prompt_ids) * num_generations
+        self.lengths = [len(p) for p in prompt_ids]
+        width = pages_for(max(self.lengths), math.lcm(page, prompt_bucket)) * math.lcm(page, prompt_bucket)
+        prompts = slot_bucket(len(prompt_ids))
+        self.slots = slot_bucket(min(kv.slots or self.rows, self.rows))
+        self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
+                               prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens)
+        free = list(range(1, self.pool))
+        self.prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in self.lengths]
+        page_ids = np.full((prompts, width // page), SCRATCH_PAGE, np.int32)
+        ids, mask = np.full((prompts, width), pad_id, np.int32), np.zeros((prompts, width), np.int32)
+        for i, (tokens, own) in enumerate(zip(prompt_ids, self.prompt_pages)):
+            ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
+        mask[len(prompt_ids):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
+        # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
+        # made once for the whole generation.
+        self.graphdef, self.state = nnx.split(decoding_view(on_mesh(nnx.merge(graphdef, state), None)))
+        self.cache, self.prompt_logits = _prefill(self.graphdef, self.state, ids, mask, page_ids, pool=self.pool,
+                                                  page_size=page)
+        self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
+                                   prompt_lengths=self.lengths, num_generations=num_generations, page_size=page,
+                                   table_width=pages_for(width + params.max_new_tokens, page) + 1)
+        self.program = PagedProgram(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
+                                    use_top_p=params.top_p < 1.0, pad_id=pad_id, page_size=page,
+                                    stop_token_ids=tuple(int(t) for t in params.stop_token_ids))
+        self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
+        self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
+        self.generated, self.active = np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)
+        self.slot_rows = np.zeros(self.slots, np.int32)
+        self.logits = jnp.zeros((self.slots, self.prompt_logits.shape[-1]), self.prompt_logits.dtype)
+        self.done, self.rounds = 0, 0
+        # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
+        # far above any real schedule, so that a scheduling fault fails instead of looping.
+        self.most_rounds = 4 * self.rows * (pages_for(params.max_new_tokens, page) + 2)
+
+    @property
+    def finished(self) -> bool:
+        return self.done == self.rows
+
+    def dispatch(self, key, temperature, top_p):
+        """Schedule the slots and start a decode round on the device; its outputs (not yet read)."""
+        sched = self.sched
+        if self.rounds > self.most_rounds:
+            raise RuntimeError(f"paged sampler: {self.rows - self.done} of {self.rows} rows unfinished after "
+                               f"{self.rounds} rounds ({sched.preempted} preemptions); a scheduling fault")
+        admitted, preempted = sched.schedule(self.page)
         for row in preempted:
-            out_tokens[row], out_logprobs[row] = [], []
-        active = np.array([s is not None for s in sched.slots])
-        if not active.any():  # cannot happen with a pool of at least pool_pages' least; never loop on nothing
+            self.tokens[row], self.logprobs[row] = [], []
+        self.active = np.array([s is not None for s in sched.slots])
+        if not self.active.any():  # cannot happen with a pool of at least pool_pages' least; never loop on nothing
             raise RuntimeError(f"paged sampler: {len(sched.waiting)} rows wait and no slot can take one "
                                f"({len(sched.free)} free pages)")
-        admit_prompt = np.full(slots, -1, np.int32)
-        copy_src = np.full(slots, SCRATCH_PAGE, np.int32)
-        copy_dst = np.full(slots, SCRATCH_PAGE, np.int32)
+        admit_prompt = np.full(self.slots, -1, np.int32)
+        copy_src = np.full(self.slots, SCRATCH_PAGE, np.int32)
+        copy_dst = np.full(self.slots, SCRATCH_PAGE, np.int32)
         for slot, row in admitted.items():
-            prompt = row // num_generations
-            slot_rows[slot], generated[slot], admit_prompt[slot] = row, 0, prompt
-            if lengths[prompt] % page:  # the partial last prompt page becomes the row's first own page
-                copy_src[slot], copy_dst[slot] = prompt_pages[prompt][-1], sched.slots[slot].own[0]
-        cache, logits, new_lengths, new_generated, still, tokens, logprobs, real = _decode_round(
-            view_graphdef, view_state, cache, logits, prompt_logits, sched.page_table.copy(), sched.lengths.copy(),
-            generated, slot_rows, active, admit_prompt, copy_src, copy_dst, key, temperature, top_p,
-            program=program, steps=page)
-        rounds += 1
-        new_lengths, new_generated, still, tokens, logprobs, real = jax.device_get(
-            (new_lengths, new_generated, still, tokens, logprobs, real))
-        sched.lengths[:], generated[:] = new_lengths, new_generated
-        for slot in np.flatnonzero(active):
-            row, keep = int(slot_rows[slot]), real[slot]
-            out_tokens[row].extend(tokens[slot][keep].tolist())
-            out_logprobs[row].extend(logprobs[slot][keep].tolist())
+            prompt = row // self.g
+            self.slot_rows[slot], self.generated[slot], admit_prompt[slot] = row, 0, prompt
+            if self.lengths[prompt] % self.page:  # the partial last prompt page becomes the row's first own page
+                copy_src[slot], copy_dst[slot] = self.prompt_pages[prompt][-1], sched.slots[slot].own[0]
+        self.cache, self.logits, *out = _decode_round(
+            self.graphdef, self.state, self.cache, self.logits, self.prompt_logits, sched.page_table.copy(),
+            sched.lengths.copy(), self.generated, self.slot_rows + self.offset, self.active, admit_prompt, copy_src,
+            copy_dst, key, temperature, top_p, program=self.program, steps=self.page)
+        self.rounds += 1
+        return out
+
+    def collect(self, out) -> None:
+        """Read a round's outputs: each row's new tokens; the slots of rows that stopped freed."""
+        lengths, generated, still, tokens, logprobs, real = jax.device_get(out)
+        self.sched.lengths[:], self.generated[:] = lengths, generated
+        for slot in np.flatnonzero(self.active):
+            row, keep = int(self.slot_rows[slot]), real[slot]
+            self.tokens[row].extend(tokens[slot][keep].tolist())
+            self.logprobs[row].extend(logprobs[slot][keep].tolist())
             if not still[slot]:
-                sched.release(int(slot))
-                done += 1
-    return _rows(out_tokens, out_logprobs, params, pad_id) | dict(
-        preempted=sched.preempted, pool=pool, rounds=rounds, peak_pages=sched.peak_pages,
-        prompt_pages=sum(map(len, prompt_pages)))
+                self.sched.release(int(slot))
+                self.done += 1
+
+
+def generate_paged(graphdef, states: list, prompt_ids: list[list[int]], params: SamplingParams, *,
+                   num_generations: int, seed: int, kv: KVCacheConfig, pad_id: int, prompt_bucket: int,
+                   slot_bucket) -> dict:
+    """Rows ``p*G .. p*G+G-1`` continuing each prompt, decoded with a paged cache (see the module docstring), on
+    one device per entry of ``states`` (the weights on that device): the prompts are split into contiguous parts,
+    one per device, each device with its own pool, slots and scheduler, their rounds run side by side. Returns numpy
+    ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens], ``stopped`` [N] and the counts ``preempted`` (rows),
+    ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
+    ``prompt_pages`` and ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed,
+    so that few programs compile)."""
+    parts = np.array_split(np.arange(len(prompt_ids)), min(len(states), len(prompt_ids)))
+    gens = [_Generation(graphdef, state, [prompt_ids[i] for i in part], params, num_generations=num_generations,
+                        offset=int(part[0]) * num_generations, kv=kv, pad_id=pad_id, prompt_bucket=prompt_bucket,
+                        slot_bucket=slot_bucket) for state, part in zip(states, parts)]
+    key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
+    while not all(gen.finished for gen in gens):
+        running = [(gen, gen.dispatch(key, temperature, top_p)) for gen in gens if not gen.finished]
+        for gen, out in running:  # every device's round is started before the first is read back
+            gen.collect(out)
+    return _rows([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
+                 pad_id) | dict(preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
+                                rounds=max(gen.rounds for gen in gens),
+                                peak_pages=sum(gen.sched.peak_pages for gen in gens),
+                                prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages))
 
 
 def _rows(tokens: list[list[int]], logprobs: list[list[float]], params: SamplingParams, pad_id: int) -> dict:

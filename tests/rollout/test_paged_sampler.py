@@ -23,7 +23,7 @@ STOPS = (5, 9, 17)
 
 def _paged(model, prompts, params, kv, *, g=3, seed=7):
     graphdef, state = nnx.split(model)
-    return generate_paged(graphdef, state, prompts, params, num_generations=g, seed=seed, kv=kv, pad_id=PAD,
+    return generate_paged(graphdef, [state], prompts, params, num_generations=g, seed=seed, kv=kv, pad_id=PAD,
                           prompt_bucket=8, slot_bucket=row_bucket)
 
 

@@ -1,7 +1,8 @@
 """The engine on a 2-device mesh (fake CPU devices in a child process; batch split over ``data``, or cache
 heads and vocabulary split over ``tensor``, or a replicated copy of an FSDP-sharded model's weights on its devices,
 or a rollout mesh of its own beside the model's) generates what it generates on one device, and continues a
-conversation on its KV cache as one device does."""
+conversation on its KV cache as one device does; the paged sampler, one part of the prompts per device, samples
+what it samples on one device."""
 
 import json
 import subprocess
@@ -11,12 +12,13 @@ from pathlib import Path
 import child_processes as helpers
 import jax.numpy as jnp
 import numpy as np
-from rollout_mesh_worker import SESSION_TURN
+from rollout_mesh_worker import PAGED, PAGED_PARAMS, SESSION_TURN
 from rollout_testlib import PAD, random_prompts, tiny_model
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.config import RolloutConfig, sampler_mesh
 from jrl.rollout.jax_engine import JaxRolloutEngine, narrowed
+from jrl.rollout.kv_config import KVCacheConfig
 from jrl.sharding import MeshConfig
 
 HERE = Path(__file__).parent
@@ -57,6 +59,17 @@ def test_two_device_mesh_matches_one_device():
         assert got["sampled"] == sampled.completion_ids.tolist(), name
         assert got["sampled_mask"] == sampled.completion_mask.tolist(), name
         np.testing.assert_allclose(got["sampled_logprobs"], sampled.sampling_logprobs, atol=1e-4, err_msg=name)
+
+    # The paged sampler on a data-parallel mesh: each device decodes a part of the prompts, in its own pool, and the
+    # rows come out as on one device; with the weights split over the mesh (tensor) it is refused.
+    paged = JaxRolloutEngine(tiny_model("llama", seed=6), pad_id=PAD, prompt_bucket=16, kv=PAGED).generate(
+        prompts, PAGED_PARAMS, num_generations=3, seed=5)
+    assert 3 < paged.completion_mask.sum(1).max() and len(set(paged.completion_mask.sum(1).tolist())) > 2
+    for name in ("data", "decode_layout", "own_mesh"):
+        got = result[name]["paged"]
+        assert got.get("tokens") == paged.completion_ids.tolist(), (name, got.get("error"))
+        np.testing.assert_allclose(got["logprobs"], paged.sampling_logprobs, atol=1e-4, err_msg=name)
+    assert "needs the whole model on every device" in result["tensor"]["paged"]["error"]
 
 
 def test_the_copy_in_a_layout_of_its_own_is_narrowed_to_the_compute_dtype():

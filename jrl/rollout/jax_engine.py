@@ -39,7 +39,7 @@ from jrl.models.transformer import freeze_rules, on_mesh, place
 from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import generate_paged
+from jrl.rollout.paged import RowGroup, generate_paged, new_groups
 from jrl.rollout.sampling import sample_tokens
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
 from jrl.sharding.memory import device_bytes, memory_limit
@@ -439,10 +439,19 @@ class JaxRolloutEngine:
     def paged_generation(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> dict:
         """What :meth:`generate` computes with ``kv.layout='paged'``, as :func:`jrl.rollout.paged.generate_paged`
         returns it (the rows' arrays and the pool's counts: pages, preemptions, rounds), and the weights' version."""
+        return self.paged_groups(new_groups(prompt_ids, num_generations), params, seed=seed)
+
+    def paged_groups(self, groups: list[RowGroup], params: SamplingParams, *, seed: int,
+                     groups_needed: int | None = None) -> dict:
+        """Rows of ``groups`` (new ones, or ones that continue tokens sampled earlier) decoded with the paged cache,
+        until ``groups_needed`` groups are finished (all: None), as :func:`jrl.rollout.paged.generate_paged` returns
+        them, and the weights' version."""
+        if self.kv.layout != "paged":
+            raise ValueError("paged_groups needs rollout.kv.layout='paged'")
         graphdef, state, version = self._weights()
-        return generate_paged(graphdef, self._device_states(state), prompt_ids, params,
-                              num_generations=num_generations, seed=seed, kv=self.kv, pad_id=self.pad_id,
-                              prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket) | dict(version=version)
+        return generate_paged(graphdef, self._device_states(state), groups, params, seed=seed, kv=self.kv,
+                              pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket,
+                              groups_needed=groups_needed) | dict(version=version)
 
     def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
         out = self.paged_generation(prompt_ids, params, num_generations=num_generations, seed=seed)

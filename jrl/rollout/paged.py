@@ -152,16 +152,16 @@ class _Slot:
 class PageScheduler:
     """The host side of paged decoding: the free pages, which row each slot holds and each row's pages.
 
-    ``prompt_pages[i]``: prompt i's pages (its last one partial when ``prompt_lengths[i] % page_size``); row r
-    continues prompt ``r // num_generations``."""
+    ``prompt_pages[i]``: the pages of prefilled sequence i (a prompt, or a prompt and the tokens a row already has;
+    its last page partial when ``prompt_lengths[i] % page_size``); row r continues sequence ``row_prompt[r]``."""
 
     def __init__(self, *, slots: int, free: list[int], prompt_pages: list[list[int]], prompt_lengths: list[int],
-                 num_generations: int, page_size: int, table_width: int):
-        self.page_size, self.g = page_size, num_generations
+                 row_prompt: list[int], page_size: int, table_width: int):
+        self.page_size, self.row_prompt = page_size, row_prompt
         self.free = list(reversed(free))  # a stack: the lowest page ids are taken first
         self.prompt_pages, self.prompt_lengths = prompt_pages, prompt_lengths
         self.slots: list[_Slot | None] = [None] * slots
-        self.waiting = collections.deque(range(len(prompt_lengths) * num_generations))
+        self.waiting = collections.deque(range(len(row_prompt)))
         self.page_table = np.zeros((slots, table_width), np.int32)
         self.lengths = np.zeros(slots, np.int32)
         self.preempted = 0
@@ -175,14 +175,14 @@ class PageScheduler:
     def _need(self, slot: int, steps: int) -> int:
         """Pages slot ``slot``'s row lacks for its next ``steps`` tokens."""
         s = self.slots[slot]
-        have = len(self._shared(s.row // self.g)) + len(s.own)
+        have = len(self._shared(self.row_prompt[s.row])) + len(s.own)
         return max(pages_for(int(self.lengths[slot]) + steps, self.page_size) - have, 0)
 
     def _take(self, slot: int, count: int) -> None:
         s = self.slots[slot]
         for _ in range(count):
             s.own.append(self.free.pop())
-        row = self._shared(s.row // self.g) + s.own
+        row = self._shared(self.row_prompt[s.row]) + s.own
         self.page_table[slot, :len(row)] = row
 
     def release(self, slot: int) -> int:
@@ -217,7 +217,7 @@ class PageScheduler:
             if self.slots[slot] is not None or not self.waiting:
                 continue
             row = self.waiting[0]
-            prompt = row // self.g
+            prompt = self.row_prompt[row]
             if pages_for(self.prompt_lengths[prompt] + steps, self.page_size) - len(self._shared(prompt)) > len(
                     self.free):
                 break
@@ -246,19 +246,43 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
     return kv.pages or 1 + prompt_bucket_pages + slots * per_row
 
 
-class _Generation:
-    """One device's part of a paged generation: rows ``offset + r`` for its prompts' rows r (all G rows of a prompt
-    on one device, which holds the prompt's pages). :meth:`dispatch` schedules and starts a decode round;
-    :meth:`collect` reads it back."""
+@dataclasses.dataclass(frozen=True)
+class RowGroup:
+    """The rows of one prompt a paged generation decodes: ``prompt`` and each row's tokens sampled already
+    (``prefixes``, empty for a new row: a row continues after its prefix, its tokens counted against
+    ``max_new_tokens``), and the row ids whose sampling keys the rows use (``keys``)."""
 
-    def __init__(self, graphdef, state, prompt_ids: list[list[int]], params: SamplingParams, *, num_generations: int,
-                 offset: int, kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket):
+    prompt: list[int]
+    prefixes: list[list[int]]
+    keys: list[int]
+
+
+class _Generation:
+    """One device's part of a paged generation: some groups, each prompt prefilled once for the rows that start
+    afresh and once more with each prefix for the rows that continue one. :meth:`dispatch` schedules and starts a
+    decode round; :meth:`collect` reads it back."""
+
+    def __init__(self, graphdef, state, groups: list[RowGroup], params: SamplingParams, *, kv: KVCacheConfig,
+                 pad_id: int, prompt_bucket: int, slot_bucket):
         page = kv.page_size
-        self.g, self.offset, self.page, self.params = num_generations, offset, page, params
-        self.rows = len(prompt_ids) * num_generations
-        self.lengths = [len(p) for p in prompt_ids]
+        self.page, self.params = page, params
+        sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
+        for k, group in enumerate(groups):
+            shared = None  # the prompt's own sequence, shared by the group's new rows
+            for prefix, key in zip(group.prefixes, group.keys, strict=True):
+                if prefix:
+                    sequences.append(list(group.prompt) + list(prefix))
+                elif shared is None:
+                    sequences.append(list(group.prompt))
+                    shared = len(sequences) - 1
+                row_prompt.append(len(sequences) - 1 if prefix else shared)
+                self.row_start.append(len(prefix))
+                self.row_keys.append(key)
+                self.row_group.append(k)
+        self.rows = len(row_prompt)
+        self.lengths = [len(x) for x in sequences]
         width = pages_for(max(self.lengths), math.lcm(page, prompt_bucket)) * math.lcm(page, prompt_bucket)
-        prompts = slot_bucket(len(prompt_ids))
+        prompts = slot_bucket(len(sequences))
         self.slots = slot_bucket(min(kv.slots or self.rows, self.rows))
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
                                prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens)
@@ -266,40 +290,46 @@ class _Generation:
         self.prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in self.lengths]
         page_ids = np.full((prompts, width // page), SCRATCH_PAGE, np.int32)
         ids, mask = np.full((prompts, width), pad_id, np.int32), np.zeros((prompts, width), np.int32)
-        for i, (tokens, own) in enumerate(zip(prompt_ids, self.prompt_pages)):
+        for i, (tokens, own) in enumerate(zip(sequences, self.prompt_pages)):
             ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
-        mask[len(prompt_ids):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
+        mask[len(sequences):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
         # made once for the whole generation.
         self.graphdef, self.state = nnx.split(decoding_view(on_mesh(nnx.merge(graphdef, state), None)))
         self.cache, self.prompt_logits = _prefill(self.graphdef, self.state, ids, mask, page_ids, pool=self.pool,
                                                   page_size=page)
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
-                                   prompt_lengths=self.lengths, num_generations=num_generations, page_size=page,
+                                   prompt_lengths=self.lengths, row_prompt=row_prompt, page_size=page,
                                    table_width=pages_for(width + params.max_new_tokens, page) + 1)
         self.program = PagedProgram(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
                                     use_top_p=params.top_p < 1.0, pad_id=pad_id, page_size=page,
                                     stop_token_ids=tuple(int(t) for t in params.stop_token_ids))
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
         self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
+        self.finished_rows = np.zeros(self.rows, bool)
+        self.open_rows = collections.Counter(self.row_group)  # group -> rows not finished
         self.generated, self.active = np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)
         self.slot_rows = np.zeros(self.slots, np.int32)
         self.logits = jnp.zeros((self.slots, self.prompt_logits.shape[-1]), self.prompt_logits.dtype)
-        self.done, self.rounds = 0, 0
+        self.rounds = 0
         # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
         # far above any real schedule, so that a scheduling fault fails instead of looping.
         self.most_rounds = 4 * self.rows * (pages_for(params.max_new_tokens, page) + 2)
 
     @property
     def finished(self) -> bool:
-        return self.done == self.rows
+        return bool(self.finished_rows.all())
+
+    @property
+    def groups_done(self) -> int:
+        return sum(1 for k in set(self.row_group) if self.open_rows[k] == 0)
 
     def dispatch(self, key, temperature, top_p):
         """Schedule the slots and start a decode round on the device; its outputs (not yet read)."""
         sched = self.sched
         if self.rounds > self.most_rounds:
-            raise RuntimeError(f"paged sampler: {self.rows - self.done} of {self.rows} rows unfinished after "
-                               f"{self.rounds} rounds ({sched.preempted} preemptions); a scheduling fault")
+            raise RuntimeError(f"paged sampler: {int((~self.finished_rows).sum())} of {self.rows} rows unfinished "
+                               f"after {self.rounds} rounds ({sched.preempted} preemptions); a scheduling fault")
         admitted, preempted = sched.schedule(self.page)
         for row in preempted:
             self.tokens[row], self.logprobs[row] = [], []
@@ -311,14 +341,14 @@ class _Generation:
         copy_src = np.full(self.slots, SCRATCH_PAGE, np.int32)
         copy_dst = np.full(self.slots, SCRATCH_PAGE, np.int32)
         for slot, row in admitted.items():
-            prompt = row // self.g
-            self.slot_rows[slot], self.generated[slot], admit_prompt[slot] = row, 0, prompt
+            prompt = sched.row_prompt[row]
+            self.slot_rows[slot], self.generated[slot], admit_prompt[slot] = row, self.row_start[row], prompt
             if self.lengths[prompt] % self.page:  # the partial last prompt page becomes the row's first own page
                 copy_src[slot], copy_dst[slot] = self.prompt_pages[prompt][-1], sched.slots[slot].own[0]
         self.cache, self.logits, *out = _decode_round(
             self.graphdef, self.state, self.cache, self.logits, self.prompt_logits, sched.page_table.copy(),
-            sched.lengths.copy(), self.generated, self.slot_rows + self.offset, self.active, admit_prompt, copy_src,
-            copy_dst, key, temperature, top_p, program=self.program, steps=self.page)
+            sched.lengths.copy(), self.generated, np.asarray(self.row_keys, np.int32)[self.slot_rows], self.active,
+            admit_prompt, copy_src, copy_dst, key, temperature, top_p, program=self.program, steps=self.page)
         self.rounds += 1
         return out
 
@@ -332,30 +362,41 @@ class _Generation:
             self.logprobs[row].extend(logprobs[slot][keep].tolist())
             if not still[slot]:
                 self.sched.release(int(slot))
-                self.done += 1
+                self.finished_rows[row] = True
+                self.open_rows[self.row_group[row]] -= 1
 
 
-def generate_paged(graphdef, states: list, prompt_ids: list[list[int]], params: SamplingParams, *,
-                   num_generations: int, seed: int, kv: KVCacheConfig, pad_id: int, prompt_bucket: int,
-                   slot_bucket) -> dict:
-    """Rows ``p*G .. p*G+G-1`` continuing each prompt, decoded with a paged cache (see the module docstring), on
-    one device per entry of ``states`` (the weights on that device): the prompts are split into contiguous parts,
-    one per device, each device with its own pool, slots and scheduler, their rounds run side by side. Returns numpy
-    ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens], ``stopped`` [N] and the counts ``preempted`` (rows),
+def new_groups(prompt_ids: list[list[int]], num_generations: int) -> list[RowGroup]:
+    """Groups of ``num_generations`` new rows per prompt, row ``p*G + j`` sampling with key ``p*G + j``."""
+    g = num_generations
+    return [RowGroup(list(p), [[] for _ in range(g)], list(range(i * g, (i + 1) * g)))
+            for i, p in enumerate(prompt_ids)]
+
+
+def generate_paged(graphdef, states: list, groups: list[RowGroup], params: SamplingParams, *, seed: int,
+                   kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket,
+                   groups_needed: int | None = None) -> dict:
+    """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
+    entry of ``states`` (the weights on that device): the groups are split into contiguous parts, one per device,
+    each device with its own pool, slots and scheduler, their rounds run side by side. With ``groups_needed`` the
+    generation stops once that many groups have every row finished (a partial rollout; the other rows return the
+    tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
+    this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
-    ``prompt_pages`` and ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed,
-    so that few programs compile)."""
-    parts = np.array_split(np.arange(len(prompt_ids)), min(len(states), len(prompt_ids)))
-    gens = [_Generation(graphdef, state, [prompt_ids[i] for i in part], params, num_generations=num_generations,
-                        offset=int(part[0]) * num_generations, kv=kv, pad_id=pad_id, prompt_bucket=prompt_bucket,
-                        slot_bucket=slot_bucket) for state, part in zip(states, parts)]
+    ``prompt_pages`` and ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots runs with
+    (bucketed, so that few programs compile)."""
+    parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
+    gens = [_Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
+                        prompt_bucket=prompt_bucket, slot_bucket=slot_bucket) for state, part in zip(states, parts)]
     key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
-    while not all(gen.finished for gen in gens):
+    need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
+    while sum(gen.groups_done for gen in gens) < need:
         running = [(gen, gen.dispatch(key, temperature, top_p)) for gen in gens if not gen.finished]
         for gen, out in running:  # every device's round is started before the first is read back
             gen.collect(out)
     return _rows([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
-                 pad_id) | dict(preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
+                 pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
+                                preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
                                 rounds=max(gen.rounds for gen in gens),
                                 peak_pages=sum(gen.sched.peak_pages for gen in gens),
                                 prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages))

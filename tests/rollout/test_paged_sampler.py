@@ -13,7 +13,7 @@ from rollout_testlib import PAD, full_forward_logprobs, greedy_by_full_forward, 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import SCRATCH_PAGE, PageScheduler, generate_paged, pages_for
+from jrl.rollout.paged import SCRATCH_PAGE, PageScheduler, RowGroup, generate_paged, new_groups, pages_for
 from jrl.rollout.jax_engine import row_bucket
 from flax import nnx
 
@@ -23,7 +23,7 @@ STOPS = (5, 9, 17)
 
 def _paged(model, prompts, params, kv, *, g=3, seed=7):
     graphdef, state = nnx.split(model)
-    return generate_paged(graphdef, [state], prompts, params, num_generations=g, seed=seed, kv=kv, pad_id=PAD,
+    return generate_paged(graphdef, [state], new_groups(prompts, g), params, seed=seed, kv=kv, pad_id=PAD,
                           prompt_bucket=8, slot_bucket=row_bucket)
 
 
@@ -93,8 +93,8 @@ def test_the_scheduler_keeps_every_page_in_one_place():
     pool = 18
     free = list(range(1, pool))
     prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in lengths]
-    sched = PageScheduler(slots=3, free=free, prompt_pages=prompt_pages, prompt_lengths=lengths, num_generations=g,
-                          page_size=page, table_width=12)
+    sched = PageScheduler(slots=3, free=free, prompt_pages=prompt_pages, prompt_lengths=lengths,
+                          row_prompt=[r // g for r in range(len(lengths) * g)], page_size=page, table_width=12)
     prompt_owned = {p for pages in prompt_pages for p in pages}
     finished, grown = set(), {}
     for _ in range(200):
@@ -137,3 +137,39 @@ def test_paged_errors_name_the_knob():
         _batch(tiny_model("mixtral_sliding"), prompts, params, KVCacheConfig(layout="paged"))
     with pytest.raises(ValueError, match=r"KVCacheConfig\.layout"):
         KVCacheConfig(layout="blocked")
+
+
+def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would_have():
+    """``groups_needed``: the generation ends once that many groups are finished; a row continued later from the
+    tokens it had (prefilled again with them, its key carried on) samples exactly the tokens and log-probs of the
+    uninterrupted generation."""
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(6), LENGTHS)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, slots=4)
+    graphdef, state = nnx.split(model)
+
+    def run(groups, needed=None):
+        return generate_paged(graphdef, [state], groups, params, seed=7, kv=kv, pad_id=PAD, prompt_bucket=8,
+                              slot_bucket=row_bucket, groups_needed=needed)
+
+    whole = run(new_groups(prompts, 3))
+    assert whole["finished"].all()
+    part = run(new_groups(prompts, 3), needed=2)
+    done = part["finished"].reshape(len(prompts), 3).all(axis=1)
+    assert 2 <= done.sum() < len(prompts) and not part["finished"].all()
+    started = [r for r in range(len(part["finished"])) if not part["finished"][r] and part["mask"][r].any()]
+    assert started, "some unfinished rows should hold tokens"
+    for r in range(len(part["finished"])):
+        n = int(part["mask"][r].sum())
+        assert part["tokens"][r, :n].tolist() == whole["tokens"][r, :n].tolist()
+    rest = [r for r in range(len(part["finished"])) if not part["finished"][r]]
+    groups = [RowGroup(prompts[r // 3], [part["tokens"][r, :int(part["mask"][r].sum())].tolist()], [r]) for r in rest]
+    more = run(groups)
+    for i, r in enumerate(rest):
+        n, m = int(part["mask"][r].sum()), int(more["mask"][i].sum())
+        assert part["tokens"][r, :n].tolist() + more["tokens"][i, :m].tolist() == (
+            whole["tokens"][r, :int(whole["mask"][r].sum())].tolist())
+        logprobs = np.concatenate([part["logprobs"][r, :n], more["logprobs"][i, :m]])
+        np.testing.assert_allclose(logprobs, whole["logprobs"][r, :n + m], atol=1e-4)
+        assert more["stopped"][i] == whole["stopped"][r]

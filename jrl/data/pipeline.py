@@ -288,6 +288,21 @@ class PromptBatch:
             indices=self.indices[:keep] + other.indices,
         )
 
+    @staticmethod
+    def join(batches: Sequence[PromptBatch]) -> PromptBatch:
+        """The prompts of ``batches`` in order, as one batch (they must share their columns)."""
+        if not batches:
+            raise ValueError("PromptBatch.join needs at least one batch")
+        names = set(batches[0].columns)
+        if any(set(b.columns) != names for b in batches):
+            raise ValueError(f"cannot join prompt batches with different columns: "
+                             f"{sorted({tuple(sorted(b.columns)) for b in batches})}")
+        return PromptBatch(prompt_ids=[x for b in batches for x in b.prompt_ids],
+                           prompt_texts=[x for b in batches for x in b.prompt_texts],
+                           prompts=[x for b in batches for x in b.prompts],
+                           columns={k: [x for b in batches for x in b.columns[k]] for k in batches[0].columns},
+                           indices=[x for b in batches for x in b.indices])
+
     def repeat(self, num_generations: int) -> PromptBatch:
         """Every prompt repeated ``num_generations`` times consecutively (one group per prompt),
         e.g. to line the columns up with the completions for the rewards."""

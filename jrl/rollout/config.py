@@ -66,6 +66,12 @@ class RolloutConfig:
     kv: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)
     """The ``jax`` sampler's KV cache: ``dense`` (default) or ``paged`` with continuous batching (page size, decode
     slots, pool size)."""
+    partial: bool = False
+    """Partial rollouts (``backend='jax'`` with ``kv.layout='paged'``, GRPO): a step's generation ends once
+    ``data.prompts_per_batch`` groups are finished; the rows still running keep their tokens and go on in the next
+    step's generation under the newer weights (each token keeps the log-prob and version it was sampled with; a row
+    with tokens more than ``max_staleness`` versions old starts again). Saves the wait for a step's longest rows
+    (:mod:`jrl.sources.partial`)."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0

@@ -28,6 +28,7 @@ from typing import Any
 
 from flax import nnx
 
+from jrl.data.pipeline import PromptBatch
 from jrl.rollout import ROLLOUT_ENGINES, RolloutEngine
 from jrl.rollout.base import step_seed
 from jrl.rollout.config import RolloutConfig
@@ -80,9 +81,12 @@ class RolloutSource:
         return self.cfg.prefetch_depth > 0 or self.cfg.sync_interval > 1
 
     def produce(self, index: int) -> ProducedRollout:
-        """Rollout batch ``index``: the loader's next prompt batch (its last prompts replaced by re-rolled ones),
-        sampled with the seed of step ``index`` (in the producer thread when prefetching)."""
+        """Rollout batch ``index``: the loader's next prompt batch (its last prompts replaced by re-rolled ones; with
+        ``rollout.partial`` the first step takes two batches), sampled with the seed of step ``index`` (in the
+        producer thread when prefetching)."""
         prompt_batch = next(self.loader)
+        if self.cfg.partial and index == 0:  # a second batch in flight from the start (jrl.sources.partial)
+            prompt_batch = PromptBatch.join([prompt_batch, next(self.loader)])
         data_state = self.loader.get_state()
         again = self._rerolled(index) if self._rerolled is not None else []
         if again:

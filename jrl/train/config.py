@@ -256,6 +256,7 @@ class TrainConfig:
             raise invalid("TrainConfig", "algo.reward_weights", self.algo.reward_weights,
                           "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
         self._check_env()
+        self._check_partial(algorithm)
         if "rewards" not in algorithm.ignores and not self.rewards and self.env.name is None:
             raise invalid("TrainConfig", "rewards", self.rewards, "give at least one RewardSpec")
         rows = self.data.prompts_per_batch * _value_at(self, algorithm.samples_field)
@@ -290,6 +291,28 @@ class TrainConfig:
         check_int(self, "seed", lo=-2**63, fix="use an int")
         check_int(self, "resume_from", lo=1, optional=True,
                   fix="use the step of a checkpoint in output_dir/checkpoints, or None")
+
+    def _check_partial(self, algorithm) -> None:
+        """``rollout.partial``: an algorithm that trains on it, the paged sampler, and none of the parts that hand
+        a step's prompts on or generate ahead."""
+        if not self.rollout.partial:
+            return
+        if "partial" not in algorithm.capabilities:
+            raise invalid("TrainConfig", "rollout.partial", True, f"algorithm={self.algorithm!r} does not train on "
+                          "partial rollouts; use algorithm='grpo' or rollout.partial=False")
+        if self.rollout.kv.layout != "paged":
+            raise invalid("TrainConfig", "rollout.partial", True, "partial rollouts continue rows on the paged "
+                          "sampler; set rollout.kv.layout='paged'")
+        for field, value, why in (("mode", self.mode != "both", "the carried rows live in the trainer's sampler"),
+                                  ("rollout.prefetch_depth", self.rollout.prefetch_depth, "a step takes the rows the "
+                                                                                          "last one left"),
+                                  ("env.name", self.env.name is not None, "episodes are not continued"),
+                                  ("scoring.stream_groups", self.scoring.stream_groups, "groups finish out of order"),
+                                  ("replay.buffer_size", self.replay.buffer_size, "not built yet"),
+                                  ("reroll.start_fraction", self.reroll.start_fraction < 1.0, "not built yet")):
+            if value:
+                raise invalid("TrainConfig", field, _value_at(self, field), f"leave it at its default with "
+                              f"rollout.partial=True ({why})")
 
     def _check_env(self) -> None:
         """``env``: a registered environment, and none of the parts that do not carry episodes yet (explorers,

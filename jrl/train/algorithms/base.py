@@ -77,11 +77,13 @@ class Algorithm(Protocol):
         ...
 
 
-#: The optional parts of an algorithm, by the name it lists in ``capabilities``, and the members each one brings.
+#: The optional parts of an algorithm, by the name it lists in ``capabilities``, and the members each one brings (none
+#: for a behaviour of members every algorithm has).
 CAPABILITIES: dict[str, tuple[str, ...]] = {
     "state": ("state", "load_state"),  # carries state across steps, saved in checkpoints
     "reroll": ("rerolled_prompts",),  # samples some prompts of a batch again
     "explorer": ("explorer",),  # runs in explorer processes (mode='explore') beside a queue-fed trainer
+    "partial": (),  # trains on partial rollouts (rollout.partial: its generate may return earlier steps' groups)
 }
 
 #: ``TrainConfig.algorithm`` name → algorithm class ``(cfg, policy, learner) -> Algorithm``.

@@ -50,6 +50,7 @@ from jrl.sharding import on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
+from jrl.sources.partial import PartialRollout, PartialRollouts
 from jrl.sources.replay import ReplayBuffer
 from jrl.sources.scored import ScoredRollout, reward_log_name, rollout_metrics
 from jrl.sources.reroll import RerollBuffer, all_fail_groups
@@ -379,12 +380,20 @@ class GroupSampler:
         self.env = None if cfg.env.name is None else ENVIRONMENTS.get(cfg.env.name)(cfg.env)
         self.env_steps = None if self.env is None else EnvSteps(cfg.env.step_timeout_s)
         self.encode_observation = observation_encoder(self.tokenizer, cfg.env.observation_role)
+        self.partial = (PartialRollouts(num_generations=self.algo.num_generations,
+                                        groups_per_step=cfg.data.prompts_per_batch,
+                                        max_staleness=cfg.rollout.max_staleness, pad_id=self.pad_id)
+                        if cfg.rollout.partial else None)
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout | EpisodeRollout:
+    def generate(self, engine, prompt_batch, *,
+                 seed: int) -> RolloutBatch | StreamedRollout | EpisodeRollout | PartialRollout:
         """The batch's completions; with ``scoring.stream_groups``, generated in chunks of that many prompts (chunk
         ``k`` sampled with a seed derived from ``seed`` and ``k``), each chunk's rewards started once it is out; with
-        ``env.name``, episodes against the environment (:func:`jrl.envs.run_episodes`)."""
+        ``env.name``, episodes against the environment (:func:`jrl.envs.run_episodes`); with ``rollout.partial``,
+        the first finished groups of those carried and these prompts' (:mod:`jrl.sources.partial`)."""
         g = self.algo.num_generations
+        if self.partial is not None:
+            return self.partial.generate(engine, prompt_batch, self.sampling, seed=seed)
         if self.env is not None:
             return self._episodes(engine, prompt_batch, self.sampling, num_generations=g, seed=seed)
         if not self.stream:
@@ -403,10 +412,13 @@ class GroupSampler:
         texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         return self.scorer.start(rep.prompts, texts, ids, rep.columns, group_size=g)
 
-    def score(self, rollout: RolloutBatch | StreamedRollout | EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:
-        """The rollout of ``prompt_batch`` with its rewards; ``step`` (0-based) names the step in logs and counts
-        consecutive failing steps. Episodes add their reward as the last column (``env/<name>``), after the reward
-        functions' (scored on the whole episode's text)."""
+    def score(self, rollout: RolloutBatch | StreamedRollout | EpisodeRollout | PartialRollout, prompt_batch,
+              step: int) -> ScoredRollout:
+        """The rollout of ``prompt_batch`` with its rewards (a partial rollout's own prompts instead); ``step``
+        (0-based) names the step in logs and counts consecutive failing steps. Episodes add their reward as the last
+        column (``env/<name>``), after the reward functions' (scored on the whole episode's text)."""
+        if isinstance(rollout, PartialRollout):
+            rollout, prompt_batch = rollout.rollout, rollout.prompt_batch
         if isinstance(rollout, EpisodeRollout):
             return self._score_episodes(rollout, prompt_batch, step)
         if isinstance(rollout, StreamedRollout):
@@ -468,7 +480,7 @@ class GRPO:
     progress_desc = "grpo"
     plot_keys = ("reward/mean", "loss")
     summary_keys = ("reward/mean",)
-    capabilities = frozenset({"state", "reroll", "explorer"})
+    capabilities = frozenset({"state", "reroll", "explorer", "partial"})
     engine_needs = frozenset()
     samples_field = "algo.num_generations"
     explorer = GroupSampler
@@ -493,7 +505,8 @@ class GRPO:
                         step: int):
         scored = rollout if isinstance(rollout, ScoredRollout) else self.sampler.score(rollout, prompt_batch, step)
         with on_host():
-            return self._experience(scored, prompt_batch, step)
+            batch, metrics = self._experience(scored, prompt_batch, step)
+        return batch, {**metrics, **(rollout.metrics if isinstance(rollout, PartialRollout) else {})}
 
     def _experience(self, scored: ScoredRollout, prompt_batch, step: int):
         """The step batch and metrics of a scored rollout (host arrays only)."""
@@ -528,13 +541,20 @@ class GRPO:
         return [] if self.reroll is None else self.reroll.take(index)
 
     def state(self, step: int) -> dict:
-        """What a checkpoint at step ``step`` keeps of this algorithm: the replay and re-roll buffers."""
+        """What a checkpoint at step ``step`` keeps of this algorithm: the replay and re-roll buffers, and the
+        groups a partial rollout carries."""
         return {"replay": None if self.replay is None else self.replay.state(),
-                "reroll": None if self.reroll is None else self.reroll.state(step)}
+                "reroll": None if self.reroll is None else self.reroll.state(step),
+                "partial": None if self._partial is None else self._partial.state()}
+
+    @property
+    def _partial(self) -> PartialRollouts | None:
+        """The groups carried by partial rollouts (``rollout.partial``), or None."""
+        return None if self.sampler is None else self.sampler.partial
 
     def load_state(self, state: dict) -> None:
-        for part in ("replay", "reroll"):
-            buffer, saved = getattr(self, part), state.get(part)
+        for part, buffer in (("replay", self.replay), ("reroll", self.reroll), ("partial", self._partial)):
+            saved = state.get(part)
             if (buffer is None) != (saved is None):
                 raise ValueError(f"the checkpoint was written with {part} {'off' if saved is None else 'on'}, this "
                                  f"run has it {'off' if buffer is None else 'on'}; resume with the same {part} "
@@ -546,7 +566,7 @@ class GRPO:
         return self.update_policy(learner, batch)
 
     def generated_tokens(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout | EpisodeRollout) -> int:
-        if isinstance(rollout, (StreamedRollout, ScoredRollout, EpisodeRollout)):
+        if isinstance(rollout, (StreamedRollout, ScoredRollout, EpisodeRollout, PartialRollout)):
             rollout = rollout.rollout
         mask = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask
         return int(np.asarray(mask).sum())

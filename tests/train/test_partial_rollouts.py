@@ -1,0 +1,131 @@
+"""Partial rollouts (``rollout.partial``, :mod:`jrl.sources.partial`) on the paged sampler: each step trains on whole
+finished groups, the rows still running are carried and continued in later steps (no group lost or given twice),
+the log-probs of carried tokens stay those they were sampled with (equal to a full forward while the weights do not
+change), rows with tokens older than ``max_staleness`` start again, the carry survives a checkpoint exactly, and a
+run trains and resumes to the same metrics."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from train_testlib import read_metrics_log, tiny_model, write_reward_file
+
+from jrl.data.pipeline import PromptBatch
+from jrl.rollout import SamplingParams
+from jrl.rollout.jax_engine import JaxRolloutEngine
+from jrl.rollout.kv_config import KVCacheConfig
+from jrl.sources.partial import PartialRollouts
+
+G, PER_STEP = 3, 2
+PAGED = KVCacheConfig(layout="paged", page_size=4, slots=8)
+STOPS = tuple(range(3, 30))  # about one token in nine stops a row: ragged lengths
+
+
+def _prompts(step: int, rng) -> PromptBatch:
+    """Step ``step``'s new prompts, as the rollout source takes them: two batches at the first step, one after."""
+    first = (0 if step == 0 else step + 1) * PER_STEP
+    index = list(range(first, (step + 2) * PER_STEP))
+    ids = [rng.integers(60, 200, int(rng.integers(2, 9))).tolist() for _ in index]
+    return PromptBatch(prompt_ids=ids, prompt_texts=[str(x) for x in ids], prompts=[str(x) for x in ids],
+                       columns={"answer": index}, indices=index)
+
+
+def _full_forward_logprobs(model, rollout, temperature: float) -> np.ndarray:
+    from jrl.train.algorithms.grpo import build_step_batch, completion_logprobs
+
+    batch = build_step_batch(rollout, np.zeros(len(rollout.truncated), np.float32), pad_id=0,
+                             completion_length=rollout.completion_ids.shape[1])
+    return np.asarray(completion_logprobs(model, batch, temperature=temperature)[0])
+
+
+def _setup(seed: int):
+    """A tiny model, a paged engine on it, sampling parameters with ragged stops, an empty carry and a generator."""
+    model = tiny_model(seed=seed)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
+    partial = PartialRollouts(num_generations=G, groups_per_step=PER_STEP, max_staleness=1, pad_id=0)
+    return model, JaxRolloutEngine(model, pad_id=0, kv=PAGED), params, partial, np.random.default_rng(seed)
+
+
+def test_steps_train_on_whole_groups_and_carry_the_rest():
+    model, engine, params, partial, rng = _setup(2)
+    given, continued = [], 0.0
+    for step in range(6):
+        out = partial.generate(engine, _prompts(step, rng), params, seed=step)
+        rollout = out.rollout
+        assert rollout.completion_ids.shape == (PER_STEP * G, 24) and len(out.prompt_batch) == PER_STEP
+        lengths = rollout.completion_mask.sum(1)
+        assert (lengths > 0).all()  # every row finished: stopped, or at max_new_tokens (truncated)
+        ends = rollout.completion_ids[np.arange(len(lengths)), lengths - 1]
+        assert np.array_equal(~rollout.truncated, np.isin(ends, params.stop_token_ids))
+        assert (lengths[rollout.truncated] == 24).all()
+        # the rows' prompts are their groups' prompts
+        assert [list(p) for p in rollout.prompt_lists()] == [p for p in out.prompt_batch.prompt_ids for _ in range(G)]
+        mask = rollout.completion_mask.astype(bool)
+        reference = _full_forward_logprobs(model, rollout, 1.0)[:, :24]
+        assert np.abs(rollout.sampling_logprobs - reference)[mask].max() <= 1e-4
+        given += out.prompt_batch.indices
+        continued += out.metrics["partial/tokens_from_earlier_steps"]
+        carried = [g.prompt.indices[0] for g in partial.carry]
+        assert len(carried) == PER_STEP  # one batch's worth of groups always in flight
+        assert len(set(given)) == len(given) and set(given) | set(carried) == set(range((step + 2) * PER_STEP))
+    assert continued > 0, "some rows should have been continued from an earlier step"
+
+
+def test_the_carry_survives_a_checkpoint_and_stale_rows_start_again():
+    model, engine, params, partial, rng = _setup(3)
+    for step in range(3):
+        partial.generate(engine, _prompts(step, rng), params, seed=step)
+    assert any(r.tokens and not r.finished for g in partial.carry for r in g.rows)
+    restored = PartialRollouts(num_generations=G, groups_per_step=PER_STEP, max_staleness=1, pad_id=0)
+    restored.load_state(json.loads(json.dumps(partial.state())))
+    kept = copy.deepcopy(partial)
+    batch = _prompts(3, rng)
+    a, b = kept.generate(engine, batch, params, seed=3), restored.generate(engine, batch, params, seed=3)
+    assert np.array_equal(a.rollout.completion_ids, b.rollout.completion_ids) and a.metrics == b.metrics
+    assert np.array_equal(a.rollout.sampling_logprobs, b.rollout.sampling_logprobs)
+    assert a.prompt_batch == b.prompt_batch
+    # Weights two versions newer than the carried tokens (max_staleness 1): those rows start again.
+    running = sum(bool(r.tokens) for g in partial.carry for r in g.rows)
+    engine.sync_weights(model, 2)
+    out = partial.generate(engine, batch, params, seed=3)
+    assert out.metrics["partial/restarted_rows"] == running > 0
+    assert out.metrics["partial/oldest_token_lag"] == 0
+
+
+def test_a_partial_run_trains_resumes_exactly_and_is_refused_where_it_cannot_run(tiny_model_dir, tmp_path):
+    from jrl.data.pipeline import DataConfig
+    from jrl.losses import GRPOConfig
+    from jrl.rewards.functions import RewardSpec
+    from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
+    from jrl.train.trainer import train
+
+    ok = write_reward_file(tmp_path, "reward_ok")
+    rollout = RolloutConfig(max_new_tokens=12, temperature=0.9, partial=True, stop_token_ids=STOPS,
+                            kv=dataclasses.replace(PAGED, slots=16))
+
+    def cfg(out, **kw):
+        return TrainConfig(model=ModelSpec(path=str(tiny_model_dir)),
+                           data=DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=1), rollout=rollout,
+                           rewards=(RewardSpec(path=f"{ok}:low_ids"),),
+                           algo=GRPOConfig(num_generations=4, loss_type="grpo"),
+                           optim=OptimConfig(learning_rate=3e-3, warmup_steps=2, micro_batch_size=4),
+                           output_dir=str(tmp_path / out), max_steps=4, save_every=2, seed=5, **kw)
+
+    straight = train(cfg("a"), progress=False)
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in straight)
+    assert sum(r["partial/tokens_from_earlier_steps"] for r in straight) > 0
+    train(dataclasses.replace(cfg("b"), max_steps=2), progress=False)
+    train(cfg("b", resume=True), progress=False)
+    assert read_metrics_log(tmp_path / "b") == read_metrics_log(tmp_path / "a")
+    for change, field in ((dict(rollout=dataclasses.replace(rollout, kv=KVCacheConfig())), r"partial=True.*set "
+                                                                                            r"rollout\.kv\.layout"),
+                          (dict(rollout=dataclasses.replace(rollout, prefetch_depth=1)), r"prefetch_depth=1")):
+        with pytest.raises(ValueError, match=r"TrainConfig\.rollout\." + field):
+            dataclasses.replace(cfg("c"), **change)
+    with pytest.raises(ValueError, match=r"rollout\.partial=True.*'ebft_structured' does not train on partial"):
+        TrainConfig(algorithm="ebft_structured", rollout=RolloutConfig(partial=True, kv=PAGED))

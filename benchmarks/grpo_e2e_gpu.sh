@@ -4,8 +4,8 @@
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
 # cases: one, bucketed (one GPU, --optim.length-bucket 128), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
-#        paged (one GPU, --rollout.kv.layout paged, 128 slots), shared, shared_paged (all GPUs, paged, 128 slots
-#        each), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
+#        paged (one GPU, --rollout.kv.layout paged, 128 slots), partial (paged + --rollout.partial), shared,
+#        shared_paged (all GPUs, paged, 128 slots each), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
 # env: SHAPE (llama1b), STEPS (3), MAX_NEW (1024), CASE_TIMEOUT (170 s), WORK (/tmp/e2e), PY (python3), WHEELS (1:
 #      install the carried .whl files, built for the device image's Python 3.12)
 set -u
@@ -31,6 +31,8 @@ for case in "$@"; do
     bucketed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.length-bucket 128 ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --rollout.kv.slots 128 ;;
+    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --rollout.kv.slots 128 \
+      --rollout.partial ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
     shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged --rollout.kv.slots 128 ;;

@@ -281,7 +281,10 @@ class _Generation:
                 self.row_group.append(k)
         self.rows = len(row_prompt)
         self.lengths = [len(x) for x in sequences]
-        width = pages_for(max(self.lengths), math.lcm(page, prompt_bucket)) * math.lcm(page, prompt_bucket)
+        # Prefilled sequences padded to a power of two (at least a page and a prompt bucket): with the bucketed
+        # sequence and slot counts, the few shapes a run's programs compile for (a partial rollout's sequences
+        # carry tokens of every length).
+        width = max(math.lcm(page, prompt_bucket), 1 << (max(self.lengths) - 1).bit_length())
         prompts = slot_bucket(len(sequences))
         self.slots = slot_bucket(min(kv.slots or self.rows, self.rows))
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),

@@ -26,8 +26,9 @@ class KVCacheConfig:
     """Rows decoded at once per device (``paged``): 0 = every row of a generation; fewer bounds the pages in use and
     the work of a decode step, the rows waiting for a slot start as others stop."""
     pages: int = 0
-    """Pages in each device's pool (``paged``), shared by all layers' keys and values: 0 = enough for every slot's longest
-    completion (never preempts). Fewer saves memory: when a growing row finds no free page, the row admitted last
+    """Pages in each device's pool (``paged``), shared by all layers' keys and values: 0 = enough for every slot's
+    longest completion, capped at 70% of the device's free memory when a generation starts (where the device tells
+    it; a power of two of pages). Fewer saves memory: when a growing row finds no free page, the row admitted last
     gives its pages back and starts again later (its tokens come out the same: each row samples from a key of its
     own). Too few for one whole row is an error that names the minimum."""
 

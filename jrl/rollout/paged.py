@@ -47,6 +47,7 @@ from jrl.models.transformer import on_mesh
 from jrl.rollout.base import SamplingParams
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.sampling import sample_tokens
+from jrl.sharding.memory import memory_limit
 
 SCRATCH_PAGE = 0
 """The pool's page 0 holds no row's slots: writes of rows with nothing to write go there."""
@@ -232,18 +233,43 @@ class PageScheduler:
         return admitted, preempted
 
 
+#: Share of a device's free memory (at the start of a generation, the trained model's state and the sampler's weights
+#: already in) a default pool may take; the rest is for the prefill's and the decode steps' temporaries.
+POOL_FREE_FRACTION = 0.7
+
+
 def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucket_pages: int,
-               max_new_tokens: int) -> int:
+               max_new_tokens: int, page_bytes: int = 0, free_bytes: int | None = None) -> int:
     """The pool's size: ``kv.pages`` (an error when it cannot hold the ``prompt_pages`` and one whole row), or
     enough for every slot's longest completion beside ``prompt_bucket_pages`` (the prompt pages of the generation's
-    buckets: the size, a compiled shape, stays the same from call to call)."""
+    buckets: the size, a compiled shape, stays the same from call to call), capped at
+    :data:`POOL_FREE_FRACTION` of ``free_bytes`` (the device's free memory, pages of ``page_bytes``; no cap where a
+    device does not tell) but never below one whole row's: rows beyond it wait or are preempted."""
     per_row = pages_for(max_new_tokens, kv.page_size) + 2  # a partial prompt page's copy, and a round's look-ahead
     least = 1 + prompt_pages + per_row
     if kv.pages and kv.pages < least:
         raise ValueError(f"rollout.kv.pages={kv.pages} cannot hold one whole row of this generation (scratch page + "
                          f"{prompt_pages} prompt pages + {per_row} for a completion of {max_new_tokens} tokens); "
                          f"use rollout.kv.pages >= {least}, or 0 for enough for every slot")
-    return kv.pages or 1 + prompt_bucket_pages + slots * per_row
+    if kv.pages:
+        return kv.pages
+    pool = 1 + prompt_bucket_pages + slots * per_row
+    if free_bytes is not None and page_bytes > 0:
+        fits = int(POOL_FREE_FRACTION * free_bytes) // page_bytes
+        if fits < pool:
+            # a power of two below what fits: a run's pools take few sizes (each one compiles its programs)
+            pool = max(1 + prompt_bucket_pages + per_row, 1 << (fits.bit_length() - 1) if fits > 0 else 0)
+    return pool
+
+
+def _free_bytes(state) -> int | None:
+    """Free memory of the device holding ``state`` (None where the device does not say, e.g. CPU)."""
+    leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
+    if leaf is None:
+        return None
+    device = next(iter(leaf.devices()))
+    limit = memory_limit(device)
+    return None if limit is None else int(limit) - int((device.memory_stats() or {}).get("bytes_in_use", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,18 +313,23 @@ class _Generation:
         width = max(math.lcm(page, prompt_bucket), 1 << (max(self.lengths) - 1).bit_length())
         prompts = slot_bucket(len(sequences))
         self.slots = slot_bucket(min(kv.slots or self.rows, self.rows))
+        # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
+        # made once for the whole generation.
+        view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
+        self.graphdef, self.state = nnx.split(view)
+        c = view.config  # a page holds K and V of every layer in the compute dtype
+        page_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * page * jnp.dtype(c.dtype).itemsize
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
-                               prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens)
-        free = list(range(1, self.pool))
-        self.prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in self.lengths]
+                               prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens,
+                               page_bytes=page_bytes, free_bytes=_free_bytes(state))
+        starts = np.cumsum([1] + [pages_for(n, page) for n in self.lengths])  # prompt pages from page 1 on, in order
+        self.prompt_pages = [list(range(a, b)) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+        free = list(range(int(starts[-1]), self.pool))
         page_ids = np.full((prompts, width // page), SCRATCH_PAGE, np.int32)
         ids, mask = np.full((prompts, width), pad_id, np.int32), np.zeros((prompts, width), np.int32)
         for i, (tokens, own) in enumerate(zip(sequences, self.prompt_pages)):
             ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
         mask[len(sequences):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
-        # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
-        # made once for the whole generation.
-        self.graphdef, self.state = nnx.split(decoding_view(on_mesh(nnx.merge(graphdef, state), None)))
         self.cache, self.prompt_logits = _prefill(self.graphdef, self.state, ids, mask, page_ids, pool=self.pool,
                                                   page_size=page)
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,

@@ -6,6 +6,8 @@ one place."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from rollout_testlib import PAD, full_forward_logprobs, greedy_by_full_forward, random_prompts, tiny_model
@@ -13,7 +15,8 @@ from rollout_testlib import PAD, full_forward_logprobs, greedy_by_full_forward, 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import SCRATCH_PAGE, PageScheduler, RowGroup, generate_paged, new_groups, pages_for
+from jrl.rollout.paged import (POOL_FREE_FRACTION, SCRATCH_PAGE, PageScheduler, RowGroup, generate_paged, new_groups,
+                               pages_for, pool_pages)
 from jrl.rollout.jax_engine import row_bucket
 from flax import nnx
 
@@ -173,3 +176,15 @@ def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would
         logprobs = np.concatenate([part["logprobs"][r, :n], more["logprobs"][i, :m]])
         np.testing.assert_allclose(logprobs, whole["logprobs"][r, :n + m], atol=1e-4)
         assert more["stopped"][i] == whole["stopped"][r]
+
+
+def test_the_default_pool_fits_the_free_memory_and_a_set_one_is_kept():
+    kv = KVCacheConfig(layout="paged", page_size=16)
+    args = dict(slots=64, prompt_pages=40, prompt_bucket_pages=64, max_new_tokens=1024)
+    whole = pool_pages(kv, **args)  # a device that does not tell its memory (CPU): every slot's longest row
+    assert whole == 1 + 64 + 64 * (1024 // 16 + 2)
+    capped = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=2000 << 20)  # 2000 pages free
+    assert capped <= POOL_FREE_FRACTION * 2000 < 2 * capped and capped & (capped - 1) == 0  # a power of two
+    tiny = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=10 << 20)  # less than a row: one row all the same
+    assert tiny == 1 + 64 + 1024 // 16 + 2
+    assert pool_pages(dataclasses.replace(kv, pages=500), **args, page_bytes=1 << 20, free_bytes=10 << 20) == 500

@@ -67,13 +67,17 @@ class ExperienceGroup:
     """The reward functions' names, one per column of ``rewards``."""
     group_id: int = -1
     """The queue's id of the group (set by :meth:`ExperienceQueue.take`; -1 before it is written)."""
+    loss_mask: np.ndarray | None = None
+    """[G, T] int32, 1 on the tokens the model wrote (multi-turn episodes: the environment's tokens are context);
+    None: the ``completion_mask``."""
 
     _ARRAYS = ("prompt_ids", "completion_ids", "completion_mask", "sampling_logprobs", "truncated", "rewards")
 
     def to_bytes(self) -> bytes:
         """The arrays and reward names as one ``.npz`` blob (dtypes and shapes kept)."""
         buf = io.BytesIO()
-        np.savez(buf, **{k: np.asarray(getattr(self, k)) for k in self._ARRAYS},
+        extra = {} if self.loss_mask is None else {"loss_mask": np.asarray(self.loss_mask)}
+        np.savez(buf, **{k: np.asarray(getattr(self, k)) for k in self._ARRAYS}, **extra,
                  reward_names=np.asarray(self.reward_names, dtype=str))
         return buf.getvalue()
 
@@ -83,7 +87,8 @@ class ExperienceGroup:
         with np.load(io.BytesIO(blob), allow_pickle=False) as arrays:
             return cls(**{k: arrays[k] for k in cls._ARRAYS}, policy_version=int(policy_version),
                        explorer=str(explorer), prompt_index=int(prompt_index),
-                       reward_names=tuple(str(x) for x in arrays["reward_names"]), group_id=int(group_id))
+                       reward_names=tuple(str(x) for x in arrays["reward_names"]), group_id=int(group_id),
+                       loss_mask=arrays["loss_mask"] if "loss_mask" in arrays.files else None)
 
 
 @dataclasses.dataclass(frozen=True)

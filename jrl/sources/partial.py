@@ -1,17 +1,18 @@
 """Partial rollouts (``rollout.partial``): a step's generation ends once it has ``data.prompts_per_batch`` finished
 groups, and the rows still running go on in the next step's generation instead of holding the step up.
 
-The first step takes two prompt batches from the loader, every later step one, and each trains on one batch's
-worth of groups: so one batch's worth of groups is always carried, and a step's generation runs those and its
-new prompts' until enough are finished. Each step hands the paged sampler
-(:meth:`jrl.rollout.jax_engine.JaxRolloutEngine.paged_groups`) the groups carried from earlier steps first (only their
-unfinished rows decode, each after the tokens it has: prefilled again under the newest weights), then the new
+The first step takes two prompt batches from the loader, every later step one, and each trains on one batch's worth
+of groups: so one batch's worth of groups is always carried, and a step's generation runs those and its new prompts'
+until enough are finished. Each step hands the paged sampler
+(:meth:`jrl.rollout.jax_engine.JaxRolloutEngine.paged_groups`) the groups carried from earlier steps first (only
+their unfinished rows decode, each after the tokens it has: prefilled again under the newest weights), then the new
 prompts' groups, and stops once enough groups are finished. The step trains on the first ``prompts_per_batch``
 finished groups, oldest first; the others are carried. Every token keeps the log-prob it was sampled with and the
-policy version that sampled it, so the train step's importance correction applies token by token; a row whose
-oldest token is more than ``rollout.max_staleness`` versions older than the sampler's weights (finished or not)
-starts again from its prompt, so no token trained on is older than that bound. The carried groups are part of the checkpoint (tokens, log-probs, versions and prompts), so a resumed run
-continues them exactly as the uninterrupted run does.
+policy version that sampled it, so the train step's importance correction applies token by token; a row whose oldest
+token is more than ``rollout.max_staleness`` versions older than the sampler's weights (finished or not) starts
+again from its prompt, so no token trained on is older than that bound. The carried groups are part of the
+checkpoint (tokens, log-probs, versions and prompts), so a resumed run continues them exactly as the uninterrupted
+run does.
 """
 
 from __future__ import annotations

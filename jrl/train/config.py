@@ -315,8 +315,8 @@ class TrainConfig:
                               f"rollout.partial=True ({why})")
 
     def _check_env(self) -> None:
-        """``env``: a registered environment, and none of the parts that do not carry episodes yet (explorers,
-        streaming scoring, replay)."""
+        """``env``: a registered environment, and none of the parts that do not carry episodes yet (streaming
+        scoring, replay)."""
         if self.env.name is None:
             reject_unused(self, ("env",), "env.name=None (single-turn rollouts)", "set env.name to play episodes")
             return
@@ -332,8 +332,7 @@ class TrainConfig:
         if m is not None and m < self.env.max_episode_tokens:
             raise invalid("TrainConfig", "algo.max_completion_length", m,
                           f"it must be >= env.max_episode_tokens={self.env.max_episode_tokens}, or None")
-        for field, value, why in (("mode", self.mode != "both", "episodes are played by the trainer's process"),
-                                  ("scoring.stream_groups", self.scoring.stream_groups, "episodes end turn by turn"),
+        for field, value, why in (("scoring.stream_groups", self.scoring.stream_groups, "episodes end turn by turn"),
                                   ("replay.buffer_size", self.replay.buffer_size, "the replay buffer keeps no loss "
                                                                                   "masks")):
             if value:

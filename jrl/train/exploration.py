@@ -68,7 +68,8 @@ def experience_groups(scored: ScoredRollout, prompt_indices: list[int], *, group
         completion_mask=np.asarray(r.completion_mask[p * g:(p + 1) * g]),
         sampling_logprobs=np.asarray(r.sampling_logprobs[p * g:(p + 1) * g], np.float32),
         truncated=np.asarray(r.truncated[p * g:(p + 1) * g], bool), rewards=scored.rewards[p * g:(p + 1) * g],
-        policy_version=r.policy_version, explorer=explorer, prompt_index=int(index), reward_names=scored.reward_names)
+        policy_version=r.policy_version, explorer=explorer, prompt_index=int(index), reward_names=scored.reward_names,
+        loss_mask=None if r.loss_mask is None else np.asarray(r.loss_mask[p * g:(p + 1) * g]))
         for p, index in enumerate(prompt_indices)]
 
 
@@ -87,7 +88,8 @@ def scored_rollout(groups: list[ExperienceGroup], *, pad_id: int, group_size: in
     parts = [RolloutBatch(prompt_ids=ids, prompt_mask=np.ones_like(ids),
                           completion_ids=grp.completion_ids, completion_mask=grp.completion_mask,
                           sampling_logprobs=grp.sampling_logprobs, truncated=grp.truncated,
-                          policy_version=grp.policy_version) for grp, ids in zip(groups, prompts)]
+                          policy_version=grp.policy_version, loss_mask=grp.loss_mask)
+             for grp, ids in zip(groups, prompts)]
     rollout = concat_rollouts(parts, pad_id, policy_version=min(grp.policy_version for grp in groups))
     return ScoredRollout(rollout, np.concatenate([grp.rewards for grp in groups]).astype(np.float32),
                          groups[0].reward_names)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jrl.envs import EnvConfig
@@ -32,7 +33,6 @@ def test_an_environment_run_needs_no_reward_functions_and_weighs_the_episode_rew
     (dict(env=EnvConfig(name="nope")), "env.name"),
     (dict(env=EnvConfig(max_turns=5)), "env=.*env.name=None"),
     (dict(env=EnvConfig(name="higher_lower", max_episode_tokens=512)), "algo.max_completion_length"),
-    (dict(env=EnvConfig(name="higher_lower"), mode="train"), "mode"),
     (dict(env=EnvConfig(name="higher_lower"), replay=ReplayConfig(buffer_size=2)), "replay.buffer_size"),
     (dict(env=EnvConfig(name="higher_lower"), algorithm="ebft_structured"), "env"),
 ])
@@ -68,3 +68,38 @@ def test_the_multi_turn_config_trains_through_the_cli(tmp_path):
     assert len(evals) == 2 and all(0 <= e["eval/greedy/reward/env/higher_lower/mean"] <= 1 for e in evals), evals
     samples = [json.loads(line) for line in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
     assert samples and set(samples[0]["rewards"]) == {"env/higher_lower"}
+
+
+def test_an_explorer_plays_episodes_into_the_queue(tmp_path):
+    """``mode='explore'`` with an environment: the explorer plays episodes and writes their groups with the loss mask
+    (the environment's tokens 0) and the episode reward column; a trainer fed by the queue reads them back."""
+    import runpy
+
+    from jrl.explore.config import ExploreConfig
+    from jrl.explore.publication import WeightPublisher, trainable
+    from jrl.explore.queue import open_queue
+    from jrl.train.config import ScoringConfig
+    from jrl.train.exploration import Explorer, scored_rollout
+    from jrl.train.policy import load_policy
+
+    base = runpy.run_path(str(ROOT / "configs" / "grpo_multiturn.py"))["config"]()
+    cfg = dataclasses.replace(base, mode="explore", output_dir=str(tmp_path),
+                              model=dataclasses.replace(base.model, path=str(ROOT / "models" / "tiny-arithmetic")),
+                              data=dataclasses.replace(base.data, prompts_per_batch=4),
+                              scoring=ScoringConfig(num_workers=0),
+                              explore=ExploreConfig(name="e", max_batches=1, timeout_s=30.0))
+    publisher = WeightPublisher(cfg.explore.weights_path(tmp_path), keep=2)
+    publisher.reset()
+    publisher.publish(trainable(load_policy(cfg).model)[1], 0, lora=False)
+    explorer = Explorer(cfg)
+    try:
+        assert explorer.run() == 1
+    finally:
+        explorer.close()
+    g = cfg.algo.num_generations
+    groups = open_queue(cfg.explore.queue_url(cfg.output_dir)).take(4, step=1, timeout=0.0)
+    assert all(grp.reward_names == ("env/higher_lower",) and grp.loss_mask is not None for grp in groups)
+    rollout = scored_rollout(groups, pad_id=0, group_size=g, num_rewards=1).rollout
+    mask, loss = rollout.completion_mask.astype(bool), rollout.loss_mask.astype(bool)
+    assert (loss <= mask).all() and (mask & ~loss).any(), "episodes of several turns hold the environment's tokens"
+    assert np.isfinite(np.concatenate([grp.rewards for grp in groups])).any()

@@ -5,6 +5,7 @@ resumed, trains on every group it took exactly once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -85,6 +86,28 @@ def test_groups_through_the_queue_rebuild_the_scored_rollout(tmp_path):
     np.testing.assert_array_equal(got.rewards, np.concatenate([first.rewards, second.rewards]))
     with pytest.raises(ValueError, match=r"explorer 'a' wrote a group of 4 completions.*groups of 8 completions"):
         scored_rollout(groups, pad_id=PAD, group_size=8, num_rewards=2)
+
+
+def test_episode_groups_keep_their_loss_mask_through_the_queue(tmp_path):
+    """Multi-turn episodes put the environment's tokens in the completion with loss mask 0: the queue keeps the loss
+    mask (groups written without one still read back as None: their completion mask is their loss mask)."""
+    rng = np.random.default_rng(3)
+    queue = open_queue(f"sqlite:///{tmp_path}/queue.db")
+    episodes, single = _scored(rng, 2, 3, version=1), _scored(rng, 1, 3, version=1)
+    mask = episodes.rollout.completion_mask
+    loss = (mask * (rng.random(mask.shape) < 0.6)).astype(np.int32)
+    episodes = ScoredRollout(dataclasses.replace(episodes.rollout, loss_mask=loss), episodes.rewards,
+                             episodes.reward_names)
+    queue.put(experience_groups(episodes, [1, 2], group_size=3, explorer="e"))
+    queue.put(experience_groups(single, [3], group_size=3, explorer="s"))
+    groups = queue.take(3, step=1)
+    assert groups[2].loss_mask is None
+    np.testing.assert_array_equal(np.concatenate([g.loss_mask for g in groups[:2]]), loss)
+    got = scored_rollout(groups, pad_id=PAD, group_size=3, num_rewards=2).rollout
+    t = got.completion_ids.shape[1]
+    want = np.concatenate([np.pad(loss, ((0, 0), (0, t - loss.shape[1]))),
+                           np.pad(single.rollout.completion_mask, ((0, 0), (0, t - single.rollout.completion_mask.shape[1])))])
+    np.testing.assert_array_equal(got.loss_mask, want)
 
 
 def test_published_weights_load_into_a_fresh_model_and_old_versions_go(tmp_path):

@@ -105,8 +105,8 @@ def test_episode_groups_keep_their_loss_mask_through_the_queue(tmp_path):
     np.testing.assert_array_equal(np.concatenate([g.loss_mask for g in groups[:2]]), loss)
     got = scored_rollout(groups, pad_id=PAD, group_size=3, num_rewards=2).rollout
     t = got.completion_ids.shape[1]
-    want = np.concatenate([np.pad(loss, ((0, 0), (0, t - loss.shape[1]))),
-                           np.pad(single.rollout.completion_mask, ((0, 0), (0, t - single.rollout.completion_mask.shape[1])))])
+    plain = single.rollout.completion_mask
+    want = np.concatenate([np.pad(loss, ((0, 0), (0, t - loss.shape[1]))), np.pad(plain, ((0, 0), (0, t - plain.shape[1])))])
     np.testing.assert_array_equal(got.loss_mask, want)
 
 

@@ -11,8 +11,8 @@ A group whose completions all got the same rewards teaches nothing (every advant
   probability proportional to their scores (clamped at 1e-8), without replacement, so a batch never holds the
   same group twice: with fewer stored groups than no-signal groups, the last no-signal groups stay.
   The draw uses a generator seeded by the run seed and the step (a resumed run draws the same).
-- **Nothing stale** (§21 open point 3): a replayed group brings its tokens, its sampler log-probs and its *raw*
-  rewards; its advantages are computed again with the batch it joins, its old and reference log-probs come
+- **Nothing stale** (§21 open point 3): a replayed group brings its tokens, its sampler log-probs, its *raw*
+  rewards and (episodes) its loss mask; its advantages are computed again with the batch it joins, its old and reference log-probs come
   from the current weights like every other row's, and the sampler-IS correction weighs it by the ratio of
   the current policy to the (older) sampler that generated it.
 
@@ -56,6 +56,8 @@ class ReplayGroup:
     """[G] bool."""
     rewards: np.ndarray
     """[G, K] float32 raw rewards (NaN where a function gave none)."""
+    loss_mask: np.ndarray | None = None
+    """[G, T] int32, the tokens the model wrote (episodes: not the environment's); None: the completion mask."""
 
 
 def group_scores(rewards: np.ndarray, advantages: np.ndarray, group_size: int) -> np.ndarray:
@@ -123,7 +125,8 @@ class ReplayBuffer:
             out.append(ReplayGroup(float(scores[k]), int(step), [int(t) for t in prompts[rows.start]],
                                    rollout.completion_ids[rows].copy(), rollout.completion_mask[rows].copy(),
                                    rollout.sampling_logprobs[rows].copy(), rollout.truncated[rows].copy(),
-                                   np.asarray(rewards[rows], np.float32).copy()))
+                                   np.asarray(rewards[rows], np.float32).copy(),
+                                   None if rollout.loss_mask is None else np.asarray(rollout.loss_mask[rows]).copy()))
         return out
 
     def _keep(self, group: ReplayGroup) -> None:
@@ -138,11 +141,13 @@ class ReplayBuffer:
     def state(self) -> list[dict]:
         """The kept groups as JSON-safe dicts (arrays as base64 ``.npy``)."""
         return [{"score": x.score, "step": x.step, "prompt_ids": x.prompt_ids,
-                 **{f: _pack(getattr(x, f)) for f in _ARRAY_FIELDS}} for x in self.groups]
+                 **{f: _pack(getattr(x, f)) for f in _ARRAY_FIELDS},
+                 **({} if x.loss_mask is None else {"loss_mask": _pack(x.loss_mask)})} for x in self.groups]
 
     def load_state(self, state: list[dict]) -> None:
         self.groups = [ReplayGroup(float(d["score"]), int(d["step"]), [int(t) for t in d["prompt_ids"]],
-                                   **{f: _unpack(d[f]) for f in _ARRAY_FIELDS}) for d in state]
+                                   **{f: _unpack(d[f]) for f in _ARRAY_FIELDS},
+                                   loss_mask=_unpack(d["loss_mask"]) if "loss_mask" in d else None) for d in state]
 
 
 _ARRAY_FIELDS = ("completion_ids", "completion_mask", "sampling_logprobs", "truncated", "rewards")
@@ -156,15 +161,21 @@ def splice_groups(rollout: RolloutBatch, rewards: np.ndarray, at: dict[int, Repl
     ids = pad_columns(np.asarray(rollout.completion_ids, np.int32), width, pad_id)
     mask = pad_columns(np.asarray(rollout.completion_mask, np.int32), width, 0)
     logp = pad_columns(np.asarray(rollout.sampling_logprobs, np.float32), width, np.nan)
+    masked = rollout.loss_mask is not None or any(g.loss_mask is not None for g in at.values())
+    loss = pad_columns(np.asarray(rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask,
+                                  np.int32), width, 0) if masked else None
     truncated = np.array(rollout.truncated, bool)
     rewards = np.array(rewards, np.float32)
     for start, group in at.items():
         rows = slice(start, start + len(group.truncated))
         prompts[rows] = [list(group.prompt_ids)] * len(group.truncated)
-        ids[rows] = np.where(group.completion_mask > 0, group.completion_ids, pad_id)
-        mask[rows], logp[rows] = group.completion_mask, group.sampling_logprobs
+        ids[rows] = pad_columns(np.where(group.completion_mask > 0, group.completion_ids, pad_id), width, pad_id)
+        mask[rows] = pad_columns(group.completion_mask, width, 0)
+        logp[rows] = pad_columns(group.sampling_logprobs, width, np.nan)
+        if masked:
+            loss[rows] = pad_columns(group.completion_mask if group.loss_mask is None else group.loss_mask, width, 0)
         truncated[rows], rewards[rows] = group.truncated, group.rewards
     p_ids, p_mask = left_pad(prompts, pad_id)
     return dataclasses.replace(rollout, prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=ids,
-                               completion_mask=mask, sampling_logprobs=logp,
-                               truncated=truncated), rewards
+                               completion_mask=mask, sampling_logprobs=logp, truncated=truncated,
+                               loss_mask=loss), rewards

@@ -316,7 +316,7 @@ class TrainConfig:
 
     def _check_env(self) -> None:
         """``env``: a registered environment, and none of the parts that do not carry episodes yet (streaming
-        scoring, replay)."""
+        scoring)."""
         if self.env.name is None:
             reject_unused(self, ("env",), "env.name=None (single-turn rollouts)", "set env.name to play episodes")
             return
@@ -332,12 +332,9 @@ class TrainConfig:
         if m is not None and m < self.env.max_episode_tokens:
             raise invalid("TrainConfig", "algo.max_completion_length", m,
                           f"it must be >= env.max_episode_tokens={self.env.max_episode_tokens}, or None")
-        for field, value, why in (("scoring.stream_groups", self.scoring.stream_groups, "episodes end turn by turn"),
-                                  ("replay.buffer_size", self.replay.buffer_size, "the replay buffer keeps no loss "
-                                                                                  "masks")):
-            if value:
-                raise invalid("TrainConfig", field, _value_at(self, field), f"leave it at its default with env.name "
-                              f"set ({why}; not built yet)")
+        if self.scoring.stream_groups:
+            raise invalid("TrainConfig", "scoring.stream_groups", self.scoring.stream_groups, "leave it at its default "
+                          "with env.name set (episodes end turn by turn; not built yet)")
 
     def _check_mode(self, algorithm) -> None:
         check_choice(self, "mode", ("both", "train", "explore"))

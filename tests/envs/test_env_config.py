@@ -15,6 +15,7 @@ import pytest
 
 from jrl.envs import EnvConfig
 from jrl.sources.config import ReplayConfig
+from jrl.train.config import ScoringConfig
 from jrl.train.config import ARITHMETIC_REWARDS, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,13 +28,15 @@ def test_an_environment_run_needs_no_reward_functions_and_weighs_the_episode_rew
     assert both.reward_weights == (1.0, 0.5, 1.0)
     with pytest.raises(ValueError, match="TrainConfig.rewards"):
         TrainConfig(rewards=())
+    replayed = TrainConfig(rewards=(), env=EnvConfig(name="higher_lower"), replay=ReplayConfig(buffer_size=2))
+    assert replayed.replay.buffer_size == 2  # the replay buffer keeps episodes' loss masks
 
 
 @pytest.mark.parametrize("change, field", [
     (dict(env=EnvConfig(name="nope")), "env.name"),
     (dict(env=EnvConfig(max_turns=5)), "env=.*env.name=None"),
     (dict(env=EnvConfig(name="higher_lower", max_episode_tokens=512)), "algo.max_completion_length"),
-    (dict(env=EnvConfig(name="higher_lower"), replay=ReplayConfig(buffer_size=2)), "replay.buffer_size"),
+    (dict(env=EnvConfig(name="higher_lower"), scoring=ScoringConfig(stream_groups=2)), "scoring.stream_groups"),
     (dict(env=EnvConfig(name="higher_lower"), algorithm="ebft_structured"), "env"),
 ])
 def test_refused_by_name(change, field):

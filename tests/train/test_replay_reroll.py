@@ -118,6 +118,30 @@ def test_replay_state_round_trips_exactly():
         assert getattr(a, f).dtype == getattr(b, f).dtype
 
 
+def test_episode_groups_keep_their_loss_mask_through_the_buffer_and_a_checkpoint():
+    """Episodes (the environment's tokens in the completion, loss mask 0 on them): a kept group brings its loss mask
+    where it is replayed, the batch's own rows keep theirs, and the buffer's state keeps it."""
+    g, width = 2, 6
+    buf = ReplayBuffer(ReplayConfig(buffer_size=2), group_size=g, seed=0)
+    r0 = _rollout([[7], [8]], [[40, 41, 42, 2], [43, 2], [44, 2], [45, 2]], g)
+    loss0 = (r0.completion_mask * np.array([[1, 0, 0, 1]], np.int32)).astype(np.int32)  # tokens 1-2: observation
+    buf.exchange(dataclasses.replace(r0, loss_mask=loss0), np.array([[1], [0], [0], [0]], np.float32),
+                 np.array([1, -1, 0, 0]), np.array([True, False]), step=0, pad_id=PAD, width=width)
+    again = ReplayBuffer(ReplayConfig(buffer_size=2), group_size=g, seed=0)
+    again.load_state(json.loads(json.dumps(buf.state())))
+    np.testing.assert_array_equal(again.groups[0].loss_mask[:, :4], loss0[:2])
+    r1 = _rollout([[5], [6]], [[50, 2], [51, 2], [52, 53, 2], [54]], g, version=1)
+    loss1 = r1.completion_mask.copy()
+    loss1[2, 1] = 0
+    for buffer in (buf, again):  # group 0 of step 1 has no signal: step 0's group 0 takes its place
+        out, _, n = buffer.exchange(dataclasses.replace(r1, loss_mask=loss1), np.array([[0], [0], [1], [0]], np.float32),
+                                    np.array([0, 0, 1, -1]), np.array([False, True]), step=1, pad_id=PAD, width=width)
+        assert n == 1 and out.loss_mask.shape == (4, width)
+        np.testing.assert_array_equal(out.loss_mask[:2, :4], loss0[:2])
+        np.testing.assert_array_equal(out.loss_mask[2:, :3], loss1[2:])
+        assert (out.loss_mask[:, 4:] == 0).all() and (out.loss_mask <= out.completion_mask).all()
+
+
 def test_all_fail_groups_need_every_reward_zero_and_finite():
     rewards = np.array([[0, 0], [0, 1e-7], [0, 0], [0, 1], [0, np.nan], [0, 0]], np.float32)
     np.testing.assert_array_equal(all_fail_groups(rewards, 2), [True, False, False])

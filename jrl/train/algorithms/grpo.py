@@ -520,9 +520,8 @@ class GRPO:
         if self.reroll is not None:
             metrics.update(self.reroll.add(step, prompt_batch.indices, all_fail_groups(rewards, g)))
         if self.replay is not None:
-            width = self.sampling.max_new_tokens
             rollout, rewards, replaced = self.replay.exchange(rollout, rewards, adv, has_signal[::g], step=step,
-                                                              pad_id=self.pad_id, width=width)
+                                                              pad_id=self.pad_id, width=self.completion_length)
             if replaced:
                 adv = np.asarray(advantages_from_config(rewards, self.algo))
                 has_signal = row_has_signal(rewards, self.algo)

@@ -6,8 +6,8 @@ environments (:mod:`jrl.envs.builtin`, registered on import)."""
 from jrl.envs import builtin  # noqa: F401  (registers the built-in environments)
 from jrl.envs.base import ENVIRONMENTS, Environment, Episode, StepResult, prompt_tools
 from jrl.envs.config import EnvConfig
-from jrl.envs.episodes import EnvSteps, EpisodeRollout, run_episodes
+from jrl.envs.episodes import EnvSteps, EpisodeRollout, join_episodes, run_episodes
 from jrl.envs.tools import TOOLS, ToolCall, parse_tool_calls, register_tool
 
 __all__ = ["ENVIRONMENTS", "TOOLS", "EnvConfig", "EnvSteps", "Environment", "Episode", "EpisodeRollout", "StepResult",
-           "ToolCall", "prompt_tools", "parse_tool_calls", "register_tool", "run_episodes"]
+           "ToolCall", "join_episodes", "prompt_tools", "parse_tool_calls", "register_tool", "run_episodes"]

@@ -28,7 +28,7 @@ import numpy as np
 
 from jrl.envs.base import Episode, StepResult
 from jrl.envs.config import EnvConfig
-from jrl.rollout.base import RolloutBatch, SamplingParams, step_seed
+from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts, step_seed
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,17 @@ class EpisodeRollout:
     @property
     def policy_version(self) -> int:
         return self.rollout.policy_version
+
+
+def join_episodes(parts: list[EpisodeRollout], pad_id: int) -> EpisodeRollout:
+    """The episodes of ``parts`` (chunks of one prompt batch, in order) as one: rows joined (completions padded to the
+    longest), rewards and turns in row order, errors added up."""
+    errors: collections.Counter = collections.Counter()
+    for part in parts:
+        errors.update(part.errors)
+    return EpisodeRollout(concat_rollouts([p.rollout for p in parts], pad_id),
+                          np.concatenate([p.rewards for p in parts]), np.concatenate([p.turns for p in parts]),
+                          dict(errors))
 
 
 @dataclasses.dataclass

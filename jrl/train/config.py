@@ -315,8 +315,7 @@ class TrainConfig:
                               f"rollout.partial=True ({why})")
 
     def _check_env(self) -> None:
-        """``env``: a registered environment, and none of the parts that do not carry episodes yet (streaming
-        scoring)."""
+        """``env``: a registered environment, a sampler that can play it, an episode budget the loss takes."""
         if self.env.name is None:
             reject_unused(self, ("env",), "env.name=None (single-turn rollouts)", "set env.name to play episodes")
             return
@@ -332,9 +331,6 @@ class TrainConfig:
         if m is not None and m < self.env.max_episode_tokens:
             raise invalid("TrainConfig", "algo.max_completion_length", m,
                           f"it must be >= env.max_episode_tokens={self.env.max_episode_tokens}, or None")
-        if self.scoring.stream_groups:
-            raise invalid("TrainConfig", "scoring.stream_groups", self.scoring.stream_groups, "leave it at its default "
-                          "with env.name set (episodes end turn by turn; not built yet)")
 
     def _check_mode(self, algorithm) -> None:
         check_choice(self, "mode", ("both", "train", "explore"))

@@ -36,7 +36,6 @@ def test_an_environment_run_needs_no_reward_functions_and_weighs_the_episode_rew
     (dict(env=EnvConfig(name="nope")), "env.name"),
     (dict(env=EnvConfig(max_turns=5)), "env=.*env.name=None"),
     (dict(env=EnvConfig(name="higher_lower", max_episode_tokens=512)), "algo.max_completion_length"),
-    (dict(env=EnvConfig(name="higher_lower"), scoring=ScoringConfig(stream_groups=2)), "scoring.stream_groups"),
     (dict(env=EnvConfig(name="higher_lower"), algorithm="ebft_structured"), "env"),
 ])
 def test_refused_by_name(change, field):
@@ -106,3 +105,38 @@ def test_an_explorer_plays_episodes_into_the_queue(tmp_path):
     mask, loss = rollout.completion_mask.astype(bool), rollout.loss_mask.astype(bool)
     assert (loss <= mask).all() and (mask & ~loss).any(), "episodes of several turns hold the environment's tokens"
     assert np.isfinite(np.concatenate([grp.rewards for grp in groups])).any()
+
+
+def test_streamed_episodes_are_scored_chunk_by_chunk_like_the_whole_batch():
+    """``scoring.stream_groups`` with an environment: the batch's episodes are played a chunk of prompts at a time and
+    each chunk's reward calls start as it ends; the rewards are those of scoring the joined episodes at once, the
+    episode reward is the last column and the loss mask leaves the observations out."""
+    import runpy
+
+    from jrl.data.pipeline import PromptLoader, build_prompt_dataset
+    from jrl.rollout.jax_engine import JaxRolloutEngine
+    from jrl.train.algorithms.grpo import GroupSampler, StreamedRollout
+    from jrl.train.policy import load_policy
+
+    base = runpy.run_path(str(ROOT / "configs" / "grpo_multiturn.py"))["config"]()
+    cfg = dataclasses.replace(base, rewards=ARITHMETIC_REWARDS, scoring=ScoringConfig(num_workers=1, stream_groups=2),
+                              model=dataclasses.replace(base.model, path=str(ROOT / "models" / "tiny-arithmetic")),
+                              data=dataclasses.replace(base.data, prompts_per_batch=4))
+    policy = load_policy(cfg)
+    sampler = GroupSampler(cfg, policy)
+    try:
+        batch = next(PromptLoader(build_prompt_dataset(cfg.data, policy.tokenizer), cfg.data))
+        streamed = sampler.generate(JaxRolloutEngine(policy.model, pad_id=policy.pad_id), batch, seed=3)
+        assert isinstance(streamed, StreamedRollout) and len(streamed.scoring) == 2
+        g = cfg.algo.num_generations
+        assert streamed.episodes is not None and len(streamed.episodes.rewards) == 4 * g
+        scored = sampler.score(streamed, batch, 0)
+        again = sampler.score(streamed.episodes, batch, 0)  # the same episodes, scored after the fact
+        assert scored.reward_names == again.reward_names == ("exact_match", "format_reward", "env/higher_lower")
+        np.testing.assert_array_equal(scored.rewards, again.rewards)
+        np.testing.assert_array_equal(scored.rewards[:, -1], streamed.episodes.rewards)
+        mask, loss = scored.rollout.completion_mask.astype(bool), scored.rollout.loss_mask.astype(bool)
+        assert (loss <= mask).all() and (mask & ~loss).any()
+        assert scored.failures["env/turns/mean"] >= 1
+    finally:
+        sampler.close()

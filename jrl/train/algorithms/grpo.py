@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jrl.data.pipeline import left_pad
-from jrl.envs import ENVIRONMENTS, EnvSteps, EpisodeRollout, run_episodes
+from jrl.envs import ENVIRONMENTS, EnvSteps, EpisodeRollout, join_episodes, run_episodes
 from jrl.envs.chat import observation_encoder
 from jrl.kernels._dispatch import backend as kernel_backend
 from jrl.kernels.logprobs import token_logprobs
@@ -353,7 +353,9 @@ class StreamedRollout:
 
     rollout: RolloutBatch
     scoring: list[StartedScoring]
-    """The started scoring of each chunk, in row order."""
+    """The started scoring of each chunk, in row order (none for episodes without reward functions)."""
+    episodes: EpisodeRollout | None = None
+    """With ``env.name``: the chunks' episodes joined (``rollout`` is theirs)."""
 
     @property
     def policy_version(self) -> int:
@@ -394,16 +396,25 @@ class GroupSampler:
         g = self.algo.num_generations
         if self.partial is not None:
             return self.partial.generate(engine, prompt_batch, self.sampling, seed=seed)
-        if self.env is not None:
-            return self._episodes(engine, prompt_batch, self.sampling, num_generations=g, seed=seed)
         if not self.stream:
+            if self.env is not None:
+                return self._episodes(engine, prompt_batch, self.sampling, num_generations=g, seed=seed)
             return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=g, seed=seed)
         parts, started = [], []
         for k, start in enumerate(range(0, len(prompt_batch), self.stream)):
             chunk = prompt_batch.rows(slice(start, start + self.stream))
-            parts.append(engine.generate(chunk.prompt_ids, self.sampling, num_generations=g, seed=step_seed(seed, k)))
-            started.append(self._start_scoring(parts[-1], chunk))
-        return StreamedRollout(concat_rollouts(parts, self.pad_id), started)
+            if self.env is not None:
+                parts.append(self._episodes(engine, chunk, self.sampling, num_generations=g, seed=step_seed(seed, k)))
+            else:
+                parts.append(engine.generate(chunk.prompt_ids, self.sampling, num_generations=g,
+                                             seed=step_seed(seed, k)))
+            rollout = parts[-1].rollout if self.env is not None else parts[-1]
+            if self.scorer.fns:
+                started.append(self._start_scoring(rollout, chunk))
+        if self.env is None:
+            return StreamedRollout(concat_rollouts(parts, self.pad_id), started)
+        episodes = join_episodes(parts, self.pad_id)
+        return StreamedRollout(episodes.rollout, started, episodes)
 
     def _start_scoring(self, rollout: RolloutBatch, prompt_batch) -> StartedScoring:
         g = self.algo.num_generations
@@ -421,6 +432,8 @@ class GroupSampler:
             rollout, prompt_batch = rollout.rollout, rollout.prompt_batch
         if isinstance(rollout, EpisodeRollout):
             return self._score_episodes(rollout, prompt_batch, step)
+        if isinstance(rollout, StreamedRollout) and rollout.episodes is not None:
+            return self._score_episodes(rollout.episodes, prompt_batch, step, started=rollout.scoring)
         if isinstance(rollout, StreamedRollout):
             started, rollout = rollout.scoring, rollout.rollout
         else:
@@ -454,10 +467,13 @@ class GroupSampler:
         return (np.concatenate([rewards, np.asarray(episode_rewards, np.float32)[:, None]], axis=1),
                 (*names, f"env/{self.env_cfg.name}"))
 
-    def _score_episodes(self, episodes: EpisodeRollout, prompt_batch, step: int) -> ScoredRollout:
+    def _score_episodes(self, episodes: EpisodeRollout, prompt_batch, step: int,
+                        started: list[StartedScoring] | None = None) -> ScoredRollout:
+        """Episodes with the reward functions' columns (their calls ``started`` already when streamed) and the
+        episode reward as the last one."""
         rollout, rewards, names, failures = episodes.rollout, None, (), {}
         if self.scorer.fns:
-            scored = self.score(rollout, prompt_batch, step)
+            scored = self.score(rollout if started is None else StreamedRollout(rollout, started), prompt_batch, step)
             rewards, names, failures = scored.rewards, scored.reward_names, scored.failures
         rewards, names = self.with_episode_rewards(rewards, names, episodes.rewards)
         env = {f"env/errors/{kind}": float(count) for kind, count in sorted(episodes.errors.items())}

@@ -69,10 +69,20 @@ class PagedProgram:
     page_size: int
 
 
+#: Tokens one prefill call takes at most (sequences x padded width): its dense keys and values are temporaries beside
+#: the pool, so long prompts or a partial rollout's long carried rows are prefilled in several calls.
+PREFILL_TOKENS = 32768
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size"))
-def _prefill(graphdef, state, ids: jax.Array, mask: jax.Array, page_ids: jax.Array, *, pool: int, page_size: int):
-    """A pool of ``pool`` pages holding the right-padded prompts ``ids`` [P, L] (``mask``) in pages ``page_ids``
-    [P, L / page_size] (the scratch page past a prompt's end), and each prompt's last logits [P, V]."""
+def _empty_pool(graphdef, state, *, pool: int, page_size: int) -> tuple[PagedKV, ...]:
+    return nnx.merge(graphdef, state).init_pages(pool, page_size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "page_size"), donate_argnames=("cache",))
+def _prefill(graphdef, state, cache, ids: jax.Array, mask: jax.Array, page_ids: jax.Array, *, page_size: int):
+    """The pool ``cache`` with the right-padded sequences ``ids`` [P, L] (``mask``) written to pages ``page_ids``
+    [P, L / page_size] (the scratch page past a sequence's end), and each sequence's last logits [P, V]."""
     model = nnx.merge(graphdef, state)
     (p, length), lengths = ids.shape, jnp.sum(mask, axis=-1)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (p, length))
@@ -80,13 +90,13 @@ def _prefill(graphdef, state, ids: jax.Array, mask: jax.Array, page_ids: jax.Arr
     logits = model.logits(hidden[jnp.arange(p), lengths - 1])
     flat = page_ids.reshape(-1)
 
-    def paged(x):  # [P, L, K, D] -> the prompts' pages [K, P * L / page, page, D]
+    def paged(x):  # [P, L, K, D] -> the sequences' pages [K, P * L / page, page, D]
         k, d = x.shape[2:]
         return x.reshape(p, length // page_size, page_size, k, d).transpose(3, 0, 1, 2, 4).reshape(
             k, -1, page_size, d)
 
     pages = tuple(PagedKV(c.k.at[:, flat].set(paged(d.k)), c.v.at[:, flat].set(paged(d.v)))
-                  for c, d in zip(model.init_pages(pool, page_size), dense, strict=True))
+                  for c, d in zip(cache, dense, strict=True))
     return pages, logits
 
 
@@ -289,7 +299,7 @@ class _Generation:
     decode round; :meth:`collect` reads it back."""
 
     def __init__(self, graphdef, state, groups: list[RowGroup], params: SamplingParams, *, kv: KVCacheConfig,
-                 pad_id: int, prompt_bucket: int, slot_bucket):
+                 pad_id: int, prompt_bucket: int, slot_bucket, prefill_tokens: int = PREFILL_TOKENS):
         page = kv.page_size
         self.page, self.params = page, params
         sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
@@ -330,8 +340,15 @@ class _Generation:
         for i, (tokens, own) in enumerate(zip(sequences, self.prompt_pages)):
             ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
         mask[len(sequences):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
-        self.cache, self.prompt_logits = _prefill(self.graphdef, self.state, ids, mask, page_ids, pool=self.pool,
-                                                  page_size=page)
+        # Prefilled a power-of-two number of sequences at a time (dividing the bucket), at most prefill_tokens.
+        per_call = min(prompts, 1 << (max(prefill_tokens // width, 1).bit_length() - 1))
+        self.cache, logits = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page), []
+        for first in range(0, prompts, per_call):
+            rows = slice(first, first + per_call)
+            self.cache, part = _prefill(self.graphdef, self.state, self.cache, ids[rows], mask[rows], page_ids[rows],
+                                        page_size=page)
+            logits.append(part)
+        self.prompt_logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
                                    prompt_lengths=self.lengths, row_prompt=row_prompt, page_size=page,
                                    table_width=pages_for(width + params.max_new_tokens, page) + 1)
@@ -409,7 +426,7 @@ def new_groups(prompt_ids: list[list[int]], num_generations: int) -> list[RowGro
 
 def generate_paged(graphdef, states: list, groups: list[RowGroup], params: SamplingParams, *, seed: int,
                    kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket,
-                   groups_needed: int | None = None) -> dict:
+                   groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS) -> dict:
     """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
     entry of ``states`` (the weights on that device): the groups are split into contiguous parts, one per device,
     each device with its own pool, slots and scheduler, their rounds run side by side. With ``groups_needed`` the
@@ -418,10 +435,11 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
     ``prompt_pages`` and ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots runs with
-    (bucketed, so that few programs compile)."""
+    (bucketed, so that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes."""
     parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
     gens = [_Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
-                        prompt_bucket=prompt_bucket, slot_bucket=slot_bucket) for state, part in zip(states, parts)]
+                        prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens)
+            for state, part in zip(states, parts)]
     key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
     need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
     while sum(gen.groups_done for gen in gens) < need:

@@ -68,6 +68,24 @@ def test_near_greedy_paged_tokens_equal_the_dense_sampler_and_full_forward_greed
         assert paged.completion_ids[r, :n].tolist() == greedy[r // 3]
 
 
+def test_prefilling_a_few_sequences_at_a_time_gives_the_same_rows():
+    """The prompts (and a partial rollout's carried rows) are prefilled at most ``prefill_tokens`` tokens per call:
+    one sequence per call gives the rows of one call for all."""
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(9), LENGTHS)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=STOPS)
+    graphdef, state = nnx.split(model)
+    groups = new_groups(prompts, 2) + [RowGroup(prompts[0], [[3, 4, 5], [6]], [10, 11])]
+
+    def run(tokens):
+        return generate_paged(graphdef, [state], groups, params, seed=1, kv=KVCacheConfig(layout="paged", page_size=8),
+                              pad_id=PAD, prompt_bucket=8, slot_bucket=row_bucket, prefill_tokens=tokens)
+
+    whole, one = run(1 << 20), run(1)
+    assert np.array_equal(whole["tokens"], one["tokens"]) and np.array_equal(whole["mask"], one["mask"])
+    np.testing.assert_allclose(one["logprobs"], whole["logprobs"], atol=1e-5)
+
+
 def test_a_rows_tokens_do_not_depend_on_slots_pool_or_page_size():
     model = tiny_model("llama", seed=5)
     prompts = random_prompts(np.random.default_rng(4), LENGTHS)

@@ -52,10 +52,18 @@ def summary(cfg, history: list[dict]) -> str:
 
 def exit_if_peers_lost(watch, error: Exception) -> None:
     """When ``error`` came from a process of the run that died (the collective this one waited in failed), say
-    which one and exit 1 at once, instead of a traceback and a wait for the dead process at shutdown."""
+    which one and exit 1 at once, instead of a traceback and a wait for the dead process at shutdown. A user's error
+    this process raised itself (a setting several processes cannot run: every process stops on it) is told as such,
+    exit 2, also at once."""
+    from jrl.errors import describe, is_expected
+
     lost = watch.lost()
     if not lost:
         return
+    if is_expected(error):
+        print(f"error: {describe(error)}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(2)
     first = (str(error).strip().splitlines() or [""])[0][:300]
     logging.getLogger("jrl").error(
         "lost process %s of %d (it stopped answering: killed, out of memory, or its host is gone), so this run "

@@ -1,8 +1,8 @@
 """The trainer as several processes: ``scripts/train.py --config configs/grpo.py`` run as 2 processes x 4 CPU devices
 (``jax.distributed`` through the ``JRL_*`` variables, gloo collectives) against 1 process x 8 devices: the same
 metrics, one metrics.jsonl, also with a rollout mesh of its own, checkpoints that resume across process counts, a
-stop signal to one process stopping both at one step boundary, and a killed process taking its peer down with an
-error naming it."""
+stop signal to one process stopping both at one step boundary, a killed process taking its peer down with an
+error naming it, and what several processes cannot run (episodes, the paged sampler) refused by name."""
 
 from __future__ import annotations
 
@@ -178,3 +178,10 @@ def test_a_killed_process_ends_its_peer_with_an_error_naming_it(tmp_path):
     assert rc0 == 1, stderr0[-3000:]
     assert ended0 - killed_at < LOST_PEER_S, (ended0 - killed_at, stderr0[-3000:])
     assert "lost process 1 of 2" in stderr0 and "--resume" in stderr0, stderr0[-3000:]
+
+
+@pytest.mark.parametrize("extra, named", [(("--env.name", "higher_lower"), "env.name='higher_lower'"),
+                                          (("--rollout.kv.layout", "paged"), "rollout.kv.layout='paged'")])
+def test_what_several_processes_cannot_run_is_refused_by_name(tmp_path, extra, named):
+    for rc, _, stderr, _ in _wait(_launch(tmp_path / "run", 2, *extra), check=False):
+        assert rc == 2 and named in stderr, stderr[-3000:]

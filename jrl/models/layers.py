@@ -315,7 +315,7 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k[:, 0], v[:, 0], slots)
         out = paged_decode_attention(q[:, 0], cache.k, cache.v, slots.page_table, slots.lengths,
-                                     impl=self._decode_impl(), scale=scale)
+                                     impl=self._decode_impl(), scale=scale, window=self.config.sliding_window)
         return linear_add(self.o_proj, out[:, None], residual, fused=fused), cache
 
     def _decode_impl(self) -> str:

@@ -369,11 +369,8 @@ class Transformer(nnx.Module):
     def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: tuple[PagedKV, ...],
                      slots: PageSlots) -> tuple[jax.Array, tuple[PagedKV, ...]]:
         """Final hidden states [B, 1, H] of one token per row, ``input_ids`` [B, 1] at ``positions`` [B, 1], written
-        to a paged cache at ``slots`` and attending to each row's first ``slots.lengths`` slots (one device; no
-        sliding window). Returns (hidden, updated cache)."""
-        if self.config.sliding_window is not None:
-            raise ValueError("a paged KV cache attends to every slot of a row; this model has a sliding window "
-                             f"({self.config.sliding_window}): use rollout.kv.layout='dense'")
+        to a paged cache at ``slots`` and attending to each row's first ``slots.lengths`` slots (the last
+        ``sliding_window`` of them for a model with one; one device). Returns (hidden, updated cache)."""
         return self._decode_layers(input_ids, positions, None, cache, slots)
 
     def lm_head_weight(self) -> jax.Array:

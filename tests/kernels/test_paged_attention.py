@@ -67,6 +67,19 @@ def test_tpu_kernel_in_interpret_mode_matches_the_reference_in_bfloat16(request,
                                lengths, impl="pallas_tpu")
 
 
+def test_a_sliding_window_reads_a_rows_last_slots_on_the_reference(request):
+    rng = rng_for(request)
+    q, dk, dv, kp, vp, table, lengths = _paged(rng, 6, 4, 16, 2, 2, 16, jnp.float32)
+    slots = jnp.arange(dk.shape[1])[None, :]
+    allowed = (slots < lengths[:, None]) & (slots >= lengths[:, None] - 5)
+    dense = decode_attention(q, dk, dv, allowed, impl="reference")
+    assert_close(paged_decode_attention(q, kp, vp, table, lengths, window=5), dense, jnp.float32, "window 5")
+    whole = paged_decode_attention(q, kp, vp, table, lengths)
+    assert np.abs(np.asarray(whole) - np.asarray(dense)).max() > 1e-3  # the window changes rows longer than 5
+    with pytest.raises(Exception, match=r"pallas_gpu.*sliding window"):
+        paged_decode_attention(q, kp, vp, table, lengths, window=5, impl="pallas_gpu")
+
+
 def test_a_row_of_length_zero_stays_finite_and_bad_shapes_are_named(request):
     rng = rng_for(request)
     q, _, _, kp, vp, table, lengths = _paged(rng, 4, 2, 16, 2, 2, 16, jnp.float32)

@@ -193,7 +193,7 @@ def decode_attention_append(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_ca
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                            lengths: jax.Array, *, impl: str = "auto", scale: float | None = None,
-                           **kwargs) -> jax.Array:
+                           window: int | None = None, **kwargs) -> jax.Array:
     """Grouped-query attention of one query per row over a paged KV cache.
 
     Args:
@@ -201,7 +201,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_pages, v_pages: [K, P, page_size, D] the page pool (N % K == 0, never repeated).
       page_table: int32 [B, M], row b's pages in order (slot s of the row is slot ``s % page_size`` of page
         ``page_table[b, s // page_size]``); entries past the row's length are not read.
-      lengths: int32 [B], the slots each row's query attends to (its first ``lengths[b]``).
+      lengths: int32 [B], the slots each row's query attends to (its first ``lengths[b]``; with ``window``, only
+        the last ``window`` of them: a sliding window, the query being the row's last slot).
       impl: "auto" or a name of :data:`PAGED_IMPLS`.
       scale: score scale (default D ** -0.5).
       **kwargs: implementation options (``interpret=`` for the Pallas kernels).
@@ -217,11 +218,17 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          f"N % K == 0, page_table [B, M] and lengths [B]; got {q.shape}, {k_pages.shape}, "
                          f"{v_pages.shape}, {page_table.shape}, {lengths.shape}")
     scale = d ** -0.5 if scale is None else float(scale)
-    config = ("paged", tuple(q.shape), tuple(k_pages.shape), tuple(page_table.shape), str(q.dtype))
+    config = ("paged", tuple(q.shape), tuple(k_pages.shape), tuple(page_table.shape), str(q.dtype), window)
 
     def call_check(name: str) -> str | None:
-        return None if name == "reference" else PAGED_IMPLS[name].load().call_unsupported(q, k_pages)
+        if name == "reference":
+            return None
+        if window is not None:
+            return f"a sliding window ({window})"
+        return PAGED_IMPLS[name].load().call_unsupported(q, k_pages)
 
     _, mod = _dispatch.select("paged_decode_attention", PAGED_IMPLS, PAGED_ORDER, impl, config=config,
                               call_check=call_check)
+    if window is not None:  # the reference only (the kernels refuse a window above)
+        kwargs = {**kwargs, "window": window}
     return mod.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale, **kwargs)

@@ -21,8 +21,12 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     return rows.transpose(1, 2, 3, 0, 4).reshape(b, m * page, kh, d)
 
 
-def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float) -> jax.Array:
-    """``q`` [B, N, D] over the first ``lengths[b]`` slots of row b's pages."""
+def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float,
+                           window: int | None = None) -> jax.Array:
+    """``q`` [B, N, D] over the first ``lengths[b]`` slots of row b's pages (the last ``window`` of them)."""
     k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
-    allowed = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < lengths[:, None]
+    slots = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    allowed = slots < lengths[:, None]
+    if window is not None:
+        allowed &= slots >= lengths[:, None] - window
     return decode_attention(q, k, v, allowed, scale=scale)

@@ -40,7 +40,7 @@ from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.paged import RowGroup, generate_paged, new_groups
-from jrl.rollout.sampling import sample_tokens
+from jrl.rollout.sampling import Decoding
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
 from jrl.sharding.memory import device_bytes, memory_limit
 from jrl.sharding.placement import gather_to_host, reshard, state_shardings
@@ -53,14 +53,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class _Program:
-    """Everything static about one compiled generation program (its jit cache key); the temperature and the
-    top-p mass are runtime values, so changing them does not recompile."""
+    """Everything static about one compiled generation program (its jit cache key): the decoding, the layout."""
 
-    max_new_tokens: int
-    top_k: int
-    use_top_p: bool
-    stop_token_ids: tuple[int, ...]
-    pad_id: int
+    decoding: Decoding
     mesh: object
     rules: tuple | None
 
@@ -72,31 +67,30 @@ def _rows_constraint(p: _Program):
 
 def _sample_loop(model, p: _Program, *, cache, logits, key_mask, position, stopped, key, temperature, top_p,
                  start: int) -> dict:
-    """Sample up to ``p.max_new_tokens`` tokens per row from ``logits`` on, each decoded into cache slot ``start +
-    i``: the loop's final carry (``tokens``, ``mask``, ``logprobs`` [N, max_new], ``stopped`` [N], ``cache``).
+    """Sample up to ``p.decoding.max_new_tokens`` tokens per row from ``logits`` on, each decoded into cache slot
+    ``start + i``: the loop's final carry (``tokens``, ``mask``, ``logprobs`` [N, max_new], ``stopped`` [N],
+    ``cache``).
 
     The loop body samples token i from the current logits, then decodes it to get the logits of token i + 1
     (the last iteration's decode is unused: one extra decode step instead of a branch in the loop)."""
-    rows = _rows_constraint(p)
+    rows, d = _rows_constraint(p), p.decoding
     n = logits.shape[0]
-    stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
     carry = dict(
         step=jnp.zeros((), jnp.int32), cache=cache, logits=logits, key_mask=key_mask, position=position,
-        stopped=stopped, tokens=rows(jnp.full((n, p.max_new_tokens), p.pad_id, jnp.int32)),
-        mask=rows(jnp.zeros((n, p.max_new_tokens), jnp.int32)),
-        logprobs=rows(jnp.zeros((n, p.max_new_tokens), jnp.float32)),
+        stopped=stopped, tokens=rows(jnp.full((n, d.max_new_tokens), d.pad_id, jnp.int32)),
+        mask=rows(jnp.zeros((n, d.max_new_tokens), jnp.int32)),
+        logprobs=rows(jnp.zeros((n, d.max_new_tokens), jnp.float32)),
     )
 
     def cond(c):
-        return (c["step"] < p.max_new_tokens) & ~jnp.all(c["stopped"])
+        return (c["step"] < d.max_new_tokens) & ~jnp.all(c["stopped"])
 
     def body(c):
         i = c["step"]
-        token, logprob = sample_tokens(jax.random.fold_in(key, i), c["logits"], temperature=temperature,
-                                       top_k=p.top_k, top_p=top_p if p.use_top_p else None)
+        token, logprob = d.draw(jax.random.fold_in(key, i), c["logits"], temperature=temperature, top_p=top_p)
         active = ~c["stopped"]
-        token = jnp.where(active, token, p.pad_id)
-        stopped = c["stopped"] | (active & jnp.any(token[:, None] == stops[None, :], axis=-1))
+        token = jnp.where(active, token, d.pad_id)
+        stopped = c["stopped"] | (active & d.is_stop(token))
         slot = start + i
         # A stopped row attends to no slot: the decode attention reads none of its cache (its output is unused).
         key_mask = c["key_mask"].at[:, slot].set(active) & active[:, None]
@@ -136,7 +130,7 @@ def _generate(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, so
     model = decoding_view(nnx.merge(graphdef, state))  # layers sliced (adapters merged) once per call
     rows = _rows_constraint(p)
     (n,), (prompts, prompt_len) = source.shape, prompt_ids.shape
-    max_len = prompt_len + p.max_new_tokens
+    max_len = prompt_len + p.decoding.max_new_tokens
 
     def to_rows(x):
         """Per-prompt values [P, ...] -> per-row values [N, ...] (the identity when the prompts are the rows)."""
@@ -167,9 +161,10 @@ def _continue(graphdef, state, cache, key_mask: jax.Array, position: jax.Array, 
     model = decoding_view(nnx.merge(graphdef, state))
     rows = _rows_constraint(p)
     (n, added), width = added_ids.shape, key_mask.shape[1]
-    cache = model.extend_cache(cache, source, added + p.max_new_tokens)
+    extra = added + p.decoding.max_new_tokens
+    cache = model.extend_cache(cache, source, extra)
     added_mask = added_mask.astype(bool)
-    key_mask = rows(jnp.zeros((n, width + added + p.max_new_tokens), bool).at[:, :width].set(key_mask[source])
+    key_mask = rows(jnp.zeros((n, width + extra), bool).at[:, :width].set(key_mask[source])
                     .at[:, width:width + added].set(added_mask))
     position = rows(position[source])
     hidden, cache = model.decode(added_ids, position[:, None] + jnp.arange(added, dtype=jnp.int32)[None, :],
@@ -379,9 +374,7 @@ class JaxRolloutEngine:
                                     graphdef=session.graphdef, state=session.state, version=session.version)
 
     def _program(self, params: SamplingParams) -> _Program:
-        return _Program(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k), use_top_p=params.top_p < 1.0,
-                        stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=self.pad_id,
-                        mesh=self.mesh, rules=self.rules)
+        return _Program(decoding=Decoding.of(params, self.pad_id), mesh=self.mesh, rules=self.rules)
 
     def _generate(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int, keep: bool):
         check_generate_args(prompt_ids, num_generations)

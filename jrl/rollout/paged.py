@@ -46,7 +46,7 @@ from jrl.models.lora import decoding_view
 from jrl.models.transformer import on_mesh
 from jrl.rollout.base import SamplingParams
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.sampling import sample_tokens
+from jrl.rollout.sampling import Decoding, Draw
 from jrl.sharding.memory import memory_limit
 
 SCRATCH_PAGE = 0
@@ -61,11 +61,7 @@ def pages_for(tokens: int, page_size: int) -> int:
 class PagedProgram:
     """Everything static about one compiled decode round (its jit cache key besides the array shapes)."""
 
-    max_new_tokens: int
-    top_k: int
-    use_top_p: bool
-    stop_token_ids: tuple[int, ...]
-    pad_id: int
+    decoding: Decoding
     page_size: int
 
 
@@ -100,12 +96,11 @@ def _prefill(graphdef, state, cache, ids: jax.Array, mask: jax.Array, page_ids: 
     return pages, logits
 
 
-def _draw(key, rows, generated, logits, temperature, top_p, p: PagedProgram):
+def _draw(key, rows, generated, logits, temperature, top_p, draw: Draw):
     """One token per slot, slot s's from the key of (row ``rows[s]``, its token ``generated[s]``)."""
     def one(row, index, row_logits):
         k = jax.random.fold_in(jax.random.fold_in(key, row), index)
-        token, logprob = sample_tokens(k, row_logits[None], temperature=temperature, top_k=p.top_k,
-                                       top_p=top_p if p.use_top_p else None)
+        token, logprob = draw(k, row_logits[None], temperature=temperature, top_p=top_p)
         return token[0], logprob[0]
 
     return jax.vmap(one)(rows, generated, logits)
@@ -120,24 +115,23 @@ def _decode_round(graphdef, state, cache, logits, prompt_logits, page_table, len
     Slot s holds row ``rows[s]`` with ``lengths[s]`` cache slots filled and ``generated[s]`` tokens sampled.
     Returns the cache, logits, lengths, generated counts and still-active slots after the round, and its tokens,
     log-probs and which of them are real ([S, steps])."""
-    p = program
+    p, d = program, program.decoding
     model = nnx.merge(graphdef, state)
     n = rows.shape[0]
     logits = jnp.where((admit_prompt >= 0)[:, None], prompt_logits[jnp.maximum(admit_prompt, 0)], logits)
     cache = tuple(PagedKV(c.k.at[:, copy_dst].set(c.k[:, copy_src]), c.v.at[:, copy_dst].set(c.v[:, copy_src]))
                   for c in cache)
-    stops = jnp.asarray(p.stop_token_ids, jnp.int32).reshape(-1)
     slot_ids = jnp.arange(n)
     carry = dict(i=jnp.zeros((), jnp.int32), cache=cache, logits=logits, lengths=lengths, generated=generated,
-                 active=active, tokens=jnp.full((n, steps), p.pad_id, jnp.int32),
+                 active=active, tokens=jnp.full((n, steps), d.pad_id, jnp.int32),
                  logprobs=jnp.zeros((n, steps), jnp.float32), real=jnp.zeros((n, steps), bool))
 
     def body(c):
         i, on = c["i"], c["active"]
-        token, logprob = _draw(key, rows, c["generated"], c["logits"], temperature, top_p, p)
-        token = jnp.where(on, token, p.pad_id)
+        token, logprob = _draw(key, rows, c["generated"], c["logits"], temperature, top_p, d.draw)
+        token = jnp.where(on, token, d.pad_id)
         generated = c["generated"] + on
-        done = jnp.any(token[:, None] == stops[None, :], axis=-1) | (generated >= p.max_new_tokens)
+        done = d.is_stop(token) | (generated >= d.max_new_tokens)
         go_on = on & ~done  # rows whose token is decoded: its keys and values are the next step's context
         at = c["lengths"]
         page = jnp.where(go_on, page_table[slot_ids, at // p.page_size], SCRATCH_PAGE)
@@ -352,9 +346,7 @@ class _Generation:
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
                                    prompt_lengths=self.lengths, row_prompt=row_prompt, page_size=page,
                                    table_width=pages_for(width + params.max_new_tokens, page) + 1)
-        self.program = PagedProgram(max_new_tokens=params.max_new_tokens, top_k=int(params.top_k),
-                                    use_top_p=params.top_p < 1.0, pad_id=pad_id, page_size=page,
-                                    stop_token_ids=tuple(int(t) for t in params.stop_token_ids))
+        self.program = PagedProgram(decoding=Decoding.of(params, pad_id), page_size=page)
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
         self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
         self.finished_rows = np.zeros(self.rows, bool)

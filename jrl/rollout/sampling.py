@@ -13,6 +13,8 @@ renormalisation), so an importance ratio trainer/sampler measures the truncation
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -78,3 +80,44 @@ def _first_reaching(cumulative: jax.Array, mass: jax.Array, target: jax.Array) -
     width = mass.shape[-1]
     last = width - 1 - jnp.argmax(mass[:, ::-1] > 0, axis=-1)
     return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last)
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """What a compiled sampler fixes of its sampling parameters (part of its jit cache key): ``top_k`` and whether
+    top-p is on. The temperature and the top-p mass are runtime inputs, so changing them does not recompile."""
+
+    top_k: int
+    use_top_p: bool
+
+    @classmethod
+    def of(cls, params) -> Draw:
+        """The draw of :class:`~jrl.rollout.base.SamplingParams` ``params``."""
+        return cls(top_k=int(params.top_k), use_top_p=params.top_p < 1.0)
+
+    def __call__(self, key: jax.Array, logits: jax.Array, *, temperature, top_p) -> tuple[jax.Array, jax.Array]:
+        """:func:`sample_tokens` of ``logits`` [B, V] with this draw's filters."""
+        return sample_tokens(key, logits, temperature=temperature, top_k=self.top_k,
+                             top_p=top_p if self.use_top_p else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """The static part of a completion sampler's program: how a token is drawn, where a row ends (a stop id, or
+    ``max_new_tokens``) and the id filling a row after it ended."""
+
+    draw: Draw
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    pad_id: int
+
+    @classmethod
+    def of(cls, params, pad_id: int) -> Decoding:
+        """The decoding of :class:`~jrl.rollout.base.SamplingParams` ``params``."""
+        return cls(draw=Draw.of(params), max_new_tokens=params.max_new_tokens,
+                   stop_token_ids=tuple(int(t) for t in params.stop_token_ids), pad_id=int(pad_id))
+
+    def is_stop(self, token: jax.Array) -> jax.Array:
+        """Whether each of ``token`` [B] is a stop id."""
+        stops = jnp.asarray(self.stop_token_ids, jnp.int32).reshape(-1)
+        return jnp.any(token[:, None] == stops[None, :], axis=-1)

@@ -27,7 +27,7 @@ from flax import nnx
 from jrl.models.lora import decoding_view
 from jrl.models.strided import DOC, allowed
 from jrl.rollout.base import SamplingParams
-from jrl.rollout.sampling import sample_tokens
+from jrl.rollout.sampling import Draw
 from jrl.sharding import to_host
 
 
@@ -48,8 +48,7 @@ class _Program:
     context_length: int
     generate_len: int
     num_samples: int
-    top_k: int
-    use_top_p: bool
+    draw: Draw
 
 
 def cache_roles(seq_len: int, num: int, generate_len: int, anchor: jax.Array):
@@ -97,8 +96,7 @@ def _sample(graphdef, state, doc_ids, anchor, key, temperature, top_p, *, progra
     def step(carry, u):
         cache, hidden = carry
         logits = model.logits(hidden).reshape(b * n * num, -1)
-        token, logprob = sample_tokens(jax.random.fold_in(key, u), logits, temperature=temperature, top_k=p.top_k,
-                                       top_p=top_p if p.use_top_p else None)
+        token, logprob = p.draw(jax.random.fold_in(key, u), logits, temperature=temperature, top_p=top_p)
         token = token.reshape(b * n, num)
         q_pos = anchor_n + u
         mask = allowed(q_block[:, :, None], u, anchor_n[:, :, None], k_block[:, None, :], k_index[:, None, :],
@@ -133,7 +131,7 @@ def generate_blocks(model, doc_ids, anchor, *, context_length: int, generate_len
         raise ValueError(f"generate_blocks: anchor {int(anchor.min())} < context_length={context_length}; "
                          "the first anchor must leave a full context window")
     program = _Program(context_length=int(context_length), generate_len=int(generate_len),
-                       num_samples=int(num_samples), top_k=int(params.top_k), use_top_p=params.top_p < 1.0)
+                       num_samples=int(num_samples), draw=Draw.of(params))
     graphdef, state = nnx.split(model)
     tokens, logprobs = _sample(graphdef, state, jnp.asarray(doc_ids), jnp.asarray(anchor), jax.random.key(int(seed)),
                                np.float32(params.temperature), np.float32(params.top_p), program=program)

@@ -279,14 +279,7 @@ class PromptBatch:
         if set(other.columns) != set(self.columns):
             raise ValueError(f"the prompts put into the batch have columns {sorted(other.columns)}, the batch "
                              f"{sorted(self.columns)}")
-        keep = len(self) - n
-        return PromptBatch(
-            prompt_ids=self.prompt_ids[:keep] + other.prompt_ids,
-            prompt_texts=self.prompt_texts[:keep] + other.prompt_texts,
-            prompts=self.prompts[:keep] + other.prompts,
-            columns={k: v[:keep] + other.columns[k] for k, v in self.columns.items()},
-            indices=self.indices[:keep] + other.indices,
-        )
+        return PromptBatch.join([self.rows(slice(0, len(self) - n)), other])
 
     @staticmethod
     def join(batches: Sequence[PromptBatch]) -> PromptBatch:

@@ -39,7 +39,7 @@ from jrl.models.transformer import freeze_rules, on_mesh, place
 from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import RowGroup, generate_paged, new_groups
+from jrl.rollout.paged import RowGroup, generate_paged, new_groups, rollout_of
 from jrl.rollout.sampling import Decoding
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
 from jrl.sharding.memory import device_bytes, memory_limit
@@ -451,11 +451,8 @@ class JaxRolloutEngine:
         if out["preempted"]:
             logger.info("paged sampler: %d rows gave their pages back and started again (pool of %d pages; "
                         "rollout.kv.pages)", out["preempted"], out["pool"])
-        ids, mask = left_pad([prompt_ids[r // num_generations] for r in range(len(out["tokens"]))], self.pad_id,
-                             multiple_of=self.prompt_bucket)
-        return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=out["tokens"],
-                            completion_mask=out["mask"], sampling_logprobs=out["logprobs"],
-                            truncated=~out["stopped"], policy_version=out["version"])
+        return rollout_of(out, [prompt_ids[r // num_generations] for r in range(len(out["tokens"]))],
+                          pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, version=out["version"])
 
     @staticmethod
     def _batch(out, rows: int, prompt_ids, prompt_mask, version: int) -> tuple[RolloutBatch, tuple]:

@@ -44,7 +44,8 @@ from flax import nnx
 from jrl.models.layers import PageSlots, PagedKV
 from jrl.models.lora import decoding_view
 from jrl.models.transformer import on_mesh
-from jrl.rollout.base import SamplingParams
+from jrl.data.pipeline import left_pad
+from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.sampling import Decoding, Draw
 from jrl.sharding.memory import memory_limit
@@ -438,15 +439,17 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         running = [(gen, gen.dispatch(key, temperature, top_p)) for gen in gens if not gen.finished]
         for gen, out in running:  # every device's round is started before the first is read back
             gen.collect(out)
-    return _rows([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
-                 pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
+    return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
+                      pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
                                 preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
                                 rounds=max(gen.rounds for gen in gens),
                                 peak_pages=sum(gen.sched.peak_pages for gen in gens),
                                 prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages))
 
 
-def _rows(tokens: list[list[int]], logprobs: list[list[float]], params: SamplingParams, pad_id: int) -> dict:
+def row_arrays(tokens: list[list[int]], logprobs: list[list[float]], params: SamplingParams, pad_id: int) -> dict:
+    """Rows given as token and log-prob lists as numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (padded
+    with ``pad_id`` / 0) and ``stopped`` [N] (the row ends in one of ``params``' stop ids)."""
     n, width = len(tokens), params.max_new_tokens
     ids, mask = np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32)
     lp, stopped = np.zeros((n, width), np.float32), np.zeros(n, bool)
@@ -455,3 +458,13 @@ def _rows(tokens: list[list[int]], logprobs: list[list[float]], params: Sampling
         ids[r, :len(t)], mask[r, :len(t)], lp[r, :len(t)] = t, 1, l
         stopped[r] = bool(t) and t[-1] in stops
     return dict(tokens=ids, mask=mask, logprobs=lp, stopped=stopped)
+
+
+def rollout_of(arrays: dict, prompt_ids: list[list[int]], *, pad_id: int, prompt_bucket: int,
+               version: int) -> RolloutBatch:
+    """The :class:`RolloutBatch` of :func:`row_arrays` ``arrays``, row r continuing ``prompt_ids[r]`` (left-padded to a
+    multiple of ``prompt_bucket``), sampled with weights ``version``."""
+    ids, mask = left_pad(prompt_ids, pad_id, multiple_of=prompt_bucket)
+    return RolloutBatch(prompt_ids=ids, prompt_mask=mask, completion_ids=arrays["tokens"],
+                        completion_mask=arrays["mask"], sampling_logprobs=arrays["logprobs"],
+                        truncated=~arrays["stopped"], policy_version=version)

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-from jrl.data.pipeline import PromptBatch, left_pad
+from jrl.data.pipeline import PromptBatch
 from jrl.rollout.base import RolloutBatch, SamplingParams
-from jrl.rollout.paged import RowGroup
+from jrl.rollout.paged import RowGroup, rollout_of, row_arrays
 
 
 @dataclasses.dataclass
@@ -32,7 +30,6 @@ class _Row:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
-    stopped: bool = False
 
 
 @dataclasses.dataclass
@@ -85,7 +82,8 @@ class PartialRollouts:
         if ready < self.per_step:
             self._decode(engine, groups, params, seed=seed, version=version, needed=self.per_step - ready)
         done = [g for g in groups if g.finished][:self.per_step]
-        self.carry = [g for g in groups if not any(g is d for d in done)]
+        trained = {id(g) for g in done}
+        self.carry = [g for g in groups if id(g) not in trained]
         rows = [r for g in done for r in g.rows]
         oldest = min(v for r in rows for v in r.versions)
         metrics = {"partial/carried_groups": float(len(self.carry)),
@@ -111,20 +109,13 @@ class PartialRollouts:
             row.tokens += out["tokens"][i, :n].tolist()
             row.logprobs += out["logprobs"][i, :n].tolist()
             row.versions += [version] * n
-            row.finished, row.stopped = bool(out["finished"][i]), bool(out["stopped"][i])
+            row.finished = bool(out["finished"][i])
 
     def _rollout(self, groups: list[_Group], params: SamplingParams, version: int) -> RolloutBatch:
         rows = [r for g in groups for r in g.rows]
-        width = params.max_new_tokens
-        ids, mask = np.full((len(rows), width), self.pad_id, np.int32), np.zeros((len(rows), width), np.int32)
-        logprobs = np.zeros((len(rows), width), np.float32)
-        for i, r in enumerate(rows):
-            ids[i, :len(r.tokens)], mask[i, :len(r.tokens)], logprobs[i, :len(r.tokens)] = r.tokens, 1, r.logprobs
-        prompts, prompt_mask = left_pad([g.prompt.prompt_ids[0] for g in groups for _ in g.rows], self.pad_id,
-                                        multiple_of=self.prompt_bucket)
-        return RolloutBatch(prompt_ids=prompts, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
-                            sampling_logprobs=logprobs, truncated=np.array([not r.stopped for r in rows]),
-                            policy_version=version)
+        arrays = row_arrays([r.tokens for r in rows], [r.logprobs for r in rows], params, self.pad_id)
+        return rollout_of(arrays, [g.prompt.prompt_ids[0] for g in groups for _ in g.rows], pad_id=self.pad_id,
+                          prompt_bucket=self.prompt_bucket, version=version)
 
     def state(self) -> list[dict]:
         """The carried groups, JSON-safe (a checkpoint keeps them)."""

@@ -397,20 +397,13 @@ class GroupSampler:
         if self.partial is not None:
             return self.partial.generate(engine, prompt_batch, self.sampling, seed=seed)
         if not self.stream:
-            if self.env is not None:
-                return self._episodes(engine, prompt_batch, self.sampling, num_generations=g, seed=seed)
-            return engine.generate(prompt_batch.prompt_ids, self.sampling, num_generations=g, seed=seed)
+            return self._sample(engine, prompt_batch, self.sampling, num_generations=g, seed=seed)
         parts, started = [], []
         for k, start in enumerate(range(0, len(prompt_batch), self.stream)):
             chunk = prompt_batch.rows(slice(start, start + self.stream))
-            if self.env is not None:
-                parts.append(self._episodes(engine, chunk, self.sampling, num_generations=g, seed=step_seed(seed, k)))
-            else:
-                parts.append(engine.generate(chunk.prompt_ids, self.sampling, num_generations=g,
-                                             seed=step_seed(seed, k)))
-            rollout = parts[-1].rollout if self.env is not None else parts[-1]
+            parts.append(self._sample(engine, chunk, self.sampling, num_generations=g, seed=step_seed(seed, k)))
             if self.scorer.fns:
-                started.append(self._start_scoring(rollout, chunk))
+                started.append(self._start_scoring(parts[-1] if self.env is None else parts[-1].rollout, chunk))
         if self.env is None:
             return StreamedRollout(concat_rollouts(parts, self.pad_id), started)
         episodes = join_episodes(parts, self.pad_id)
@@ -449,12 +442,13 @@ class GroupSampler:
     def generate_once(self, engine, prompt_batch, sampling: SamplingParams, *,
                       seed: int) -> RolloutBatch | EpisodeRollout:
         """One completion per prompt at ``sampling`` (held-out evaluation): an episode each with an environment."""
-        if self.env is None:
-            return engine.generate(prompt_batch.prompt_ids, sampling, num_generations=1, seed=seed)
-        return self._episodes(engine, prompt_batch, sampling, num_generations=1, seed=seed)
+        return self._sample(engine, prompt_batch, sampling, num_generations=1, seed=seed)
 
-    def _episodes(self, engine, prompt_batch, sampling: SamplingParams, *, num_generations: int,
-                  seed: int) -> EpisodeRollout:
+    def _sample(self, engine, prompt_batch, sampling: SamplingParams, *, num_generations: int,
+                seed: int) -> RolloutBatch | EpisodeRollout:
+        """``num_generations`` completions per prompt, or with an environment as many episodes."""
+        if self.env is None:
+            return engine.generate(prompt_batch.prompt_ids, sampling, num_generations=num_generations, seed=seed)
         return run_episodes(engine, self.env, prompt_batch, sampling, num_generations=num_generations, seed=seed,
                             cfg=self.env_cfg, encode=self.encode_observation,
                             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),

@@ -36,7 +36,7 @@ from train_step_vs_torch import LORA_TARGETS, SHAPES  # noqa: E402
 def bandwidth_limit_s(cfg, rows: int, prompt: int, new: int, tbs: float) -> float:
     """Seconds to read the weights once per decode step plus the KV cache filled so far (bf16)."""
     weights = 2 * cfg.num_params()
-    kv_per_token = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * rows
+    kv_per_token = cfg.kv_bytes_per_token() * rows
     cache = sum(kv_per_token * (prompt + i) for i in range(new))
     return (new * weights + cache) / (tbs * 1e12)
 
@@ -83,7 +83,7 @@ def paged_memory(engine, cfg, prompts, params, args) -> dict:
     from jrl.rollout.jax_engine import row_bucket
 
     stats = engine.paged_generation(prompts, params, num_generations=args.generations, seed=0)
-    slot_bytes = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim  # K and V, bf16
+    slot_bytes = cfg.kv_bytes_per_token()
     page_bytes = slot_bytes * args.page_size
     gib = 2 ** 30
     return dict(dense_kv_gib=round(row_bucket(args.rows) * (args.prompt + args.new) * slot_bytes / gib, 3),

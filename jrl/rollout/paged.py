@@ -322,8 +322,7 @@ class _Generation:
         # made once for the whole generation.
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
         self.graphdef, self.state = nnx.split(view)
-        c = view.config  # a page holds K and V of every layer in the compute dtype
-        page_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * page * jnp.dtype(c.dtype).itemsize
+        page_bytes = view.config.kv_bytes_per_token() * page
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
                                prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens,
                                page_bytes=page_bytes, free_bytes=_free_bytes(state))

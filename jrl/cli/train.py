@@ -76,9 +76,15 @@ def exit_if_peers_lost(watch, error: Exception) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
-    from jrl.sharding import initialize, is_main_process
+    from jrl.sharding import initialize, is_main_process, launched_processes
     from jrl.sharding.liveness import PeerWatch
 
+    launched = launched_processes()
+    if launched and launched > 1:
+        from jrl.train.trainer import check_processes
+
+        # Before joining: a setting every process refuses ends each one alone, not in JAX's distributed shutdown.
+        check_processes(cfg, launched)
     multi = initialize()  # joins a multi-host run (TPU pod, JRL_* variables); a no-op for one process
     import jax
 

@@ -39,6 +39,12 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
+def launched_processes() -> int | None:
+    """The process count the ``JRL_*`` variables give the run before it is joined, or None (not set: one process,
+    or a cluster JAX detects when :func:`initialize` joins it)."""
+    return _env_int(ENV_NUM_PROCESSES)
+
+
 def _detected_cluster() -> Any:
     """The cluster environment JAX's auto-detection would use (TPU pod, SLURM, ...), if any."""
     try:

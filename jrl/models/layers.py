@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jrl.kernels.attention import (AttentionMask, attention, decode_attention, decode_attention_append,
-                                  paged_decode_attention)
+                                  paged_decode_attention_append)
 from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.attention.rope import apply_rope
 from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
@@ -208,12 +208,6 @@ class PagedKV:
     k: jax.Array
     v: jax.Array
 
-    def write(self, k: jax.Array, v: jax.Array, slots: PageSlots) -> PagedKV:
-        """The pool with one token per row, ``k``, ``v`` [B, K, D], stored at ``slots.page`` / ``slots.offset``."""
-        at = (slice(None), slots.page, slots.offset)
-        return PagedKV(self.k.at[at].set(k.transpose(1, 0, 2).astype(self.k.dtype)),
-                       self.v.at[at].set(v.transpose(1, 0, 2).astype(self.v.dtype)))
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -293,10 +287,9 @@ class Attention(nnx.Module):
         if isinstance(cache, PagedKV):
             return self._decode_paged(x, positions, cache, index, residual, fused=fused, scale=scale)
         if fused and x.shape[1] == 1:
-            qkv = jnp.concatenate(self._project(x), axis=-2)[:, 0]  # [B, N + 2K, D]
-            cos, sin = rope_cos_sin(positions, self.config)
-            out, k_cache, v_cache = decode_attention_append(qkv, cos[:, 0], sin[:, 0], cache.k, cache.v, mask[:, 0],
-                                                            index, impl=self._decode_impl(), scale=scale)
+            qkv, cos, sin = self._step_qkv(x, positions)
+            out, k_cache, v_cache = decode_attention_append(qkv, cos, sin, cache.k, cache.v, mask[:, 0], index,
+                                                            impl=self._decode_impl(), scale=scale)
             return linear_add(self.o_proj, out[:, None], residual, fused=True), KVCache(k_cache, v_cache)
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)
@@ -309,14 +302,21 @@ class Attention(nnx.Module):
     def _decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKV, slots: PageSlots,
                       residual: jax.Array, *, fused: bool, scale: float) -> tuple[jax.Array, PagedKV]:
         """A one-token step over a paged cache (``x`` [B, 1, H]): the token's keys and values written at
-        ``slots``, then attention over each row's first ``slots.lengths`` slots through its page table."""
+        ``slots``, then attention over each row's first ``slots.lengths`` slots through its page table (one kernel
+        on a GPU: :func:`jrl.kernels.attention.paged_decode_attention_append`)."""
         if x.shape[1] != 1:
             raise ValueError(f"a paged KV cache decodes one token per row per step; got {x.shape[1]}")
-        q, k, v = self.qkv(x, positions)
-        cache = cache.write(k[:, 0], v[:, 0], slots)
-        out = paged_decode_attention(q[:, 0], cache.k, cache.v, slots.page_table, slots.lengths,
-                                     impl=self._decode_impl(), scale=scale, window=self.config.sliding_window)
-        return linear_add(self.o_proj, out[:, None], residual, fused=fused), cache
+        qkv, cos, sin = self._step_qkv(x, positions)
+        out, k_pages, v_pages = paged_decode_attention_append(
+            qkv, cos, sin, cache.k, cache.v, slots.page_table, slots.lengths, slots.page, slots.offset,
+            impl=self._decode_impl(), scale=scale, window=self.config.sliding_window)
+        return linear_add(self.o_proj, out[:, None], residual, fused=fused), PagedKV(k_pages, v_pages)
+
+    def _step_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A one-token step's projections before rope, qkv [B, N + 2K, D] (queries, keys, values), and its rope's
+        cos, sin [B, R]."""
+        cos, sin = rope_cos_sin(positions, self.config)
+        return jnp.concatenate(self._project(x), axis=-2)[:, 0], cos[:, 0], sin[:, 0]
 
     def _decode_impl(self) -> str:
         return "reference" if self.config.attention == "reference" else "auto"

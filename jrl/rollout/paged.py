@@ -107,19 +107,25 @@ def _draw(key, rows, generated, logits, temperature, top_p, draw: Draw):
     return jax.vmap(one)(rows, generated, logits)
 
 
+@functools.partial(jax.jit, donate_argnames=("logits",))
+def _admit(logits, prompt_logits, admit_prompt):
+    """The slots' next-token logits [S, V] with those of slots admitting a row (``admit_prompt`` >= 0) replaced by
+    their prompt's. A program of its own: its shape follows the generation's prompt count, the decode round's not."""
+    return jnp.where((admit_prompt >= 0)[:, None], prompt_logits[jnp.maximum(admit_prompt, 0)], logits)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "program", "steps"), donate_argnames=("cache", "logits"))
-def _decode_round(graphdef, state, cache, logits, prompt_logits, page_table, lengths, generated, rows, active,
-                  admit_prompt, copy_src, copy_dst, key, temperature, top_p, *, program: PagedProgram, steps: int):
-    """Up to ``steps`` decode steps of S slots (stops early when no slot is active). First the round's admissions:
-    slots with ``admit_prompt`` >= 0 start from that prompt's logits, and page ``copy_src[s]`` is copied to
-    ``copy_dst[s]`` (a prompt's partial last page to a new row's own; scratch to scratch where nothing is copied).
+def _decode_round(graphdef, state, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
+                  key, temperature, top_p, *, program: PagedProgram, steps: int):
+    """Up to ``steps`` decode steps of S slots (stops early when no slot is active). First the round's admissions
+    (their logits are in place already, :func:`_admit`): page ``copy_src[s]`` is copied to ``copy_dst[s]`` (a
+    prompt's partial last page to a new row's own; scratch to scratch where nothing is copied).
     Slot s holds row ``rows[s]`` with ``lengths[s]`` cache slots filled and ``generated[s]`` tokens sampled.
     Returns the cache, logits, lengths, generated counts and still-active slots after the round, and its tokens,
     log-probs and which of them are real ([S, steps])."""
     p, d = program, program.decoding
     model = nnx.merge(graphdef, state)
     n = rows.shape[0]
-    logits = jnp.where((admit_prompt >= 0)[:, None], prompt_logits[jnp.maximum(admit_prompt, 0)], logits)
     cache = tuple(PagedKV(c.k.at[:, copy_dst].set(c.k[:, copy_src]), c.v.at[:, copy_dst].set(c.v[:, copy_src]))
                   for c in cache)
     slot_ids = jnp.arange(n)
@@ -136,7 +142,8 @@ def _decode_round(graphdef, state, cache, logits, prompt_logits, page_table, len
         go_on = on & ~done  # rows whose token is decoded: its keys and values are the next step's context
         at = c["lengths"]
         page = jnp.where(go_on, page_table[slot_ids, at // p.page_size], SCRATCH_PAGE)
-        slots = PageSlots(page_table=page_table, lengths=at + 1, page=page,
+        # A row that writes nothing reads nothing either (length 0): its output is not used.
+        slots = PageSlots(page_table=page_table, lengths=jnp.where(go_on, at + 1, 0), page=page,
                           offset=jnp.where(go_on, at % p.page_size, 0))
         hidden, cache = model.decode_paged(token[:, None], at[:, None], c["cache"], slots)
         return dict(i=i + 1, cache=cache, logits=model.logits(hidden[:, 0]), lengths=at + go_on,
@@ -247,7 +254,8 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
                max_new_tokens: int, page_bytes: int = 0, free_bytes: int | None = None) -> int:
     """The pool's size: ``kv.pages`` (an error when it cannot hold the ``prompt_pages`` and one whole row), or
     enough for every slot's longest completion beside ``prompt_bucket_pages`` (the prompt pages of the generation's
-    buckets: the size, a compiled shape, stays the same from call to call), capped at
+    buckets), rounded up to a power of two (the size is a compiled shape: calls whose prompts differ in length or
+    number share it), capped at
     :data:`POOL_FREE_FRACTION` of ``free_bytes`` (the device's free memory, pages of ``page_bytes``; no cap where a
     device does not tell) but never below one whole row's: rows beyond it wait or are preempted."""
     per_row = pages_for(max_new_tokens, kv.page_size) + 2  # a partial prompt page's copy, and a round's look-ahead
@@ -258,12 +266,13 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
                          f"use rollout.kv.pages >= {least}, or 0 for enough for every slot")
     if kv.pages:
         return kv.pages
-    pool = 1 + prompt_bucket_pages + slots * per_row
+    need = 1 + prompt_bucket_pages + slots * per_row
+    pool = 1 << (need - 1).bit_length()  # a power of two: a run's pools take few sizes (each compiles its programs)
     if free_bytes is not None and page_bytes > 0:
         fits = int(POOL_FREE_FRACTION * free_bytes) // page_bytes
-        if fits < pool:
-            # a power of two below what fits: a run's pools take few sizes (each one compiles its programs)
-            pool = max(1 + prompt_bucket_pages + per_row, 1 << (fits.bit_length() - 1) if fits > 0 else 0)
+        if fits < pool:  # what is needed where it fits, else a power of two below what fits
+            pool = need if need <= fits else max(1 + prompt_bucket_pages + per_row,
+                                                 1 << (fits.bit_length() - 1) if fits > 0 else 0)
     return pool
 
 
@@ -294,7 +303,8 @@ class _Generation:
     decode round; :meth:`collect` reads it back."""
 
     def __init__(self, graphdef, state, groups: list[RowGroup], params: SamplingParams, *, kv: KVCacheConfig,
-                 pad_id: int, prompt_bucket: int, slot_bucket, prefill_tokens: int = PREFILL_TOKENS):
+                 pad_id: int, prompt_bucket: int, slot_bucket, prefill_tokens: int = PREFILL_TOKENS,
+                 slots: int = 0):
         page = kv.page_size
         self.page, self.params = page, params
         sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
@@ -316,8 +326,11 @@ class _Generation:
         # sequence and slot counts, the few shapes a run's programs compile for (a partial rollout's sequences
         # carry tokens of every length).
         width = max(math.lcm(page, prompt_bucket), 1 << (max(self.lengths) - 1).bit_length())
+        # A row's slots never pass its prompt plus max_new_tokens (a continued row's prefix counts in both), so the
+        # page table's width follows the prompts alone: continued rows do not change the compiled decode round.
+        prompt_span = max(math.lcm(page, prompt_bucket), 1 << (max(len(g.prompt) for g in groups) - 1).bit_length())
         prompts = slot_bucket(len(sequences))
-        self.slots = slot_bucket(min(kv.slots or self.rows, self.rows))
+        self.slots = slot_bucket(min(kv.slots, self.rows) if kv.slots else (slots or self.rows))
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
         # made once for the whole generation.
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
@@ -345,7 +358,7 @@ class _Generation:
         self.prompt_logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
                                    prompt_lengths=self.lengths, row_prompt=row_prompt, page_size=page,
-                                   table_width=pages_for(width + params.max_new_tokens, page) + 1)
+                                   table_width=pages_for(prompt_span + params.max_new_tokens, page) + 1)
         self.program = PagedProgram(decoding=Decoding.of(params, pad_id), page_size=page)
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
         self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
@@ -388,10 +401,12 @@ class _Generation:
             self.slot_rows[slot], self.generated[slot], admit_prompt[slot] = row, self.row_start[row], prompt
             if self.lengths[prompt] % self.page:  # the partial last prompt page becomes the row's first own page
                 copy_src[slot], copy_dst[slot] = self.prompt_pages[prompt][-1], sched.slots[slot].own[0]
+        if admitted:
+            self.logits = _admit(self.logits, self.prompt_logits, admit_prompt)
         self.cache, self.logits, *out = _decode_round(
-            self.graphdef, self.state, self.cache, self.logits, self.prompt_logits, sched.page_table.copy(),
-            sched.lengths.copy(), self.generated, np.asarray(self.row_keys, np.int32)[self.slot_rows], self.active,
-            admit_prompt, copy_src, copy_dst, key, temperature, top_p, program=self.program, steps=self.page)
+            self.graphdef, self.state, self.cache, self.logits, sched.page_table.copy(), sched.lengths.copy(),
+            self.generated, np.asarray(self.row_keys, np.int32)[self.slot_rows], self.active, copy_src, copy_dst,
+            key, temperature, top_p, program=self.program, steps=self.page)
         self.rounds += 1
         return out
 
@@ -418,7 +433,7 @@ def new_groups(prompt_ids: list[list[int]], num_generations: int) -> list[RowGro
 
 def generate_paged(graphdef, states: list, groups: list[RowGroup], params: SamplingParams, *, seed: int,
                    kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket,
-                   groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS) -> dict:
+                   groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS, slots: int = 0) -> dict:
     """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
     entry of ``states`` (the weights on that device): the groups are split into contiguous parts, one per device,
     each device with its own pool, slots and scheduler, their rounds run side by side. With ``groups_needed`` the
@@ -427,10 +442,13 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
     ``prompt_pages`` and ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots runs with
-    (bucketed, so that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes."""
+    (bucketed, so that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes. ``slots``:
+    with ``kv.slots`` 0, the slots to decode with (devices together) instead of one per row: a caller whose row count
+    changes from call to call passes its largest, so that every call runs the same compiled program."""
     parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
     gens = [_Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
-                        prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens)
+                        prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens,
+                        slots=-(-slots // len(parts)))
             for state, part in zip(states, parts)]
     key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
     need = len(groups) if groups_needed is None else min(groups_needed, len(groups))

@@ -103,7 +103,9 @@ class PartialRollouts:
             keys = list(range(len(where), len(where) + len(running)))
             row_groups.append(RowGroup(g.prompt.prompt_ids[0], [g.rows[k].tokens for k in running], keys))
             where += [(g, k) for k in running]
-        out = engine.paged_groups(row_groups, params, seed=seed, groups_needed=needed)
+        # As many slots as a step can have rows (one batch carried beside one new): the same program every step.
+        out = engine.paged_groups(row_groups, params, seed=seed, groups_needed=needed,
+                                  slots=2 * self.per_step * self.g)
         for i, (g, k) in enumerate(where):
             row, n = g.rows[k], int(out["mask"][i].sum())
             row.tokens += out["tokens"][i, :n].tolist()

@@ -31,12 +31,31 @@ def assert_close(out, ref, dtype, what="", tol=None):
     return err
 
 
+def assert_step_close(out, ref, dtype, what):
+    """A decode step with its cache write, (output [B, N, D], keys, values), against the reference's: the output of
+    every row but the last (whose output the tests leave unspecified) and both caches."""
+    assert out[0].shape == ref[0].shape and all(o.dtype == r.dtype for o, r in zip(out, ref))
+    assert np.isfinite(np.asarray(out[0], np.float32)).all()
+    assert_close(out[0][:-1], ref[0][:-1], dtype, f"{what}: output")
+    assert_close(out[1], ref[1], dtype, f"{what}: keys")  # rope's float32 arithmetic may round differently
+    assert_close(out[2], ref[2], dtype, f"{what}: values", tol=0.0)
+
+
 def rng_for(request) -> np.random.Generator:
     """A fresh generator per test (seeded from the test id and JRL_TEST_SEED, default random)."""
     seed = os.environ.get("JRL_TEST_SEED")
     base = int(seed) if seed else int.from_bytes(os.urandom(4), "little")
     print(f"seed for {request.node.nodeid}: JRL_TEST_SEED={base}")
     return np.random.default_rng([base, zlib.crc32(request.node.nodeid.encode())])
+
+
+def lower_for(platform: str, fn, *args) -> str:
+    """The StableHLO text of ``fn(*args)`` lowered for ``platform`` ("cuda", "tpu") on whatever machine runs the
+    test: a Pallas kernel's Triton or Mosaic lowering runs here, so what it refuses (blocks that are not powers of
+    two, unsupported ops) fails on CPU instead of on the accelerator; compiling the lowered kernel still needs one."""
+    import jax
+
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def run_script(path: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jrl.kernels.attention import decode_attention, decode_attention_append
-from kernels_testlib import assert_close, rng_for
+from kernels_testlib import assert_close, assert_step_close, lower_for, rng_for
 
 
 def _allowed(rng, b: int, s: int) -> np.ndarray:
@@ -97,22 +97,13 @@ def _append_inputs(rng, b, s, kv, g, d, dtype):
             jnp.asarray(allowed), index)
 
 
-def _assert_append_close(out, ref, dtype, what):
-    """Output (rows with an allowed slot: a row with none is unspecified), and both caches."""
-    assert out[0].shape == ref[0].shape and all(o.dtype == r.dtype for o, r in zip(out, ref))
-    assert np.isfinite(np.asarray(out[0], np.float32)).all()
-    assert_close(out[0][:-1], ref[0][:-1], dtype, f"{what}: output")
-    assert_close(out[1], ref[1], dtype, f"{what}: keys")  # rope's float32 arithmetic may round differently
-    assert_close(out[2], ref[2], dtype, f"{what}: values", tol=0.0)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kv,g,s,d,block_k", [(2, 4, 100, 32, 32), (3, 1, 48, 64, 16), (1, 8, 70, 32, 64)])
 def test_append_interpret_matches_reference(request, dtype, kv, g, s, d, block_k):
     inputs = _append_inputs(rng_for(request), 6, s, kv, g, d, dtype)
     ref = decode_attention_append(*inputs, impl="reference")
     out = decode_attention_append(*inputs, impl="pallas_gpu", block_k=block_k, interpret=True)
-    _assert_append_close(out, ref, dtype, f"append kv={kv} g={g} s={s} d={d}")
+    assert_step_close(out, ref, dtype, f"append kv={kv} g={g} s={s} d={d}")
 
 
 def test_append_unsupported_shapes_fall_back_or_name_the_reason(request):
@@ -122,7 +113,7 @@ def test_append_unsupported_shapes_fall_back_or_name_the_reason(request):
         decode_attention_append(qkv, *partial, k_cache, v_cache, allowed, index, impl="pallas_gpu")
     auto = decode_attention_append(qkv, *partial, k_cache, v_cache, allowed, index)
     ref = decode_attention_append(qkv, *partial, k_cache, v_cache, allowed, index, impl="reference")
-    _assert_append_close(auto, ref, jnp.float32, "auto, partial rotary")
+    assert_step_close(auto, ref, jnp.float32, "auto, partial rotary")
     with pytest.raises(ValueError, match=r"qkv \[B, N \+ 2K, D\]"):
         decode_attention_append(qkv[:, :5], cos, sin, k_cache, v_cache, allowed, index)
 
@@ -130,7 +121,7 @@ def test_append_unsupported_shapes_fall_back_or_name_the_reason(request):
 @pytest.mark.gpu
 def test_gpu_append_kernel_matches_reference(request):
     inputs = _append_inputs(rng_for(request), 64, 384, 8, 4, 64, jnp.bfloat16)
-    _assert_append_close(decode_attention_append(*inputs, impl="pallas_gpu"),
+    assert_step_close(decode_attention_append(*inputs, impl="pallas_gpu"),
                          decode_attention_append(*inputs, impl="reference"), jnp.bfloat16, "compiled append")
 
 
@@ -142,3 +133,19 @@ def test_gpu_kernel_matches_reference(request):
     out = decode_attention(q, k, v, allowed, impl="pallas_gpu")
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert_close(out, ref, jnp.bfloat16, "compiled decode attention")
+
+
+@pytest.mark.parametrize("rows,slots", [(64, 384), (5, 1100)])
+def test_the_kernels_lower_for_cuda(rows, slots):
+    """Both kernels' Triton lowering at a sampler's shapes (runs on CPU; compiling the result needs a GPU)."""
+    from jrl.kernels.attention import decode_pallas_gpu
+
+    kv, g, d = 8, 4, 64
+    q, qkv = jnp.zeros((rows, kv * g, d), jnp.bfloat16), jnp.zeros((rows, kv * g + 2 * kv, d), jnp.bfloat16)
+    cache, rope = jnp.zeros((rows, slots, kv, d), jnp.bfloat16), jnp.zeros((rows, d), jnp.float32)
+    allowed = jnp.ones((rows, slots), bool)
+    read = lower_for("cuda", lambda *a: decode_pallas_gpu.decode_attention(*a, scale=0.1, interpret=False),
+                     q, cache, cache, allowed)
+    step = lower_for("cuda", lambda *a: decode_pallas_gpu.decode_attention_append(*a, 7, scale=0.1, interpret=False),
+                     qkv, rope, rope, cache, cache, allowed)
+    assert "jrl_decode_attention" in read and "jrl_decode_attention_append" in step

@@ -11,7 +11,7 @@ import pytest
 
 from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
 from jrl.kernels.decode_linear.pallas_gpu import config
-from kernels_testlib import assert_close, rng_for
+from kernels_testlib import assert_close, lower_for, rng_for
 
 
 def _inputs(rng, m, k, n, dtype):
@@ -95,3 +95,15 @@ def test_gpu_swiglu_kernel_matches_reference(request, m, k, n):
     h, w_gate, w_up = _swiglu_inputs(rng_for(request), m, k, n, jnp.bfloat16)
     assert_close(matmul_swiglu(h, w_gate, w_up, impl="pallas_gpu"), matmul_swiglu(h, w_gate, w_up, impl="reference"),
                  jnp.bfloat16, "compiled matmul_swiglu")
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 2048, 2048), (5, 2048, 8192)])
+def test_the_kernels_lower_for_cuda(m, k, n):
+    """Both kernels' Triton lowering at a 1B model's decode shapes with their default blocks (runs on CPU;
+    compiling the result needs a GPU)."""
+    from jrl.kernels.decode_linear import pallas_gpu
+
+    h, w = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16)
+    add = lower_for("cuda", lambda *a: pallas_gpu.matmul_add(*a, interpret=False), h, w, jnp.zeros((m, n), h.dtype))
+    swiglu = lower_for("cuda", lambda *a: pallas_gpu.matmul_swiglu(*a, interpret=False), h, w, w)
+    assert "jrl_matmul_add" in add and "jrl_matmul_swiglu" in swiglu

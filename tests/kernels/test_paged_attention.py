@@ -2,7 +2,9 @@
 a page boundary, the whole table), shared prompt pages, pages in random order with holes between them, GQA and
 multi-head. The reference is checked against :func:`decode_attention` over the dense cache the pages were cut
 from; ``pallas_gpu`` (JAX's Pallas paged attention) against the reference, in interpret mode on CPU and compiled
-on a GPU (``-m gpu``); ``pallas_tpu`` (bfloat16 only) in Pallas TPU interpret mode."""
+on a GPU (``-m gpu``); ``pallas_tpu`` (bfloat16 only) in Pallas TPU interpret mode. The step with its rope and
+page write (``paged_decode_attention_append``): the fused ``pallas_gpu`` kernel against rope, write and reference
+attention in plain JAX, output and both pools."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.kernels.attention import decode_attention, paged_decode_attention
-from kernels_testlib import assert_close, rng_for
+from jrl.kernels.attention import decode_attention, paged_decode_attention, paged_decode_attention_append
+from kernels_testlib import assert_close, assert_step_close, lower_for, rng_for
 
 
 def _paged(rng, b: int, m: int, page: int, kv: int, g: int, d: int, dtype):
@@ -93,10 +95,105 @@ def test_a_row_of_length_zero_stays_finite_and_bad_shapes_are_named(request):
         paged_decode_attention(q[..., :8], kp[..., :8], vp[..., :8], table, lengths, impl="pallas_gpu")
 
 
+def test_the_gpu_kernels_table_is_padded_to_power_of_two_blocks():
+    from jrl.kernels.attention.paged_pallas_gpu import _layout
+
+    for pages in (1, 3, 5, 16, 17, 80, 100, 528):
+        splits, block, width = _layout(pages)
+        assert block & (block - 1) == 0 and splits & (splits - 1) == 0 and block <= 8 and splits <= 16, pages
+        assert width >= pages and width % (splits * block) == 0 and width < pages + splits * block, pages
+        assert splits * block <= max(pages, block), pages  # every split holds a whole block of real pages
+
+
+def _append_inputs(rng, b: int, m: int, page: int, kv: int, g: int, d: int, dtype):
+    """:func:`_paged`'s pool and table with a step to write: row b's new key and value go to its slot
+    ``lengths[b] - 1`` (rows 0 and 1, which share their first page, write past it: no row writes a page another
+    reads), except the last row's, which go to a scratch page of their own (its output is unspecified). Rope of
+    random positions (rotate_half layout). Returns (qkv, cos, sin, k_pages, v_pages, table, lengths, page, offset)."""
+    q, _, _, kp, vp, table, lengths = _paged(rng, b, m, page, kv, g, d, dtype)
+    lengths = np.asarray(lengths).copy()
+    lengths[0], lengths[1] = page + 1, min(2 * page, m * page)
+    table = np.asarray(table)
+    slot = lengths - 1
+    pages, offsets = table[np.arange(b), slot // page], slot % page
+    pages[-1], offsets[-1] = np.setdiff1d(np.arange(kp.shape[1]), table)[0], 3  # a page in no table
+    inv = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)
+    angles = rng.integers(0, 4 * m * page, (b, 1)) * inv
+    angles = np.concatenate([angles, angles], axis=1)
+    qkv = jnp.asarray(rng.standard_normal((b, kv * g + 2 * kv, d)), dtype)
+    i32 = (lambda x: jnp.asarray(x, jnp.int32))
+    return (qkv, jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32), kp, vp,
+            i32(table), i32(lengths), i32(pages), i32(offsets))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv,g,m,page,d", [(2, 4, 6, 16, 32), (1, 8, 3, 32, 64), (3, 1, 5, 16, 32)])
+def test_paged_append_kernel_matches_rope_write_and_reference_attention(request, dtype, kv, g, m, page, d):
+    inputs = _append_inputs(rng_for(request), 6, m, page, kv, g, d, dtype)
+    ref = paged_decode_attention_append(*inputs, impl="reference")
+    assert not np.array_equal(np.asarray(ref[1], np.float32), np.asarray(inputs[3], np.float32))  # it wrote
+    out = paged_decode_attention_append(*inputs, impl="pallas_gpu", interpret=True)
+    assert_step_close(out, ref, dtype, f"paged append kv={kv} g={g} m={m} page={page}")
+
+
+def test_paged_append_refusals_are_named_and_auto_falls_back(request):
+    qkv, cos, sin, kp, vp, table, lengths, page, offset = _append_inputs(rng_for(request), 4, 3, 16, 2, 2, 32,
+                                                                         jnp.float32)
+    ref = paged_decode_attention_append(qkv, cos, sin, kp, vp, table, lengths, page, offset, impl="reference",
+                                        window=5)
+    auto = paged_decode_attention_append(qkv, cos, sin, kp, vp, table, lengths, page, offset, window=5)
+    assert_step_close(auto, ref, jnp.float32, "auto with a window")
+    with pytest.raises(Exception, match=r"pallas_gpu.*sliding window"):
+        paged_decode_attention_append(qkv, cos, sin, kp, vp, table, lengths, page, offset, impl="pallas_gpu",
+                                      window=5)
+    with pytest.raises(Exception, match=r"partial rotary"):
+        paged_decode_attention_append(qkv, cos[:, :16], sin[:, :16], kp, vp, table, lengths, page, offset,
+                                      impl="pallas_gpu")
+    with pytest.raises(ValueError, match=r"page = offset \[B\]"):
+        paged_decode_attention_append(qkv, cos, sin, kp, vp, table, lengths, page[:2], offset)
+
+
+@pytest.mark.parametrize("m,page", [(5, 16), (80, 16), (528, 16), (33, 32)])
+def test_the_gpu_kernels_lower_for_cuda_at_any_table_width(m, page):
+    """The Triton lowering of both GPU paged kernels at table widths that are not powers of two (the first GPU run
+    of the paged sampler failed there: pages per row split into blocks of 3 and 5)."""
+    from jrl.kernels.attention import decode_pallas_gpu, paged_pallas_gpu
+
+    b, kv, g, d = 4, 8, 4, 64
+    q, qkv = jnp.zeros((b, kv * g, d), jnp.bfloat16), jnp.zeros((b, kv * g + 2 * kv, d), jnp.bfloat16)
+    pool, rope = jnp.zeros((kv, 2 * m, page, d), jnp.bfloat16), jnp.zeros((b, d), jnp.float32)
+    table, rows = jnp.zeros((b, m), jnp.int32), jnp.ones((b,), jnp.int32)
+    read = lower_for("cuda", lambda *a: paged_pallas_gpu.paged_decode_attention(*a, scale=0.1, interpret=False),
+                     q, pool, pool, table, rows)
+    fused = lower_for("cuda", lambda *a: decode_pallas_gpu.paged_decode_attention_append(*a, scale=0.1,
+                                                                                          interpret=False),
+                      qkv, rope, rope, pool, pool, table, rows, rows, rows)
+    assert "triton" in read.lower() and "jrl_paged_decode_attention_append" in fused
+
+
+def test_the_tpu_kernel_lowers_for_tpu():
+    from jrl.kernels.attention import paged_pallas_tpu
+
+    q, pool = jnp.zeros((8, 32, 128), jnp.bfloat16), jnp.zeros((8, 64, 16, 128), jnp.bfloat16)
+    text = lower_for("tpu", lambda *a: paged_pallas_tpu.paged_decode_attention(*a, scale=0.1, interpret=False),
+                     q, pool, pool, jnp.zeros((8, 5), jnp.int32), jnp.ones((8,), jnp.int32))
+    assert "tpu_custom_call" in text
+
+
 @pytest.mark.gpu
-def test_gpu_paged_kernel_matches_reference(request):
+@pytest.mark.parametrize("m", [64, 5])
+def test_gpu_paged_append_kernel_matches_reference(request, m):
+    inputs = _append_inputs(rng_for(request), 16, m, 16, 8, 4, 64, jnp.bfloat16)
+    assert_step_close(paged_decode_attention_append(*inputs, impl="pallas_gpu"),
+                               paged_decode_attention_append(*inputs, impl="reference"), jnp.bfloat16,
+                               f"compiled paged append, {m} pages per row")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 5, 80])
+def test_gpu_paged_kernel_matches_reference(request, m):
     rng = rng_for(request)
-    q, _, _, kp, vp, table, lengths = _paged(rng, 64, 64, 16, 8, 4, 64, jnp.bfloat16)
+    q, _, _, kp, vp, table, lengths = _paged(rng, 16, m, 16, 8, 4, 64, jnp.bfloat16)
     ref = paged_decode_attention(q, kp, vp, table, lengths, impl="reference")
     assert_close(paged_decode_attention(q, kp, vp, table, lengths, impl="pallas_gpu"), ref, jnp.bfloat16,
-                 "compiled paged kernel")
+                 f"compiled paged kernel, {m} pages per row")

@@ -198,7 +198,9 @@ def test_the_default_pool_fits_the_free_memory_and_a_set_one_is_kept():
     kv = KVCacheConfig(layout="paged", page_size=16)
     args = dict(slots=64, prompt_pages=40, prompt_bucket_pages=64, max_new_tokens=1024)
     whole = pool_pages(kv, **args)  # a device that does not tell its memory (CPU): every slot's longest row
-    assert whole == 1 + 64 + 64 * (1024 // 16 + 2)
+    need = 1 + 64 + 64 * (1024 // 16 + 2)
+    assert need <= whole < 2 * need and whole & (whole - 1) == 0  # rounded up to a power of two
+    assert pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=int(need / POOL_FREE_FRACTION + 1) << 20) == need
     capped = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=2000 << 20)  # 2000 pages free
     assert capped <= POOL_FREE_FRACTION * 2000 < 2 * capped and capped & (capped - 1) == 0  # a power of two
     tiny = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=10 << 20)  # less than a row: one row all the same

@@ -35,6 +35,11 @@ per row):
 | `pallas_tpu` | TPU (interpret mode elsewhere) | JAX's Pallas TPU paged attention (bfloat16 only)           |
 
 ``impl="auto"`` order: GPU: pallas_gpu, reference. TPU: pallas_tpu, reference. Elsewhere: reference.
+
+:func:`paged_decode_attention_append` is that step with the step's rope and page write folded in: on a GPU one
+kernel (`pallas_gpu`: rope, the write to the reserved page slot and the attention, as :func:`decode_attention_append`
+does for a contiguous cache); elsewhere, and for calls the kernel refuses, the rope and the write in plain JAX and
+the attention through :func:`paged_decode_attention` under the same ``impl``.
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ PAGED_IMPLS = {
     "pallas_tpu": Impl("pallas_tpu", "jrl.kernels.attention.paged_pallas_tpu", ("tpu",), interpret_ok=True),
 }
 PAGED_ORDER = {"gpu": ("pallas_gpu", "reference"), "tpu": ("pallas_tpu", "reference"), "default": ("reference",)}
+
+PAGED_APPEND_IMPLS = {
+    "reference": Impl("reference", "jrl.kernels.attention.paged_reference", ("cpu", "gpu", "tpu")),
+    "pallas_gpu": Impl("pallas_gpu", "jrl.kernels.attention.decode_pallas_gpu", ("gpu",), interpret_ok=True),
+}
+PAGED_APPEND_ORDER = {"gpu": ("pallas_gpu", "reference"), "default": ("reference",)}
 
 
 def available_impls() -> list[str]:
@@ -232,3 +243,57 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if window is not None:  # the reference only (the kernels refuse a window above)
         kwargs = {**kwargs, "window": window}
     return mod.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale, **kwargs)
+
+
+def paged_decode_attention_append(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pages: jax.Array,
+                                  v_pages: jax.Array, page_table: jax.Array, lengths: jax.Array, page: jax.Array,
+                                  offset: jax.Array, *, impl: str = "auto", scale: float | None = None,
+                                  window: int | None = None, **kwargs) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A paged decode step's attention including the step's rope and its write to the pool.
+
+    Args:
+      qkv: [B, N + 2K, D] the step's queries, keys and values before rope (as :func:`decode_attention_append`).
+      cos, sin: [B, R] the rope of each row's position.
+      k_pages, v_pages: [K, P, page_size, D] the page pool (rope applied).
+      page_table: int32 [B, M]; lengths: int32 [B], the slots each row attends to after the write (as
+        :func:`paged_decode_attention`).
+      page, offset: int32 [B], where row b's new key and value are written; for the output to be defined this is
+        the row's slot ``lengths[b] - 1`` (a row that writes elsewhere, e.g. a stopped row pointed at a scratch
+        page, gets an unspecified finite output).
+      impl: "auto", a name of :data:`PAGED_APPEND_IMPLS` or of :data:`PAGED_IMPLS` (the rope and the write in plain
+        JAX, then that attention); without the fused kernel, the :func:`paged_decode_attention` implementation.
+      scale, window, kwargs: as :func:`paged_decode_attention`.
+
+    Returns:
+      (output [B, N, D] in the pool's dtype, k_pages, v_pages with the step's keys and values written).
+    """
+    kv = k_pages.shape[0] if k_pages.ndim == 4 else 0
+    b, n = qkv.shape[0], (qkv.shape[1] - 2 * kv if qkv.ndim == 3 else 0)
+    if (k_pages.ndim != 4 or k_pages.shape != v_pages.shape or qkv.ndim != 3 or qkv.shape[2] != k_pages.shape[3]
+            or n <= 0 or n % kv or cos.shape != sin.shape or cos.shape[0] != b or cos.shape[1] > qkv.shape[2]
+            or page.shape != (b,) or offset.shape != (b,)):
+        raise ValueError(f"paged_decode_attention_append needs qkv [B, N + 2K, D], k_pages = v_pages [K, P, "
+                         f"page_size, D], cos = sin [B, R <= D] and page = offset [B]; got {qkv.shape}, "
+                         f"{k_pages.shape}, {v_pages.shape}, {cos.shape}, {sin.shape}, {page.shape}, {offset.shape}")
+    scale = qkv.shape[2] ** -0.5 if scale is None else float(scale)
+    queries = jax.ShapeDtypeStruct((b, n, qkv.shape[2]), qkv.dtype)
+    config = ("paged_append", tuple(qkv.shape), tuple(k_pages.shape), tuple(page_table.shape), str(qkv.dtype),
+              window)
+
+    def call_check(name: str) -> str | None:
+        if name == "reference":
+            return None
+        if window is not None:
+            return f"a sliding window ({window})"
+        return PAGED_APPEND_IMPLS[name].load().call_unsupported_paged_append(queries, k_pages, cos)
+
+    name, mod = _dispatch.select("paged_decode_attention_append", PAGED_APPEND_IMPLS, PAGED_APPEND_ORDER,
+                                 impl if impl in PAGED_APPEND_IMPLS else "reference", config=config,
+                                 call_check=call_check)
+    if name == "pallas_gpu":
+        return mod.paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, lengths, page, offset,
+                                                 scale=scale, **kwargs)
+    q, k_pages, v_pages = mod.rope_and_write_pages(qkv, cos, sin, k_pages, v_pages, page, offset)
+    out = paged_decode_attention(q, k_pages, v_pages, page_table, lengths, impl=impl, scale=scale, window=window,
+                                 **kwargs)
+    return out, k_pages, v_pages

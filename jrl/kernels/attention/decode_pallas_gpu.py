@@ -12,7 +12,13 @@ queries and the step's key (rope), attends over the cache before the step's slot
 to the softmax from registers and writes them to the cache (aliased, so updated in place), instead of three
 XLA kernels for rope and the cache writes before the attention.
 
-Off GPU both run in Pallas interpret mode (tests compare them with :mod:`.reference`).
+:func:`paged_decode_attention_append` is that step over a paged cache (a pool of fixed-size pages, a page table per
+row): the walk goes page by page through the row's table (one page per block) and the step's key and value are
+written to the page and offset the caller reserved for them.
+
+Off GPU all three run in Pallas interpret mode (tests compare them with :mod:`.reference` and
+:mod:`.paged_reference`).
+
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ def unavailable_reason() -> str | None:
     return None  # compiled on an NVIDIA GPU, in interpret mode elsewhere
 
 
-def _attend_blocks(q_parts, k_ref, v_ref, allowed_ref, lo, hi, *, scale: float, block_k: int):
+def _attend_blocks(q_parts, blocks, lo, hi, *, scale: float, block_k: int):
     """Online softmax of one (row, KV head) over the cache blocks holding slots [lo, hi) (slots outside, and
-    slots not ``allowed``, get no weight and are not read). ``q_parts``: (queries [16, d], column slice) pairs
+    slots not allowed, get no weight and are not read). ``q_parts``: (queries [16, d], column slice) pairs
     whose products with the same columns of K add up to the scores (the whole head, or rope's two halves).
+    ``blocks``: (``load_k(j, cols, in_range)``, ``load_v(j, in_range)``, ``allowed(j, in_range)``) reading block
+    ``j`` of ``block_k`` slots (:func:`_cache_blocks`, :func:`_page_blocks`).
     Returns the unnormalised (acc [16, D], running max [16], running sum [16]) in float32."""
+    load_k, load_v, allowed = blocks
     offsets = jnp.arange(block_k)
     exact = False if q_parts[0][0].dtype == jnp.float32 else None  # float32: no TF32 rounding in the products
 
@@ -47,11 +56,10 @@ def _attend_blocks(q_parts, k_ref, v_ref, allowed_ref, lo, hi, *, scale: float, 
         acc, m, l = carry
         idx = j * block_k + offsets
         in_range = (idx >= lo) & (idx < hi)
-        window = pl.ds(j * block_k, block_k)
-        v = plgpu.load(v_ref.at[window, :], mask=in_range[:, None], other=0.0)
-        ok = (plgpu.load(allowed_ref.at[window], mask=in_range, other=0) != 0) & in_range
-        s = sum(plgpu.dot(q, plgpu.load(k_ref.at[window, cols], mask=in_range[:, None], other=0.0),
-                          trans_b=True, allow_tf32=exact) for q, cols in q_parts) * scale  # [16, block_k]
+        v = load_v(j, in_range)
+        ok = allowed(j, in_range) & in_range
+        s = sum(plgpu.dot(q, load_k(j, cols, in_range), trans_b=True, allow_tf32=exact)
+                for q, cols in q_parts) * scale  # [16, block_k]
         s = jnp.where(ok[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -59,10 +67,28 @@ def _attend_blocks(q_parts, k_ref, v_ref, allowed_ref, lo, hi, *, scale: float, 
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    d = v_ref.shape[1]
+    d = q_parts[0][0].shape[1] * len(q_parts)
     init = (jnp.zeros((_MIN_ROWS, d), jnp.float32), jnp.full((_MIN_ROWS,), _MASKED, jnp.float32),
             jnp.zeros((_MIN_ROWS,), jnp.float32))
     return jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, init)
+
+
+def _cache_blocks(k_ref, v_ref, allowed_ref, block_k: int):
+    """Block loaders of a contiguous cache: k_ref / v_ref [S, D], allowed_ref [S] int8."""
+    def window(j):
+        return pl.ds(j * block_k, block_k)
+
+    return (lambda j, cols, m: plgpu.load(k_ref.at[window(j), cols], mask=m[:, None], other=0.0),
+            lambda j, m: plgpu.load(v_ref.at[window(j), :], mask=m[:, None], other=0.0),
+            lambda j, m: plgpu.load(allowed_ref.at[window(j)], mask=m, other=0) != 0)
+
+
+def _page_blocks(k_ref, v_ref, table_ref):
+    """Block loaders of a paged cache, one page per block: k_ref / v_ref [P, page_size, D] (one KV head's pool),
+    table_ref [M] (the row's pages in order); every slot in range is allowed."""
+    return (lambda j, cols, m: plgpu.load(k_ref.at[table_ref[j], :, cols], mask=m[:, None], other=0.0),
+            lambda j, m: plgpu.load(v_ref.at[table_ref[j], :, :], mask=m[:, None], other=0.0),
+            lambda j, m: m)
 
 
 def _store_normalised(o_ref, heads, row_ok, acc, l):
@@ -80,19 +106,17 @@ def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float
     bounds_ref [2] int32 = (first, last + 1) allowed slot of this row."""
     heads, row_ok = _heads(group)
     q = plgpu.load(q_ref.at[heads, :], mask=row_ok, other=0.0)
-    acc, _, l = _attend_blocks([(q, slice(None))], k_ref, v_ref, allowed_ref, bounds_ref[0], bounds_ref[1],
-                               scale=scale, block_k=block_k)
+    acc, _, l = _attend_blocks([(q, slice(None))], _cache_blocks(k_ref, v_ref, allowed_ref, block_k), bounds_ref[0],
+                               bounds_ref[1], scale=scale, block_k=block_k)
     _store_normalised(o_ref, heads, row_ok, acc, l)
 
 
-def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_ref, o_ref, ko_ref, vo_ref, *,
-                   scale: float, block_k: int, group: int):
-    """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's
-    queries, then the step's keys, then its values), o_ref [N, D], cos_ref / sin_ref [D], k_ref / v_ref
-    (and their aliases ko_ref / vo_ref) [S, D], allowed_ref [S] int8, bounds_ref [4] int32 = (first allowed
-    slot, one past the last allowed slot before the step's, the step's slot, whether that slot is allowed).
-    The cache is read before the step's slot only; the step's key and value enter the softmax from registers
-    and are written last."""
+def _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, blocks, lo, hi, new_ok, new_slot, *, scale: float,
+                         block_k: int, group: int):
+    """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's queries,
+    then the step's keys, then its values), o_ref [N, D], cos_ref / sin_ref [D]. The cache (``blocks``) is read over
+    slots [lo, hi) only; the step's key and value enter the softmax from registers (with weight when ``new_ok``)
+    and are written last, at ``new_slot(cols, value=False)`` (a view of the aliased key or value cache)."""
     heads, row_ok = _heads(group)
     n = o_ref.shape[0]
     kv_heads = (qkv_ref.shape[0] - n) // 2
@@ -109,23 +133,51 @@ def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_
                     plgpu.load(qkv_ref.at[heads, hi_cols], mask=row_ok, other=0.0), dtype)
     key = pl.ds(n + pl.program_id(1), 1)
     k1, k2 = rotate(qkv_ref[key, lo_cols], qkv_ref[key, hi_cols], dtype)  # [1, D / 2] each
-    k1, k2 = k1.astype(ko_ref.dtype), k2.astype(ko_ref.dtype)
-    v_new = qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :].astype(vo_ref.dtype)  # [1, D]
-    acc, m, l = _attend_blocks([(q1, lo_cols), (q2, hi_cols)], k_ref, v_ref, allowed_ref, bounds_ref[0],
-                               bounds_ref[1], scale=scale, block_k=block_k)
+    v_new = qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :]  # [1, D]
+    k_at, k_hi, v_at = new_slot(lo_cols), new_slot(hi_cols), new_slot(slice(None), value=True)
+    k1, k2, v_new = k1.astype(k_at.dtype), k2.astype(k_at.dtype), v_new.astype(v_at.dtype)
+    acc, m, l = _attend_blocks([(q1, lo_cols), (q2, hi_cols)], blocks, lo, hi, scale=scale, block_k=block_k)
     f32 = jnp.float32
     s = jnp.sum(q1.astype(f32) * k1.astype(f32) + q2.astype(f32) * k2.astype(f32), axis=1)
-    s = jnp.where(bounds_ref[3] != 0, s * scale, _MASKED)
+    s = jnp.where(new_ok, s * scale, _MASKED)
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(bounds_ref[3] != 0, jnp.exp(s - m_new), 0.0)
+    p = jnp.where(new_ok, jnp.exp(s - m_new), 0.0)
     p_rounded = p.astype(v_new.dtype).astype(f32)  # as the loop's probabilities before their product with V
     acc = acc * alpha[:, None] + p_rounded[:, None] * v_new.astype(f32)
     _store_normalised(o_ref, heads, row_ok, acc, l * alpha + p)
+    plgpu.store(k_at, k1)
+    plgpu.store(k_hi, k2)
+    plgpu.store(v_at, v_new)
+
+
+def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_ref, o_ref, ko_ref, vo_ref, *,
+                   scale: float, block_k: int, group: int):
+    """:func:`_step_with_new_token` over a contiguous cache: k_ref / v_ref (and their aliases ko_ref / vo_ref)
+    [S, D], allowed_ref [S] int8, bounds_ref [4] int32 = (first allowed slot, one past the last allowed slot before
+    the step's, the step's slot, whether that slot is allowed)."""
     slot = pl.ds(bounds_ref[2], 1)
-    plgpu.store(ko_ref.at[slot, lo_cols], k1)
-    plgpu.store(ko_ref.at[slot, hi_cols], k2)
-    plgpu.store(vo_ref.at[slot, :], v_new)
+
+    def new_slot(cols, value=False):
+        return (vo_ref if value else ko_ref).at[slot, cols]
+
+    _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, _cache_blocks(k_ref, v_ref, allowed_ref, block_k),
+                         bounds_ref[0], bounds_ref[1], bounds_ref[3] != 0, new_slot, scale=scale, block_k=block_k,
+                         group=group)
+
+
+def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref, *,
+                         scale: float, page_size: int, group: int):
+    """:func:`_step_with_new_token` over a paged cache: k_ref / v_ref (and their aliases) [P, page_size, D] (this KV
+    head's pool), table_ref [M] (the row's pages), bounds_ref [4] int32 = (the row's filled slots before the step's,
+    the page and the offset the step's key and value go to, unused)."""
+    page, at = bounds_ref[1], pl.ds(bounds_ref[2], 1)
+
+    def new_slot(cols, value=False):
+        return (vo_ref if value else ko_ref).at[page, at, cols]
+
+    _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, _page_blocks(k_ref, v_ref, table_ref), 0, bounds_ref[0],
+                         True, new_slot, scale=scale, block_k=page_size, group=group)
 
 
 def _bounds(allowed: jax.Array) -> jax.Array:
@@ -156,6 +208,15 @@ def call_unsupported_append(q: jax.Array, k: jax.Array, cos: jax.Array) -> str |
     if d < 32:
         return f"head_dim {d} (rope's halves need at least 16 columns)"
     return call_unsupported(q, k)
+
+
+def call_unsupported_paged_append(q: jax.Array, k_pages: jax.Array, cos: jax.Array) -> str | None:
+    """Why a paged decode step with its rope and cache write cannot use the kernel (None when it can); ``q``
+    [B, N, D] stands for the queries' shape, ``k_pages`` is [K, P, page_size, D]."""
+    page = k_pages.shape[2]
+    if page < 16 or page & (page - 1):
+        return f"page_size {page} is not a power of two >= 16 (Triton's blocks)"
+    return call_unsupported_append(q, k_pages.transpose(1, 2, 0, 3), cos)
 
 
 def _params(num_warps: int, num_stages: int, interpret: bool | None) -> dict:
@@ -217,3 +278,32 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
         input_output_aliases={4: 1, 5: 2},
         name="jrl_decode_attention_append", **_params(num_warps, num_stages, interpret),
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "num_stages", "interpret"))
+def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, lengths, page, offset, *,
+                                  scale: float, num_warps: int = 2, num_stages: int = 2,
+                                  interpret: bool | None = None):
+    """See :func:`jrl.kernels.attention.api.paged_decode_attention_append`: the step's rope, its write to the
+    pool and the attention over the row's pages in one kernel (inside a jitted decoding loop the pools are updated
+    in place). One program per (row, KV head), one page per block."""
+    kv, pool, page_size, d = k_pages.shape
+    b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
+    filled = jnp.maximum(jnp.asarray(lengths, jnp.int32) - 1, 0)
+    bounds = jnp.stack([filled, jnp.asarray(page, jnp.int32), jnp.asarray(offset, jnp.int32),
+                        jnp.zeros_like(filled)], axis=1)
+    pages = pl.BlockSpec((None, pool, page_size, d), lambda i, h: (h, 0, 0, 0))
+    queries = pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0))
+    rope = pl.BlockSpec((None, d), lambda i, h: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_paged_append_kernel, scale=scale, page_size=page_size, group=n // kv),
+        grid=(b, kv),
+        in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
+                  pl.BlockSpec((None, page_table.shape[1]), lambda i, h: (i, 0)),
+                  pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)), rope, rope, pages, pages],
+        out_specs=[queries, pages, pages],
+        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_pages.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={5: 1, 6: 2},
+        name="jrl_paged_decode_attention_append", **_params(num_warps, num_stages, interpret),
+    )(bounds, page_table.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_pages, v_pages)

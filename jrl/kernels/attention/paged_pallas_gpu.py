@@ -26,12 +26,16 @@ def call_unsupported(q: jax.Array, k_pages: jax.Array) -> str | None:
     return None
 
 
-def _splits(pages_per_row: int) -> int:
-    """The most page-table partitions (a power of two up to 16) that divide a row's pages."""
+def _layout(pages_per_row: int) -> tuple[int, int, int]:
+    """``(splits, pages per compute block, padded table width)``: Triton needs power-of-two blocks, so the page
+    table is padded with page 0 (never read: past every row's length) to ``splits x block x n`` columns; as many
+    splits (up to 16) as leave each a whole block of up to 8 pages."""
+    block = min(_PAGES_PER_BLOCK, 1 << (pages_per_row - 1).bit_length())
     splits = 1
-    while splits < _MAX_SPLITS and pages_per_row % (2 * splits) == 0:
+    while splits < _MAX_SPLITS and 2 * splits * block <= pages_per_row:
         splits *= 2
-    return splits
+    unit = splits * block
+    return splits, block, -(-pages_per_row // unit) * unit
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -40,10 +44,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     """See :func:`jrl.kernels.attention.api.paged_decode_attention`. The kernel takes unscaled scores: the queries
     are scaled first. A row of length 0 reads one slot (its output is unspecified, finite)."""
     interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
-    splits = _splits(page_table.shape[1])
-    per_split = page_table.shape[1] // splits
-    block = max(b for b in range(1, min(per_split, _PAGES_PER_BLOCK) + 1) if per_split % b == 0)
-    out = jax_paged.paged_attention((q * scale).astype(q.dtype), k_pages, v_pages, page_table.astype(jnp.int32),
+    splits, block, width = _layout(page_table.shape[1])
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - page_table.shape[1])))
+    out = jax_paged.paged_attention((q * scale).astype(q.dtype), k_pages, v_pages, table,
                                     jnp.maximum(lengths, 1).astype(jnp.int32), k_splits=splits,
                                     pages_per_compute_block=block, interpret=interpret)
     return out.astype(v_pages.dtype)

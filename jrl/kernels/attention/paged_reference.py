@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl.kernels.attention.reference import decode_attention
+from jrl.kernels.attention.rope import apply_rope
 
 
 def unavailable_reason() -> str | None:
@@ -30,3 +31,19 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     if window is not None:
         allowed &= slots >= lengths[:, None] - window
     return decode_attention(q, k, v, allowed, scale=scale)
+
+
+def rope_and_write_pages(qkv, cos, sin, k_pages, v_pages, page, offset):
+    """A paged decode step's work before its attention: of ``qkv`` [B, N + 2K, D], the queries (the first N) and
+    the step's keys (the next K) rotated by cos / sin [B, R]; the keys (rotated) and the values (the last K) of
+    row b stored at slot ``offset[b]`` of page ``page[b]`` of k_pages / v_pages [K, P, page_size, D]. Returns
+    (q, k_pages, v_pages)."""
+    kv = k_pages.shape[0]
+    n = qkv.shape[1] - 2 * kv
+    q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
+    q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+    k_new = apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
+    at = (slice(None), page, offset)
+    return (q, k_pages.at[at].set(k_new.transpose(1, 0, 2).astype(k_pages.dtype)),
+            v_pages.at[at].set(v_new.transpose(1, 0, 2).astype(v_pages.dtype)))
+

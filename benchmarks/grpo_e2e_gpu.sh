@@ -4,9 +4,9 @@
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
 # cases: one, bucketed (one GPU, --optim.length-bucket 128), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
-#        paged (one GPU, --rollout.kv.layout paged, 128 slots), partial (paged + --rollout.partial), shared,
-#        shared_paged (all GPUs, paged, 128 slots each), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
-# env: SHAPE (llama1b), STEPS (3), MAX_NEW (1024), CASE_TIMEOUT (170 s), WORK (/tmp/e2e), PY (python3), WHEELS (1:
+#        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
+#        shared_paged (all GPUs, paged), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
+# env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), CASE_TIMEOUT (170 s), WORK (/tmp/e2e), PY (python3), WHEELS (1:
 #      install the carried .whl files, built for the device image's Python 3.12)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
@@ -23,19 +23,19 @@ INIT=$([ "${SHAPE:-llama1b}" = llama8b ] && echo torch || echo jrl)
 [ -f "$WORK/meta.json" ] || timeout 300 $B prepare --work "$WORK" --shape "${SHAPE:-llama1b}" \
   --max-new-tokens "${MAX_NEW:-1024}" --init "$INIT" > "$OUT/prepare.log" 2>&1 || { tail -5 "$OUT/prepare.log"; exit 1; }
 R="run --work $WORK --steps ${STEPS:-3} --out $OUT/e2e.jsonl"
-ONE="env CUDA_VISIBLE_DEVICES=0"
+ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 for case in "$@"; do
   start=$(date +%s)
   case $case in
     one) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one ;;
     bucketed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.length-bucket 128 ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
-    paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --rollout.kv.slots 128 ;;
-    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --rollout.kv.slots 128 \
+    paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ;;
+    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
       --rollout.partial ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
-    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged --rollout.kv.slots 128 ;;
+    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices 2 ;;
     *) echo "unknown case $case" ;;

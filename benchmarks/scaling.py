@@ -26,14 +26,17 @@ layouts over every device run; process 0 reports.
 ``moe``: one MoE layer (defaults: Qwen3-30B-A3B's, E=128, top-8, hidden 2048, expert 768) with
 ``--tokens-per-device`` tokens per device, forward + backward time (gradients of every weight and the input) on
 one device, on ``n`` devices with the experts gathered over ``fsdp`` (``expert=1``), and with ``expert=n``
-(expert parallelism, tokens exchanged by all-to-all); and the time of one ``all_to_all`` of the dispatch buffer
-alone (each device sends ``n x tokens x top_k`` rows of ``hidden``: the padded exchange of
-``jrl.models.expert_parallel``, which runs twice per forward).
+(expert parallelism, tokens exchanged by all-to-all); and the time of one dispatch alone (``exchange``).
+
+``exchange``: one device's dispatch of ``tokens x top_k`` rows on ``expert=n``: the padded ``all_to_all`` of
+``jrl.models.expert_parallel`` (each device sends ``n x tokens x top_k`` row slots; it runs twice per forward)
+against ``jax.lax.ragged_all_to_all`` (only the routed rows move; its placement is checked first).
 
     python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --layouts fsdp,data,hsdp:2 --out scaling.jsonl
     python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
+    python benchmarks/scaling.py exchange --devices 2,4,8 --out scaling.jsonl
 
 On CPU (fake devices show the mechanism and the numerics, not speed):
 
@@ -171,14 +174,69 @@ def _gib(x) -> float | None:
     return None if x is None else round(x / 2**30, 2)
 
 
-def moe(args) -> None:
+def exchange_times(mesh, args) -> dict:
+    """One device's dispatch of ``tokens x top_k`` rows of ``hidden`` (bf16) to the ``expert`` axis, routed
+    uniformly: the padded ``all_to_all`` of ``jrl.models.expert_parallel`` (``ep x rows`` slots sent) against
+    ``jax.lax.ragged_all_to_all`` (only the rows move, into a receive buffer sized for the worst case), whose
+    placement is checked (float32, small rows) before it is timed. Milliseconds and MiB sent per device."""
     import functools
 
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    ep = mesh.shape["expert"]
+    rows = args.tokens_per_device * args.top_k
+    padded = jax.jit(jax.shard_map(functools.partial(jax.lax.all_to_all, axis_name="expert", split_axis=0,
+                                                     concat_axis=0),
+                                   mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+
+    def ragged(x):  # x [rows, hidden]: this device's rows, rows/ep for each shard in shard order
+        share = x.shape[0] // ep
+        sizes = jnp.full((ep,), share, jnp.int32)
+        me = jax.lax.axis_index("expert")
+        return jax.lax.ragged_all_to_all(x, jnp.zeros((ep * x.shape[0], x.shape[1]), x.dtype),
+                                         jnp.arange(ep, dtype=jnp.int32) * share, sizes,
+                                         jnp.full((ep,), me * share, jnp.int32), sizes, axis_name="expert")
+
+    ragged = jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+    spec = NamedSharding(mesh, P("expert"))
+    small = 4 * ep
+    probe = jnp.arange(ep * small * 8, dtype=jnp.float32).reshape(ep * small, 8)
+    got = ragged(jax.device_put(probe, spec)).reshape(ep, ep * small, 8)
+    share = small // ep
+    for d in range(ep):  # device d holds, at s * share, the rows source s sent it
+        for s in range(ep):
+            want = probe[s * small + d * share:s * small + (d + 1) * share]
+            if not bool(jnp.array_equal(got[d, s * share:(s + 1) * share], want)):
+                raise SystemExit(f"ragged_all_to_all placed source {s}'s rows for device {d} wrongly")
+    mib = rows * args.hidden * 2 / 2**20
+    out = dict(padded_all_to_all_mib_per_device=round(ep * mib, 1), ragged_all_to_all_mib_per_device=round(mib, 1))
+    out["padded_all_to_all_ms"] = round(C.bench(padded, jax.device_put(
+        jnp.ones((ep * ep, rows, args.hidden), jnp.bfloat16), spec))["ms"], 3)
+    out["ragged_all_to_all_ms"] = round(C.bench(ragged, jax.device_put(
+        jnp.ones((ep * rows, args.hidden), jnp.bfloat16), spec))["ms"], 3)
+    return out
+
+
+def exchange(args) -> None:
+    """:func:`exchange_times` alone on ``expert=n`` meshes of the first ``n`` devices."""
+    import jax
+
+    from jrl.sharding import MeshConfig, make_mesh
+
+    for n in (int(d) for d in args.devices.split(",") if int(d) > 1):
+        mesh = make_mesh(MeshConfig(fsdp=1, expert=n), devices=jax.devices()[:n])
+        C.report(dict(bench="scaling_exchange", devices=n, tokens_per_device=args.tokens_per_device,
+                      top_k=args.top_k, hidden=args.hidden, **exchange_times(mesh, args),
+                      device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}"), args.out)
+
+
+def moe(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
     from jrl.models.moe import MoE
     from jrl.sharding import MeshConfig, batch_sharding, make_mesh, shard_model
@@ -208,15 +266,7 @@ def moe(args) -> None:
                        efficiency=round(single / ms, 4), device=jax.devices()[0].device_kind,
                        versions=f"jax {jax.__version__}")
             if expert > 1:
-                rows = args.tokens_per_device * args.top_k
-                buf_shape = (expert * expert, rows, args.hidden)
-                spec = NamedSharding(mesh, P("expert"))
-                buf = jax.device_put(jnp.ones(buf_shape, jnp.bfloat16), spec)
-                exchange = jax.jit(jax.shard_map(functools.partial(jax.lax.all_to_all, axis_name="expert",
-                                                                   split_axis=0, concat_axis=0),
-                                                 mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
-                row["all_to_all_ms"] = round(C.bench(exchange, buf)["ms"], 3)
-                row["all_to_all_mib_per_device"] = round(expert * rows * args.hidden * 2 / 2**20, 1)
+                row.update(exchange_times(mesh, args))
             C.report(row, args.out)
             del block, x
             jax.clear_caches()
@@ -341,7 +391,7 @@ def launch(args, argv: list[str]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("train", "torch", "moe", "torch-worker"))
+    ap.add_argument("what", choices=("train", "torch", "moe", "exchange", "torch-worker"))
     ap.add_argument("--devices", default="1,2,4,8", help="comma list of device counts (the first n devices)")
     ap.add_argument("--out", default=None, help="append one JSON line per layout here")
     train_args = ap.add_argument_group("train")
@@ -383,6 +433,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "moe":
         moe(args)
+    elif args.what == "exchange":
+        exchange(args)
     elif args.what == "torch":
         torch_sides(args)
     elif args.what == "torch-worker":

@@ -61,12 +61,18 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     times, lengths = [], []
     for rep in range(args.reps + 1):
         t0 = time.perf_counter()
-        out = engine.generate(prompts, params, num_generations=args.generations, seed=rep)
-        jax.block_until_ready(out.completion_ids)
+        if args.kv == "paged":  # the paged sampler's own call (its host arrays, and the pool's counts)
+            out = engine.paged_generation(prompts, params, num_generations=args.generations, seed=rep)
+            mask, stats = out["mask"], out
+        else:
+            batch = engine.generate(prompts, params, num_generations=args.generations, seed=rep)
+            mask = jax.block_until_ready(batch.completion_mask)
         times.append(time.perf_counter() - t0)
-        lengths.append(float(out.completion_mask.sum(axis=1).mean()))
+        lengths.append(float(mask.sum(axis=1).mean()))
+        print(f"call {rep + 1} of {args.reps + 1}: {times[-1]:.2f} s, mean length {lengths[-1]:.1f}",
+              file=sys.stderr, flush=True)
     if args.kv == "paged":
-        args.paged_stats = paged_memory(engine, cfg, prompts, params, args)
+        args.paged_stats = paged_memory(stats, cfg, args)
     profile = None
     if args.profile:
         from kernels_common import kernel_profile
@@ -77,12 +83,11 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     return times, statistics.mean(lengths[1:]), profile
 
 
-def paged_memory(engine, cfg, prompts, params, args) -> dict:
+def paged_memory(stats: dict, cfg, args) -> dict:
     """KV bytes of the dense layout and of the paged pool for this generation, and what the rows held at most
-    (one more paged generation, seed 0)."""
+    (from a paged generation's counts)."""
     from jrl.rollout.jax_engine import row_bucket
 
-    stats = engine.paged_generation(prompts, params, num_generations=args.generations, seed=0)
     slot_bytes = cfg.kv_bytes_per_token()
     page_bytes = slot_bytes * args.page_size
     gib = 2 ** 30

@@ -8,6 +8,7 @@ last). Weak scaling: ``--rows-per-device`` rows of ``--seq`` tokens per device (
 trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per device, MFU, scaling efficiency
 (tokens/s per device against the run's one-device layout, when it has one), and the process's peak memory on its
 first device so far (JAX keeps one peak per process, so a layout's own peak needs a run of that layout alone);
+the wall time of the layout's first update (``first_update_s``: its compile and one update of ``--check-rows`` rows);
 with ``--profile DIR`` one more traced step's GPU kernels on the first device (time by category, the collectives'
 busy time and the part of it with no other kernel beside, idle gaps). ``--no-fsdp-prefetch`` leaves the FSDP
 collectives to XLA (``ModelConfig.fsdp_prefetch``).
@@ -134,7 +135,10 @@ def train(args) -> None:
     for n, sizes in _layouts(devices, names, count):
         mesh, rules = _mesh(n, sizes, args.rules)
         learner, update = T.jrl_update(args, shape, mesh, rules)
-        checked = update(learner, T.step_batch(args.check_rows, args.seq, shape["vocab_size"], seed=1))
+        check_batch = T.step_batch(args.check_rows, args.seq, shape["vocab_size"], seed=1)
+        t0 = time.perf_counter()
+        checked = jax.block_until_ready(update(learner, check_batch))  # this layout's first call: compiles
+        first_update = time.perf_counter() - t0
         batch = T.step_batch(n * args.rows_per_device, args.seq, shape["vocab_size"])
         times, _ = T.time_updates(learner, update, batch, args.steps)
         step = T.steady_median(times)
@@ -144,7 +148,7 @@ def train(args) -> None:
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.num_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
-                   compile_s=round(times[0] - step, 2), check_loss=checked["loss"],
+                   first_update_s=round(first_update, 2), check_loss=checked["loss"],
                    check_grad_norm=checked["grad_norm"], process_peak_gib_device0=_gib(C.peak_bytes()),
                    device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}")
         if args.profile:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call of benchmarks/grpo_e2e.py: install the carried wheels (.whl), write the checkpoint once, then run
-# the requested cases in order, each under its own time limit, results appended to $OUT/e2e.jsonl, logs beside it.
+# the requested cases in order, each under its own time limit, results appended to $OUT/e2e.jsonl, the logs' tails
+# folded into $OUT/e2e.log.
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
 # cases: one, bucketed (one GPU, --optim.length-bucket 128), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
@@ -11,17 +12,14 @@
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
+LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-if [ "${WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    2>/dev/null || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+. benchmarks/gpu_env.sh
+trap 'fold_logs "$LOGS" "$OUT/e2e.log"' EXIT
 B="${PY:-python3} benchmarks/grpo_e2e.py"
 INIT=$([ "${SHAPE:-llama1b}" = llama8b ] && echo torch || echo jrl)
 [ -f "$WORK/meta.json" ] || timeout 300 $B prepare --work "$WORK" --shape "${SHAPE:-llama1b}" \
-  --max-new-tokens "${MAX_NEW:-1024}" --init "$INIT" > "$OUT/prepare.log" 2>&1 || { tail -5 "$OUT/prepare.log"; exit 1; }
+  --max-new-tokens "${MAX_NEW:-1024}" --init "$INIT" > "$LOGS/prepare.log" 2>&1 || { tail -5 "$LOGS/prepare.log"; exit 1; }
 R="run --work $WORK --steps ${STEPS:-3} --out $OUT/e2e.jsonl"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 for case in "$@"; do
@@ -39,6 +37,6 @@ for case in "$@"; do
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices 2 ;;
     *) echo "unknown case $case" ;;
-  esac > "$OUT/$case.log" 2>&1
-  echo "== $case: exit $? in $(( $(date +%s) - start )) s"; grep -h "^step\|^trl step" "$OUT/$case.log" | tail -3
+  esac > "$LOGS/$case.log" 2>&1
+  echo "== $case: exit $? in $(( $(date +%s) - start )) s"; grep -h "^step\|^trl step" "$LOGS/$case.log" | tail -3
 done

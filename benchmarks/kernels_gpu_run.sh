@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run for jrl.kernels: install the carried jax-triton wheel, print the environment, then run
+# One device run for jrl.kernels: install the carried wheels (benchmarks/gpu_env.sh), print the environment, then run
 # the requested stages, each under its own time limit, logging to $OUT (or ./kernels_gpu_out).
 #   bash benchmarks/kernels_gpu_run.sh tests gmm logprobs
 # stages: tests (pytest -m gpu tests/kernels), gmm (benchmarks/kernels_gmm.py $GMM_ARGS, default --sweep),
@@ -7,13 +7,7 @@
 set -u
 OUT=${OUT:-$PWD/kernels_gpu_out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. benchmarks/gpu_env.sh
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import jax, jaxlib, triton, jax_triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__); print(jax.devices())"
   date -u; } 2>&1 | tee "$OUT/env.txt"

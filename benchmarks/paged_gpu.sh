@@ -2,7 +2,8 @@
 # The paged sampler's GPU measurements in one device call, on one GPU: the compiled paged kernels' tests, the uniform
 # workload on the dense and the paged sampler, a long-tailed one (512 rows, up to 8192 new tokens) paged and, where
 # it fits, dense, and whole GRPO steps dense / paged / partial (benchmarks/grpo_e2e_gpu.sh). Sampler rows go to
-# $OUT/sampler.jsonl, GRPO steps to $OUT/e2e.jsonl, every log's tail to $OUT/paged.log (few files come back).
+# $OUT/sampler.jsonl, GRPO steps to $OUT/e2e.jsonl (their logs' tails to $OUT/e2e.log), the other logs' tails to
+# $OUT/paged.log (few files come back).
 #   bash benchmarks/paged_gpu.sh                      # all stages
 #   bash benchmarks/paged_gpu.sh tests uniform e2e    # some: tests, uniform, longtail, static, e2e
 # Time limits: tests 200 s, uniform 440 s, longtail and static LONG_TIMEOUT each, e2e 3 x CASE_TIMEOUT plus writing
@@ -12,14 +13,9 @@ set -u
 OUT=${OUT:-$PWD/paged_out}
 LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-if [ "${WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    2>/dev/null || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-collect() { for f in "$LOGS"/*.log; do echo "##### $(basename "$f")"; tail -n 40 "$f" | cut -c1-600; done > "$OUT/paged.log"; }
-trap collect EXIT
+. benchmarks/gpu_env.sh
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+trap 'fold_logs "$LOGS" "$OUT/paged.log"' EXIT
 S="python3 benchmarks/sampler.py --shape llama1b --out $OUT/sampler.jsonl"
 LONG="--rows 512 --generations 8 --prompt 256 --new 8192 --stop-fraction 0.001"
 run() {  # name, time limit, command...
@@ -35,8 +31,8 @@ for stage in ${@:-tests uniform longtail static e2e}; do
              run uniform_256 200 $S --rows 256 --generations 8 --prompt 256 --new 1024 --kv paged --slots 256 --reps 1 ;;
     longtail) run longtail_paged "${LONG_TIMEOUT:-500}" $S $LONG --kv paged --slots 256 --reps 1 ;;
     static) run longtail_dense_128 "${LONG_TIMEOUT:-500}" $S ${LONG/--rows 512/--rows 128} --kv dense --reps 1 ;;
-    e2e) OUT=$LOGS WHEELS=0 CASE_TIMEOUT=${CASE_TIMEOUT:-150} STEPS=${STEPS:-4} bash benchmarks/grpo_e2e_gpu.sh one paged partial
-         cp "$LOGS/e2e.jsonl" "$OUT/" 2>/dev/null ;;
+    e2e) OUT=$OUT WHEELS=0 CASE_TIMEOUT=${CASE_TIMEOUT:-150} STEPS=${STEPS:-4} \
+           bash benchmarks/grpo_e2e_gpu.sh one paged partial ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from jrl.sharding.liveness import PeerWatch
 
     launched = launched_processes()
-    if launched and launched > 1:
+    if launched is not None:
         from jrl.train.trainer import check_processes
 
         # Before joining: a setting every process refuses ends each one alone, not in JAX's distributed shutdown.

@@ -6,8 +6,8 @@ A generation of N rows (``num_generations`` per prompt) runs in three parts:
    full pages are shared, read-only, by the prompt's rows; a row whose prompt ends inside a page starts with a copy
    of that page (its own, so its tokens continue in it). The prompts' last logits are kept for the rows to start
    from.
-2. **Decode in slots**: ``slots`` rows decode at once, each reading its cache through a page table
-   (:func:`jrl.kernels.attention.paged_decode_attention`). The device runs ``page_size`` steps at a time (one
+2. **Decode in slots**: ``slots`` rows decode at once, each writing and reading its cache through a page table
+   (:func:`jrl.kernels.attention.paged_decode_attention_append`). The device runs ``page_size`` steps at a time (one
    jitted program, left early when every slot has stopped); between two such rounds the host scheduler
    (:class:`PageScheduler`) frees the pages of rows that stopped, gives each waiting row a free slot (continuous
    batching), and gives each running row the page its next ``page_size`` tokens need. When the pool has no page
@@ -322,13 +322,14 @@ class _Generation:
                 self.row_group.append(k)
         self.rows = len(row_prompt)
         self.lengths = [len(x) for x in sequences]
-        # Prefilled sequences padded to a power of two (at least a page and a prompt bucket): with the bucketed
-        # sequence and slot counts, the few shapes a run's programs compile for (a partial rollout's sequences
-        # carry tokens of every length).
-        width = max(math.lcm(page, prompt_bucket), 1 << (max(self.lengths) - 1).bit_length())
-        # A row's slots never pass its prompt plus max_new_tokens (a continued row's prefix counts in both), so the
-        # page table's width follows the prompts alone: continued rows do not change the compiled decode round.
-        prompt_span = max(math.lcm(page, prompt_bucket), 1 << (max(len(g.prompt) for g in groups) - 1).bit_length())
+        # Widths padded to a power of two (at least a page and a prompt bucket): with the bucketed sequence and slot
+        # counts, the few shapes a run's programs compile for. Prefilled sequences: a partial rollout's carry tokens
+        # of every length. A row's slots never pass its prompt plus max_new_tokens (a continued row's prefix counts
+        # in both), so the page table's width follows the prompts alone: continued rows do not change the round.
+        def padded(tokens: int) -> int:
+            return max(math.lcm(page, prompt_bucket), 1 << (tokens - 1).bit_length())
+
+        width, prompt_span = padded(max(self.lengths)), padded(max(len(g.prompt) for g in groups))
         prompts = slot_bucket(len(sequences))
         self.slots = slot_bucket(min(kv.slots, self.rows) if kv.slots else (slots or self.rows))
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),

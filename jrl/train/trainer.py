@@ -253,18 +253,20 @@ def check_processes(cfg: TrainConfig, processes: int | None = None) -> None:
     """Refuse, naming the setting, what a run of ``processes`` processes (default: the run's, once joined) does not
     support."""
     processes = jax.process_count() if processes is None else processes
-    if processes > 1 and cfg.mode != "both":
+    if processes <= 1:
+        return
+    if cfg.mode != "both":
         raise ValueError(f"mode={cfg.mode!r} runs in one process per trainer or explorer; start this run as one "
                          "process (several explorers may feed one trainer)")
-    if processes > 1 and cfg.env.name is not None:
+    if cfg.env.name is not None:
         raise ValueError(f"env.name={cfg.env.name!r}: with {processes} processes every process would play "
                          "the episodes on its own, and an environment answering differently on one of them would feed "
                          "the processes different observations; train on episodes in one process, or play them in "
                          "explorer processes (--mode explore) that feed a one-process trainer")
-    if processes > 1 and cfg.rollout.backend == "jax" and cfg.rollout.kv.layout == "paged":
+    if cfg.rollout.backend == "jax" and cfg.rollout.kv.layout == "paged":
         raise ValueError("rollout.kv.layout='paged': the paged sampler decodes on the devices of one process; with "
                          f"{processes} processes use rollout.kv.layout='dense'")
-    if processes > 1 and cfg.rollout.prefetch_depth > 0:
+    if cfg.rollout.prefetch_depth > 0:
         raise ValueError(f"rollout.prefetch_depth={cfg.rollout.prefetch_depth}: with {processes} processes "
                          "rollouts are generated in the trainer's thread (the processes must launch their programs "
                          "and collectives in one order); use --rollout.prefetch-depth 0")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jrl.kernels.attention.reference import decode_attention
-from jrl.kernels.attention.rope import apply_rope
+from jrl.kernels.attention.reference import decode_attention, rope_step
 
 
 def unavailable_reason() -> str | None:
@@ -38,11 +37,7 @@ def rope_and_write_pages(qkv, cos, sin, k_pages, v_pages, page, offset):
     the step's keys (the next K) rotated by cos / sin [B, R]; the keys (rotated) and the values (the last K) of
     row b stored at slot ``offset[b]`` of page ``page[b]`` of k_pages / v_pages [K, P, page_size, D]. Returns
     (q, k_pages, v_pages)."""
-    kv = k_pages.shape[0]
-    n = qkv.shape[1] - 2 * kv
-    q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
-    q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
-    k_new = apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
+    q, k_new, v_new = rope_step(qkv, cos, sin, k_pages.shape[0])
     at = (slice(None), page, offset)
     return (q, k_pages.at[at].set(k_new.transpose(1, 0, 2).astype(k_pages.dtype)),
             v_pages.at[at].set(v_new.transpose(1, 0, 2).astype(v_pages.dtype)))

@@ -38,17 +38,22 @@ def decode_attention(q, k, v, allowed, *, scale: float) -> jax.Array:
     return attend_dense(q[:, None], k, v, allowed[:, None], scale=scale)[:, 0]
 
 
+def rope_step(qkv, cos, sin, kv: int):
+    """A decode step's ``qkv`` [B, N + 2K, D] split into its queries [B, N, D], keys and values [B, K, D], the
+    queries and keys rotated by cos / sin [B, R]."""
+    n = qkv.shape[1] - 2 * kv
+    q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
+    q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+    return q, apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0], v_new
+
+
 def rope_and_write(qkv, cos, sin, k_cache, v_cache, index):
     """A decode step's work before its attention: of ``qkv`` [B, N + 2K, D], the queries q (the first N) and the
     step's keys k_new (the next K) rotated by cos / sin [B, R]; k_new (rotated) and the values v_new (the last
     K) stored at slot ``index`` of k_cache / v_cache [B, S, K, D]. Returns (q, k_cache, v_cache)."""
-    kv = k_cache.shape[2]
-    n = qkv.shape[1] - 2 * kv
-    q, k_new, v_new = qkv[:, :n], qkv[:, n:n + kv], qkv[:, n + kv:]
-    q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
-    k_new = apply_rope(k_new[:, None], cos[:, None], sin[:, None])
+    q, k_new, v_new = rope_step(qkv, cos, sin, k_cache.shape[2])
     start = (0, index, 0, 0)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_new[:, None].astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_new[:, None].astype(v_cache.dtype), start)
     return q, k_cache, v_cache
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The paged sampler's GPU measurements in one device call, on one GPU: the compiled paged kernels' tests, the uniform
+# The paged sampler's GPU measurements in one device call, on one GPU: the compiled paged and dense decode kernels' tests, the uniform
 # workload on the dense and the paged sampler, a long-tailed one (512 rows, up to 8192 new tokens) paged and, where
 # it fits, dense, and whole GRPO steps dense / paged / partial (benchmarks/grpo_e2e_gpu.sh). Sampler rows go to
 # $OUT/sampler.jsonl, GRPO steps to $OUT/e2e.jsonl (their logs' tails to $OUT/e2e.log), the other logs' tails to
 # $OUT/paged.log (few files come back).
 #   bash benchmarks/paged_gpu.sh                      # all stages
 #   bash benchmarks/paged_gpu.sh tests uniform e2e    # some: tests, uniform, longtail, static, e2e
-# Time limits: tests 200 s, uniform 440 s, longtail and static LONG_TIMEOUT each, e2e 3 x CASE_TIMEOUT plus writing
+# Time limits: tests 240 s, uniform 440 s, longtail and static LONG_TIMEOUT each, e2e 3 x CASE_TIMEOUT plus writing
 # its checkpoint; pick stages to fit a call.
 # env: WHEELS (1: install the carried .whl files), LONG_TIMEOUT (500 s), CASE_TIMEOUT (150 s, per GRPO case)
 set -u
@@ -25,7 +25,8 @@ run() {  # name, time limit, command...
 }
 for stage in ${@:-tests uniform longtail static e2e}; do
   case $stage in
-    tests) run tests 200 python3 -m pytest -q -m gpu tests/kernels/test_paged_attention.py -p no:cacheprovider -rfE ;;
+    tests) run tests 240 python3 -m pytest -q -m gpu tests/kernels/test_paged_attention.py \
+             tests/kernels/test_decode_attention.py -p no:cacheprovider -rfE ;;
     uniform) run uniform_dense 120 $S --rows 64 --prompt 128 --new 256 --kv dense
              run uniform_paged 120 $S --rows 64 --prompt 128 --new 256 --kv paged
              run uniform_256 200 $S --rows 256 --generations 8 --prompt 256 --new 1024 --kv paged --slots 256 --reps 1 ;;

@@ -7,8 +7,9 @@ Random-weight model of a benchmark shape (``train_step_vs_torch.SHAPES``) in bf1
 ``fraction * vocab`` token ids are stop tokens: on a random model (near-uniform next-token distribution)
 each row stops at each step with about that probability, so completion lengths are ragged (reported:
 mean length and the share of rows that stopped). Reported: median wall time of a call after a compiling
-one, generated tokens/s (slots up to each row's stop), and the bandwidth limit: every decode step reads all
-weights once plus the KV cache written so far, at ``--bandwidth-tbs``.
+one, generated tokens/s (slots up to each row's stop), and for full-length rows the bandwidth limit: every decode
+step reads all weights once plus the KV cache written so far, at ``--bandwidth-tbs`` (with ragged rows the limit
+depends on the schedule and is not reported).
 
     python benchmarks/sampler.py --shape llama1b --rows 64 --prompt 128 --new 256 --out results.jsonl
     python benchmarks/sampler.py --rows 64 --generations 4 --new 256    # 16 prompts x 4 completions
@@ -55,7 +56,8 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    kv = KVCacheConfig(layout=args.kv, page_size=args.page_size, slots=args.slots, pages=args.pages)
+    kv = KVCacheConfig(layout=args.kv, page_size=args.page_size, slots=args.slots, pages=args.pages,
+                       round_steps=args.round_steps)
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
     times, lengths = [], []
@@ -132,6 +134,7 @@ def main():
                     help="share of the vocabulary that stops a row (ragged lengths; jrl)")
     ap.add_argument("--kv", choices=("dense", "paged"), default="dense", help="rollout.kv.layout (jrl)")
     ap.add_argument("--page-size", type=int, default=16, help="rollout.kv.page_size (paged)")
+    ap.add_argument("--round-steps", type=int, default=64, help="rollout.kv.round_steps (paged)")
     ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
     ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
@@ -167,15 +170,15 @@ def main():
         versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     med = statistics.median(times[1:])
     limit = bandwidth_limit_s(cfg, args.rows, args.prompt, args.new, args.bandwidth_tbs)
+    bound = dict(limit_s=round(limit, 4), fraction_of_limit=round(limit / med, 3)) if not args.stop_fraction else {}
     report(dict(bench="sampler", backend=args.backend, shape=args.shape, rows=args.rows, prompt=args.prompt,
                 new=args.new, generations=args.generations, lora=args.lora, stop_fraction=args.stop_fraction,
-                kv=args.kv, **(dict(page_size=args.page_size, slots=args.slots, pages=args.pages,
-                                    **args.paged_stats) if args.kv == "paged" else {}),
+                kv=args.kv, **(dict(page_size=args.page_size, round_steps=args.round_steps, slots=args.slots,
+                                    pages=args.pages, **args.paged_stats) if args.kv == "paged" else {}),
                 mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),
-                tokens_per_s=round(args.rows * mean_len / med), limit_s=round(limit, 4),
-                fraction_of_limit=round(limit / med, 3), compile_s=round(times[0] - med, 2), device=device,
-                versions=versions, date=time.strftime("%Y-%m-%d"),
+                tokens_per_s=round(args.rows * mean_len / med), **bound, compile_s=round(times[0] - med, 2),
+                device=device, versions=versions, date=time.strftime("%Y-%m-%d"),
                 **({"profile": profile} if profile else {})), args.out)
 
 

@@ -7,12 +7,12 @@ A generation of N rows (``num_generations`` per prompt) runs in three parts:
    of that page (its own, so its tokens continue in it). The prompts' last logits are kept for the rows to start
    from.
 2. **Decode in slots**: ``slots`` rows decode at once, each writing and reading its cache through a page table
-   (:func:`jrl.kernels.attention.paged_decode_attention_append`). The device runs ``page_size`` steps at a time (one
-   jitted program, left early when every slot has stopped); between two such rounds the host scheduler
-   (:class:`PageScheduler`) frees the pages of rows that stopped, gives each waiting row a free slot (continuous
-   batching), and gives each running row the page its next ``page_size`` tokens need. When the pool has no page
-   left, the row admitted last gives its pages back and waits to start again (preemption, as vLLM's scheduler
-   does); the oldest row always goes on, so every generation ends.
+   (:func:`jrl.kernels.attention.paged_decode_attention_append`). The device runs ``kv.round_steps`` steps at a time
+   (one jitted program, left early when every slot has stopped); between two such rounds
+   the host scheduler (:class:`PageScheduler`) frees the pages of rows that stopped, gives each waiting row a free
+   slot (continuous batching), and gives each running row the pages its next round's tokens need. When the pool
+   has no page left, the row admitted last gives its pages back and waits to start again (preemption, as vLLM's
+   scheduler does); the oldest row always goes on, so every generation ends.
 3. Rows come back in their order, padded to ``max_new_tokens`` like the dense sampler's.
 
 Sampling: token i of row r is drawn with the key ``fold_in(fold_in(key(seed), r), i)``, so a row's tokens do not
@@ -166,11 +166,13 @@ class PageScheduler:
     """The host side of paged decoding: the free pages, which row each slot holds and each row's pages.
 
     ``prompt_pages[i]``: the pages of prefilled sequence i (a prompt, or a prompt and the tokens a row already has;
-    its last page partial when ``prompt_lengths[i] % page_size``); row r continues sequence ``row_prompt[r]``."""
+    its last page partial when ``prompt_lengths[i] % page_size``); row r continues sequence ``row_prompt[r]`` and
+    fills at most ``row_slots[r]`` cache slots (its sequence and the tokens it may still sample): a round's pages are
+    taken for its steps but never past that."""
 
     def __init__(self, *, slots: int, free: list[int], prompt_pages: list[list[int]], prompt_lengths: list[int],
-                 row_prompt: list[int], page_size: int, table_width: int):
-        self.page_size, self.row_prompt = page_size, row_prompt
+                 row_prompt: list[int], row_slots: list[int], page_size: int, table_width: int):
+        self.page_size, self.row_prompt, self.row_slots = page_size, row_prompt, row_slots
         self.free = list(reversed(free))  # a stack: the lowest page ids are taken first
         self.prompt_pages, self.prompt_lengths = prompt_pages, prompt_lengths
         self.slots: list[_Slot | None] = [None] * slots
@@ -189,7 +191,7 @@ class PageScheduler:
         """Pages slot ``slot``'s row lacks for its next ``steps`` tokens."""
         s = self.slots[slot]
         have = len(self._shared(self.row_prompt[s.row])) + len(s.own)
-        return max(pages_for(int(self.lengths[slot]) + steps, self.page_size) - have, 0)
+        return max(pages_for(min(int(self.lengths[slot]) + steps, self.row_slots[s.row]), self.page_size) - have, 0)
 
     def _take(self, slot: int, count: int) -> None:
         s = self.slots[slot]
@@ -231,8 +233,8 @@ class PageScheduler:
                 continue
             row = self.waiting[0]
             prompt = self.row_prompt[row]
-            if pages_for(self.prompt_lengths[prompt] + steps, self.page_size) - len(self._shared(prompt)) > len(
-                    self.free):
+            first = min(self.prompt_lengths[prompt] + steps, self.row_slots[row])
+            if pages_for(first, self.page_size) - len(self._shared(prompt)) > len(self.free):
                 break
             self.waiting.popleft()
             self.slots[slot] = _Slot(row=row, own=[], admitted=self._admissions)
@@ -258,7 +260,7 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
     number share it), capped at
     :data:`POOL_FREE_FRACTION` of ``free_bytes`` (the device's free memory, pages of ``page_bytes``; no cap where a
     device does not tell) but never below one whole row's: rows beyond it wait or are preempted."""
-    per_row = pages_for(max_new_tokens, kv.page_size) + 2  # a partial prompt page's copy, and a round's look-ahead
+    per_row = pages_for(max_new_tokens, kv.page_size) + 1  # a row's completion, and a partial prompt page's copy
     least = 1 + prompt_pages + per_row
     if kv.pages and kv.pages < least:
         raise ValueError(f"rollout.kv.pages={kv.pages} cannot hold one whole row of this generation (scratch page + "
@@ -306,7 +308,7 @@ class _Generation:
                  pad_id: int, prompt_bucket: int, slot_bucket, prefill_tokens: int = PREFILL_TOKENS,
                  slots: int = 0):
         page = kv.page_size
-        self.page, self.params = page, params
+        self.page, self.steps, self.params = page, kv.round_steps, params
         sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
         for k, group in enumerate(groups):
             shared = None  # the prompt's own sequence, shared by the group's new rows
@@ -358,8 +360,10 @@ class _Generation:
             logits.append(part)
         self.prompt_logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
-                                   prompt_lengths=self.lengths, row_prompt=row_prompt, page_size=page,
-                                   table_width=pages_for(prompt_span + params.max_new_tokens, page) + 1)
+                                   prompt_lengths=self.lengths, row_prompt=row_prompt,
+                                   row_slots=[self.lengths[p] + params.max_new_tokens - start
+                                              for p, start in zip(row_prompt, self.row_start)],
+                                   page_size=page, table_width=pages_for(prompt_span + params.max_new_tokens, page))
         self.program = PagedProgram(decoding=Decoding.of(params, pad_id), page_size=page)
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
         self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
@@ -371,7 +375,7 @@ class _Generation:
         self.rounds = 0
         # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
         # far above any real schedule, so that a scheduling fault fails instead of looping.
-        self.most_rounds = 4 * self.rows * (pages_for(params.max_new_tokens, page) + 2)
+        self.most_rounds = 4 * self.rows * (pages_for(params.max_new_tokens, self.steps) + 2)
 
     @property
     def finished(self) -> bool:
@@ -387,7 +391,7 @@ class _Generation:
         if self.rounds > self.most_rounds:
             raise RuntimeError(f"paged sampler: {int((~self.finished_rows).sum())} of {self.rows} rows unfinished "
                                f"after {self.rounds} rounds ({sched.preempted} preemptions); a scheduling fault")
-        admitted, preempted = sched.schedule(self.page)
+        admitted, preempted = sched.schedule(self.steps)
         for row in preempted:
             self.tokens[row], self.logprobs[row] = [], []
         self.active = np.array([s is not None for s in sched.slots])
@@ -407,7 +411,7 @@ class _Generation:
         self.cache, self.logits, *out = _decode_round(
             self.graphdef, self.state, self.cache, self.logits, sched.page_table.copy(), sched.lengths.copy(),
             self.generated, np.asarray(self.row_keys, np.int32)[self.slot_rows], self.active, copy_src, copy_dst,
-            key, temperature, top_p, program=self.program, steps=self.page)
+            key, temperature, top_p, program=self.program, steps=self.steps)
         self.rounds += 1
         return out
 

@@ -127,13 +127,26 @@ def _append_inputs(rng, b: int, m: int, page: int, kv: int, g: int, d: int, dtyp
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kv,g,m,page,d", [(2, 4, 6, 16, 32), (1, 8, 3, 32, 64), (3, 1, 5, 16, 32)])
-def test_paged_append_kernel_matches_rope_write_and_reference_attention(request, dtype, kv, g, m, page, d):
+@pytest.mark.parametrize("kv,g,m,page,d,splits", [(2, 4, 6, 16, 32, None), (1, 8, 3, 32, 64, None),
+                                                  (3, 1, 5, 16, 32, None), (2, 4, 9, 16, 32, 3),
+                                                  (1, 2, 12, 16, 64, 2)])
+def test_paged_append_kernel_matches_rope_write_and_reference_attention(request, dtype, kv, g, m, page, d, splits):
+    """The fused kernel (interpret mode), each row's blocks read by one program or split over several (some
+    splits empty for short rows), against the rope, the write and the reference attention."""
     inputs = _append_inputs(rng_for(request), 6, m, page, kv, g, d, dtype)
     ref = paged_decode_attention_append(*inputs, impl="reference")
     assert not np.array_equal(np.asarray(ref[1], np.float32), np.asarray(inputs[3], np.float32))  # it wrote
-    out = paged_decode_attention_append(*inputs, impl="pallas_gpu", interpret=True)
-    assert_step_close(out, ref, dtype, f"paged append kv={kv} g={g} m={m} page={page}")
+    out = paged_decode_attention_append(*inputs, impl="pallas_gpu", interpret=True, splits=splits)
+    assert_step_close(out, ref, dtype, f"paged append kv={kv} g={g} m={m} page={page} splits={splits}")
+
+
+def test_long_tables_split_each_row_over_several_programs():
+    from jrl.kernels.attention.decode_pallas_gpu import split_count
+
+    assert split_count(384, 64) == 1  # a short table: one program per (row, head), no combination
+    assert split_count(2048, 64) == 2
+    assert split_count(8464, 64) == 8  # 8192 new tokens after a 256-token prompt
+    assert split_count(1 << 20, 64) == 8
 
 
 def test_paged_append_refusals_are_named_and_auto_falls_back(request):
@@ -153,6 +166,28 @@ def test_paged_append_refusals_are_named_and_auto_falls_back(request):
         paged_decode_attention_append(qkv, cos, sin, kp, vp, table, lengths, page[:2], offset)
 
 
+def test_auto_on_a_gpu_takes_the_fused_paged_kernel(request, monkeypatch):
+    """impl='auto' on a GPU backend runs the fused kernel (here in interpret mode), not the rope, write and read
+    apart (the first measured paged sampler fell back to them on every step)."""
+    from jrl.kernels import _dispatch
+    from jrl.kernels.attention import decode_pallas_gpu
+
+    calls = []
+    fused = decode_pallas_gpu.paged_decode_attention_append
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fused(*args, **kwargs)
+
+    inputs = _append_inputs(rng_for(request), 4, 6, 16, 2, 2, 32, jnp.float32)
+    ref = paged_decode_attention_append(*inputs, impl="reference")
+    monkeypatch.setattr(_dispatch, "backend", lambda: "gpu")
+    monkeypatch.setattr(decode_pallas_gpu, "paged_decode_attention_append", spy)
+    out = paged_decode_attention_append(*inputs)
+    assert calls == [inputs[0].shape]
+    assert_step_close(out, ref, jnp.float32, "auto on a gpu backend")
+
+
 @pytest.mark.parametrize("m,page", [(5, 16), (80, 16), (528, 16), (33, 32)])
 def test_the_gpu_kernels_lower_for_cuda_at_any_table_width(m, page):
     """The Triton lowering of both GPU paged kernels at table widths that are not powers of two (the first GPU run
@@ -165,10 +200,11 @@ def test_the_gpu_kernels_lower_for_cuda_at_any_table_width(m, page):
     table, rows = jnp.zeros((b, m), jnp.int32), jnp.ones((b,), jnp.int32)
     read = lower_for("cuda", lambda *a: paged_pallas_gpu.paged_decode_attention(*a, scale=0.1, interpret=False),
                      q, pool, pool, table, rows)
-    fused = lower_for("cuda", lambda *a: decode_pallas_gpu.paged_decode_attention_append(*a, scale=0.1,
-                                                                                          interpret=False),
-                      qkv, rope, rope, pool, pool, table, rows, rows, rows)
-    assert "triton" in read.lower() and "jrl_paged_decode_attention_append" in fused
+    for splits in (1, 4):
+        fused = lower_for("cuda", lambda *a: decode_pallas_gpu.paged_decode_attention_append(
+            *a, scale=0.1, splits=splits, interpret=False), qkv, rope, rope, pool, pool, table, rows, rows, rows)
+        assert "jrl_paged_decode_attention_append" in fused
+    assert "triton" in read.lower()
 
 
 def test_the_tpu_kernel_lowers_for_tpu():
@@ -181,12 +217,12 @@ def test_the_tpu_kernel_lowers_for_tpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [64, 5])
-def test_gpu_paged_append_kernel_matches_reference(request, m):
+@pytest.mark.parametrize("m,splits", [(64, None), (5, None), (64, 4), (300, None)])
+def test_gpu_paged_append_kernel_matches_reference(request, m, splits):
     inputs = _append_inputs(rng_for(request), 16, m, 16, 8, 4, 64, jnp.bfloat16)
-    assert_step_close(paged_decode_attention_append(*inputs, impl="pallas_gpu"),
-                               paged_decode_attention_append(*inputs, impl="reference"), jnp.bfloat16,
-                               f"compiled paged append, {m} pages per row")
+    assert_step_close(paged_decode_attention_append(*inputs, impl="pallas_gpu", splits=splits),
+                      paged_decode_attention_append(*inputs, impl="reference"), jnp.bfloat16,
+                      f"compiled paged append, {m} pages per row, splits={splits}")
 
 
 @pytest.mark.gpu

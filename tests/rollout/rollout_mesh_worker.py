@@ -19,7 +19,7 @@ from jrl.sharding import MeshConfig, make_mesh, split_devices
 
 
 #: The paged sampler's settings on a mesh: 3 slots and a small pool per device (preemptions), 8-slot pages.
-PAGED = KVCacheConfig(layout="paged", page_size=8, slots=3, pages=12)
+PAGED = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=3, pages=12)
 PAGED_PARAMS = SamplingParams(max_new_tokens=20, temperature=0.9, stop_token_ids=(4,))
 
 

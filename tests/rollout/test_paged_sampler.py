@@ -40,7 +40,7 @@ def test_paged_logprobs_match_a_full_forward_with_few_slots_and_preemption(kind)
     model = tiny_model(kind, seed=3)
     prompts = random_prompts(np.random.default_rng(2), LENGTHS)
     params = SamplingParams(max_new_tokens=30, temperature=0.7, stop_token_ids=STOPS)
-    kv = KVCacheConfig(layout="paged", page_size=8, slots=6, pages=16)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=6, pages=16)
     out = _paged(model, prompts, params, kv)
     assert out["preempted"] > 0 and out["pool"] == 16
     batch = _batch(model, prompts, params, kv)
@@ -58,7 +58,7 @@ def test_near_greedy_paged_tokens_equal_the_dense_sampler_and_full_forward_greed
     prompts = random_prompts(np.random.default_rng(3), LENGTHS)
     params = SamplingParams(max_new_tokens=20, temperature=1e-6, stop_token_ids=STOPS)
     dense = _batch(model, prompts, params, KVCacheConfig())
-    paged = _batch(model, prompts, params, KVCacheConfig(layout="paged", page_size=8, slots=4))
+    paged = _batch(model, prompts, params, KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=4))
     assert np.array_equal(paged.completion_ids, dense.completion_ids)
     assert np.array_equal(paged.completion_mask, dense.completion_mask)
     assert np.array_equal(paged.truncated, dense.truncated) and np.array_equal(paged.prompt_ids, dense.prompt_ids)
@@ -78,7 +78,7 @@ def test_prefilling_a_few_sequences_at_a_time_gives_the_same_rows():
     groups = new_groups(prompts, 2) + [RowGroup(prompts[0], [[3, 4, 5], [6]], [10, 11])]
 
     def run(tokens):
-        return generate_paged(graphdef, [state], groups, params, seed=1, kv=KVCacheConfig(layout="paged", page_size=8),
+        return generate_paged(graphdef, [state], groups, params, seed=1, kv=KVCacheConfig(layout="paged", page_size=8, round_steps=8),
                               pad_id=PAD, prompt_bucket=8, slot_bucket=row_bucket, prefill_tokens=tokens)
 
     whole, one = run(1 << 20), run(1)
@@ -86,15 +86,18 @@ def test_prefilling_a_few_sequences_at_a_time_gives_the_same_rows():
     np.testing.assert_allclose(one["logprobs"], whole["logprobs"], atol=1e-5)
 
 
-def test_a_rows_tokens_do_not_depend_on_slots_pool_or_page_size():
+def test_a_rows_tokens_do_not_depend_on_slots_pool_page_size_or_round_length():
     model = tiny_model("llama", seed=5)
     prompts = random_prompts(np.random.default_rng(4), LENGTHS)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
     runs = [_paged(model, prompts, params, kv) for kv in (
-        KVCacheConfig(layout="paged"), KVCacheConfig(layout="paged", page_size=8, slots=2),
-        KVCacheConfig(layout="paged", page_size=16, slots=5, pages=12), KVCacheConfig(layout="paged", page_size=8,
-                                                                                      slots=16, pages=14))]
+        KVCacheConfig(layout="paged"), KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=2),
+        KVCacheConfig(layout="paged", page_size=16, round_steps=16, slots=5, pages=12),
+        KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=16, pages=14),
+        KVCacheConfig(layout="paged", page_size=8, slots=2, round_steps=5),
+        KVCacheConfig(layout="paged", page_size=8, slots=16, pages=16, round_steps=13))]
     assert runs[0]["preempted"] == 0 and runs[2]["preempted"] + runs[3]["preempted"] > 0
+    assert runs[4]["rounds"] > runs[1]["rounds"]  # rounds of 5 steps instead of 8: more of them
     lengths = runs[0]["mask"].sum(1)
     assert len(set(lengths.tolist())) > 3  # ragged
     for run in runs[1:]:
@@ -107,15 +110,17 @@ def test_a_rows_tokens_do_not_depend_on_slots_pool_or_page_size():
 def test_the_scheduler_keeps_every_page_in_one_place():
     """Random stops drive the scheduler round after round: a page is free, a prompt's or one running row's, never
     two of them; the scratch page is nobody's; each running row has the pages of its next round; preemption takes
-    the row admitted last; every row finishes."""
+    the row admitted last; every row finishes; no row takes pages past the most slots it can fill."""
     rng = np.random.default_rng(0)
-    page, steps, g = 4, 4, 2
+    page, steps, g, most_new = 4, 4, 2, 25
     lengths = [1, 4, 7, 9]
     pool = 18
     free = list(range(1, pool))
     prompt_pages = [[free.pop(0) for _ in range(pages_for(n, page))] for n in lengths]
+    row_prompt = [r // g for r in range(len(lengths) * g)]
+    row_slots = [lengths[p] + most_new for p in row_prompt]
     sched = PageScheduler(slots=3, free=free, prompt_pages=prompt_pages, prompt_lengths=lengths,
-                          row_prompt=[r // g for r in range(len(lengths) * g)], page_size=page, table_width=12)
+                          row_prompt=row_prompt, row_slots=row_slots, page_size=page, table_width=12)
     prompt_owned = {p for pages in prompt_pages for p in pages}
     finished, grown = set(), {}
     for _ in range(200):
@@ -132,15 +137,17 @@ def test_the_scheduler_keeps_every_page_in_one_place():
         assert SCRATCH_PAGE not in owned and SCRATCH_PAGE not in sched.free
         assert len(owned) + len(sched.free) + len(prompt_owned) == pool - 1
         for i, s in running:
-            table = sched.page_table[i][:pages_for(int(sched.lengths[i]) + steps, page)]
+            reach = pages_for(min(int(sched.lengths[i]) + steps, row_slots[s.row]), page)
+            table = sched.page_table[i][:reach]
             assert SCRATCH_PAGE not in table and set(table) <= prompt_owned | set(s.own)
+            assert len(sched._shared(row_prompt[s.row])) + len(s.own) == reach
         if preempted:  # the rows preempted were admitted after every row still running
             assert max(before[r] for r in preempted) > max(before.get(s.row, -1) for _, s in running)
         for i, s in running:  # each running row writes up to ``steps`` tokens, or stops
             n = int(rng.integers(1, steps + 1))
             sched.lengths[i] += n
             grown[s.row] = grown.get(s.row, 0) + n
-            if rng.random() < 0.25 or grown[s.row] > 20:
+            if rng.random() < 0.25 or grown[s.row] > most_new - steps:
                 finished.add(sched.release(i))
     assert len(finished) == len(lengths) * g and sorted(sched.free) == free and sched.preempted > 0
 
@@ -165,7 +172,7 @@ def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would
     model = tiny_model("llama", seed=5)
     prompts = random_prompts(np.random.default_rng(6), LENGTHS)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
-    kv = KVCacheConfig(layout="paged", page_size=8, slots=4)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=4)
     graphdef, state = nnx.split(model)
 
     def run(groups, needed=None):
@@ -198,11 +205,11 @@ def test_the_default_pool_fits_the_free_memory_and_a_set_one_is_kept():
     kv = KVCacheConfig(layout="paged", page_size=16)
     args = dict(slots=64, prompt_pages=40, prompt_bucket_pages=64, max_new_tokens=1024)
     whole = pool_pages(kv, **args)  # a device that does not tell its memory (CPU): every slot's longest row
-    need = 1 + 64 + 64 * (1024 // 16 + 2)
+    need = 1 + 64 + 64 * (1024 // 16 + 1)  # each slot: its completion and a partial prompt page
     assert need <= whole < 2 * need and whole & (whole - 1) == 0  # rounded up to a power of two
     assert pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=int(need / POOL_FREE_FRACTION + 1) << 20) == need
     capped = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=2000 << 20)  # 2000 pages free
     assert capped <= POOL_FREE_FRACTION * 2000 < 2 * capped and capped & (capped - 1) == 0  # a power of two
     tiny = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=10 << 20)  # less than a row: one row all the same
-    assert tiny == 1 + 64 + 1024 // 16 + 2
+    assert tiny == 1 + 64 + 1024 // 16 + 1
     assert pool_pages(dataclasses.replace(kv, pages=500), **args, page_bytes=1 << 20, free_bytes=10 << 20) == 500

@@ -211,7 +211,7 @@ def test_a_run_on_the_paged_sampler_trains_and_resumes_exactly(tiny_model_dir, t
 
     ok = write_reward_file(tmp_path, "reward_ok")
     paged = dataclasses.replace(RolloutConfig(max_new_tokens=6, temperature=0.9),
-                                kv=KVCacheConfig(layout="paged", page_size=4, slots=3, pages=24))
+                                kv=KVCacheConfig(layout="paged", page_size=4, round_steps=4, slots=3, pages=24))
     straight = train(_cfg(tiny_model_dir, tmp_path / "a", ok, rollout=paged, max_steps=4, save_every=2),
                      progress=False)
     assert [r["step"] for r in straight] == [1, 2, 3, 4]

@@ -21,7 +21,7 @@ from jrl.rollout.kv_config import KVCacheConfig
 from jrl.sources.partial import PartialRollouts
 
 G, PER_STEP = 3, 2
-PAGED = KVCacheConfig(layout="paged", page_size=4, slots=8)
+PAGED = KVCacheConfig(layout="paged", page_size=4, round_steps=4, slots=8)
 STOPS = tuple(range(3, 30))  # about one token in nine stops a row: ragged lengths
 
 

@@ -288,7 +288,7 @@ def paged_decode_attention_append(qkv: jax.Array, cos: jax.Array, sin: jax.Array
         return PAGED_APPEND_IMPLS[name].load().call_unsupported_paged_append(queries, k_pages, cos)
 
     name, mod = _dispatch.select("paged_decode_attention_append", PAGED_APPEND_IMPLS, PAGED_APPEND_ORDER,
-                                 impl if impl in PAGED_APPEND_IMPLS else "reference", config=config,
+                                 impl if impl == "auto" or impl in PAGED_APPEND_IMPLS else "reference", config=config,
                                  call_check=call_check)
     if name == "pallas_gpu":
         return mod.paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, lengths, page, offset,

@@ -13,7 +13,7 @@ to the softmax from registers and writes them to the cache (aliased, so updated 
 XLA kernels for rope and the cache writes before the attention.
 
 :func:`paged_decode_attention_append` is that step over a paged cache (a pool of fixed-size pages, a page table per
-row): the walk goes page by page through the row's table (one page per block) and the step's key and value are
+row): the walk goes through the row's table a few pages per block (gathered) and the step's key and value are
 written to the page and offset the caller reserved for them.
 
 Off GPU all three run in Pallas interpret mode (tests compare them with :mod:`.reference` and
@@ -83,17 +83,48 @@ def _cache_blocks(k_ref, v_ref, allowed_ref, block_k: int):
             lambda j, m: plgpu.load(allowed_ref.at[window(j)], mask=m, other=0) != 0)
 
 
-def _page_blocks(k_ref, v_ref, table_ref):
-    """Block loaders of a paged cache, one page per block: k_ref / v_ref [P, page_size, D] (one KV head's pool),
-    table_ref [M] (the row's pages in order); every slot in range is allowed."""
-    return (lambda j, cols, m: plgpu.load(k_ref.at[table_ref[j], :, cols], mask=m[:, None], other=0.0),
-            lambda j, m: plgpu.load(v_ref.at[table_ref[j], :, :], mask=m[:, None], other=0.0),
+def _page_blocks(k_ref, v_ref, table_ref, pages_per_block: int):
+    """Block loaders of a paged cache, ``pages_per_block`` pages per block (gathered through the table): k_ref / v_ref
+    [P, page_size, D] (one KV head's pool), table_ref [M] (the row's pages in order, M a multiple of
+    ``pages_per_block``, padded with the scratch page); every slot in range is allowed. Slots out of range are read
+    (the table's padding points at a real page) and get no weight."""
+    page_size = k_ref.shape[1]
+    rows = pages_per_block * page_size
+
+    def pages(j):
+        return table_ref[pl.ds(j * pages_per_block, pages_per_block)]
+
+    return (lambda j, cols, m: k_ref[pages(j), :, cols].reshape(rows, -1),
+            lambda j, m: v_ref[pages(j), :, :].reshape(rows, -1),
             lambda j, m: m)
 
 
 def _store_normalised(o_ref, heads, row_ok, acc, l):
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row with no allowed slot: zeros
     plgpu.store(o_ref.at[heads, :], out.astype(o_ref.dtype), mask=row_ok)
+
+
+def _normalised_into(o_ref):
+    """The store of a program that saw all of its row's slots: the normalised output into o_ref [N, D]."""
+    return lambda heads, row_ok, acc, m, l: _store_normalised(o_ref, heads, row_ok, acc, l)
+
+
+def _parts_into(o_ref, m_ref, l_ref):
+    """The store of a program that saw one split of its row's slots: the unnormalised float32 output into o_ref
+    [N, D], the running max and sum into m_ref / l_ref [N] (combined by :func:`_combine_splits`)."""
+    def store(heads, row_ok, acc, m, l):
+        plgpu.store(o_ref.at[heads, :], acc, mask=row_ok)
+        plgpu.store(m_ref.at[heads], m, mask=row_ok[:, 0])
+        plgpu.store(l_ref.at[heads], l, mask=row_ok[:, 0])
+    return store
+
+
+def _combine_splits(parts, m, l, dtype):
+    """One output [B, N, D] from the splits' parts [B, splits, N, D] and running max / sum [B, splits, N]."""
+    weight = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))
+    total = jnp.sum(weight * l, axis=1)
+    out = jnp.sum(weight[..., None] * parts, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(dtype)
 
 
 def _heads(group: int):
@@ -111,14 +142,14 @@ def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float
     _store_normalised(o_ref, heads, row_ok, acc, l)
 
 
-def _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, blocks, lo, hi, new_ok, new_slot, *, scale: float,
-                         block_k: int, group: int):
+def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_ok, new_slot, store, *,
+                         scale: float, block_k: int, group: int):
     """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's queries,
-    then the step's keys, then its values), o_ref [N, D], cos_ref / sin_ref [D]. The cache (``blocks``) is read over
-    slots [lo, hi) only; the step's key and value enter the softmax from registers (with weight when ``new_ok``)
-    and are written last, at ``new_slot(cols, value=False)`` (a view of the aliased key or value cache)."""
+    then the step's keys, then its values), cos_ref / sin_ref [D]. The cache (``blocks``) is read over slots
+    [lo, hi) only; the step's key and value enter the softmax from registers (with weight when ``new_ok``) and are
+    written last, at ``new_slot(cols, value=False)`` (a view of the aliased key or value cache). ``store(heads,
+    row_ok, acc, running max, running sum)`` writes the result (:func:`_normalised_into`, :func:`_parts_into`)."""
     heads, row_ok = _heads(group)
-    n = o_ref.shape[0]
     kv_heads = (qkv_ref.shape[0] - n) // 2
     half = qkv_ref.shape[1] // 2
     lo_cols, hi_cols = pl.ds(0, half), pl.ds(half, half)
@@ -145,7 +176,7 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, blocks, lo, hi, new_o
     p = jnp.where(new_ok, jnp.exp(s - m_new), 0.0)
     p_rounded = p.astype(v_new.dtype).astype(f32)  # as the loop's probabilities before their product with V
     acc = acc * alpha[:, None] + p_rounded[:, None] * v_new.astype(f32)
-    _store_normalised(o_ref, heads, row_ok, acc, l * alpha + p)
+    store(heads, row_ok, acc, m_new, l * alpha + p)
     plgpu.store(k_at, k1)
     plgpu.store(k_hi, k2)
     plgpu.store(v_at, v_new)
@@ -161,23 +192,36 @@ def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_
     def new_slot(cols, value=False):
         return (vo_ref if value else ko_ref).at[slot, cols]
 
-    _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, _cache_blocks(k_ref, v_ref, allowed_ref, block_k),
-                         bounds_ref[0], bounds_ref[1], bounds_ref[3] != 0, new_slot, scale=scale, block_k=block_k,
-                         group=group)
+    _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref.shape[0], _cache_blocks(k_ref, v_ref, allowed_ref, block_k),
+                         bounds_ref[0], bounds_ref[1], bounds_ref[3] != 0, new_slot, _normalised_into(o_ref),
+                         scale=scale, block_k=block_k, group=group)
 
 
-def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref, *,
-                         scale: float, page_size: int, group: int):
+def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *refs, scale: float,
+                         pages_per_block: int, group: int, splits: int):
     """:func:`_step_with_new_token` over a paged cache: k_ref / v_ref (and their aliases) [P, page_size, D] (this KV
     head's pool), table_ref [M] (the row's pages), bounds_ref [4] int32 = (the row's filled slots before the step's,
-    the page and the offset the step's key and value go to, unused)."""
+    the page and the offset the step's key and value go to, unused). ``refs``: the output [N, D] (with ``splits`` >
+    1 this split's parts and running max / sum [N]), then the pool's aliases. With splits, program (row, head, s)
+    reads the s-th of ``splits`` equal runs of the row's blocks; split 0 adds the step's own token; every split
+    writes it (the same values)."""
+    *outs, ko_ref, vo_ref = refs
     page, at = bounds_ref[1], pl.ds(bounds_ref[2], 1)
+    block_k = pages_per_block * k_ref.shape[1]
 
     def new_slot(cols, value=False):
         return (vo_ref if value else ko_ref).at[page, at, cols]
 
-    _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref, _page_blocks(k_ref, v_ref, table_ref), 0, bounds_ref[0],
-                         True, new_slot, scale=scale, block_k=page_size, group=group)
+    filled = bounds_ref[0]
+    if splits == 1:
+        lo, hi, first, store = 0, filled, True, _normalised_into(*outs)
+    else:
+        split = pl.program_id(2)
+        per = pl.cdiv(pl.cdiv(filled, block_k), splits) * block_k
+        lo, hi, first, store = split * per, jnp.minimum((split + 1) * per, filled), split == 0, _parts_into(*outs)
+    _step_with_new_token(qkv_ref, cos_ref, sin_ref, outs[0].shape[0],
+                         _page_blocks(k_ref, v_ref, table_ref, pages_per_block), lo, hi, first, new_slot, store,
+                         scale=scale, block_k=block_k, group=group)
 
 
 def _bounds(allowed: jax.Array) -> jax.Array:
@@ -280,30 +324,57 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "num_warps", "num_stages", "interpret"))
 def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, lengths, page, offset, *,
-                                  scale: float, num_warps: int = 2, num_stages: int = 2,
-                                  interpret: bool | None = None):
+                                  scale: float, block_k: int = 64, splits: int | None = None, num_warps: int = 2,
+                                  num_stages: int = 2, interpret: bool | None = None):
     """See :func:`jrl.kernels.attention.api.paged_decode_attention_append`: the step's rope, its write to the
     pool and the attention over the row's pages in one kernel (inside a jitted decoding loop the pools are updated
-    in place). One program per (row, KV head), one page per block."""
+    in place). One program per (row, KV head, split); a block is ``block_k`` slots (whole pages, at least one), the
+    pages gathered through the table, so small pages do not make small matrix products. ``splits`` (None: from the
+    table's width, :func:`split_count`) divides each row's blocks over that many programs, whose parts are combined
+    after the kernel: a long row is read by several programs at once (the few long rows a long-tailed generation
+    ends with would otherwise be read one block after another by one program per head)."""
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
+    per_block = max(block_k // page_size, 1)
+    page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % per_block)))
+    splits = split_count(page_table.shape[1] * page_size, per_block * page_size) if splits is None else splits
     filled = jnp.maximum(jnp.asarray(lengths, jnp.int32) - 1, 0)
     bounds = jnp.stack([filled, jnp.asarray(page, jnp.int32), jnp.asarray(offset, jnp.int32),
                         jnp.zeros_like(filled)], axis=1)
-    pages = pl.BlockSpec((None, pool, page_size, d), lambda i, h: (h, 0, 0, 0))
-    queries = pl.BlockSpec((None, n, d), lambda i, h: (i, 0, 0))
-    rope = pl.BlockSpec((None, d), lambda i, h: (i, 0))
-    return pl.pallas_call(
-        functools.partial(_paged_append_kernel, scale=scale, page_size=page_size, group=n // kv),
-        grid=(b, kv),
-        in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
-                  pl.BlockSpec((None, page_table.shape[1]), lambda i, h: (i, 0)),
-                  pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)), rope, rope, pages, pages],
-        out_specs=[queries, pages, pages],
-        out_shape=[jax.ShapeDtypeStruct((b, n, d), v_pages.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={5: 1, 6: 2},
+    pages = pl.BlockSpec((None, pool, page_size, d), lambda i, h, s: (h, 0, 0, 0))
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, n, d), lambda i, h, s: (i, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, n, d), v_pages.dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, n, d), lambda i, h, s: (i, s, 0, 0))] + 2 * [
+            pl.BlockSpec((None, None, n), lambda i, h, s: (i, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, splits, n, d), jnp.float32)] + 2 * [
+            jax.ShapeDtypeStruct((b, splits, n), jnp.float32)]
+    rope = pl.BlockSpec((None, d), lambda i, h, s: (i, 0))
+    *outs, k_pages, v_pages = pl.pallas_call(
+        functools.partial(_paged_append_kernel, scale=scale, pages_per_block=per_block, group=n // kv,
+                          splits=splits),
+        grid=(b, kv, splits),
+        in_specs=[pl.BlockSpec((None, 4), lambda i, h, s: (i, 0)),
+                  pl.BlockSpec((None, page_table.shape[1]), lambda i, h, s: (i, 0)),
+                  pl.BlockSpec((None, n + 2 * kv, d), lambda i, h, s: (i, 0, 0)), rope, rope, pages, pages],
+        out_specs=out_specs + [pages, pages],
+        out_shape=out_shape + [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                               jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={5: len(out_shape), 6: len(out_shape) + 1},
         name="jrl_paged_decode_attention_append", **_params(num_warps, num_stages, interpret),
-    )(bounds, page_table.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_pages, v_pages)
+    )(bounds, page_table, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_pages, v_pages)
+    out = outs[0] if splits == 1 else _combine_splits(*outs, v_pages.dtype)
+    return out, k_pages, v_pages
+
+
+def split_count(width: int, block_k: int, *, blocks_per_split: int = 16, most: int = 8) -> int:
+    """Programs per (row, KV head) of :func:`paged_decode_attention_append` for a page table of ``width`` slots: a
+    power of two, at most ``most``, each split holding at least ``blocks_per_split`` blocks of a full-width row
+    (short tables: one program, no combination step)."""
+    splits = 1
+    while 2 * splits <= most and 2 * splits * blocks_per_split * block_k <= width:
+        splits *= 2
+    return splits

@@ -4,7 +4,7 @@
 # folded into $OUT/e2e.log.
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
-# cases: one, bucketed (one GPU, --optim.length-bucket 128), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
+# cases: one, bucketed (one GPU, --optim.length-bucket 128), packed (one GPU, --optim.packing), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
 #        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
 #        shared_paged (all GPUs, paged), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
 # env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), CASE_TIMEOUT (170 s), WORK (/tmp/e2e), PY (python3), WHEELS (1:
@@ -27,6 +27,7 @@ for case in "$@"; do
   case $case in
     one) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one ;;
     bucketed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.length-bucket 128 ;;
+    packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ;;
     partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \

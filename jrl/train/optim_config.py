@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jrl.validation import check_choice, check_int, check_real
+from jrl.validation import check_choice, check_int, check_real, invalid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,15 @@ class OptimConfig:
     loss and gradient are those of the padded rows. 0 = off (every row padded to ``max_new_tokens``). Not for the
     ``bnpo`` loss, whose value depends on which rows share a micro-batch; per-micro-batch metrics (clip ratios...)
     are averaged over micro-batches of other rows than without it."""
+    packing: bool = False
+    """GRPO-family updates: whole sequences (prompt and completion up to its last loss token) packed end to end into
+    rows of the padded width with segment ids (attention stays inside a sequence, positions restart), so the update
+    computes no padding; ``micro_batch_size`` then counts packed rows, each holding several sequences. Log-probs
+    come from the ``logprobs_impl`` kernel over every packed position (not the loss-fused head); the loss and
+    gradient are the padded rows'. Old and reference log-probs are still computed on padded rows. On an NVIDIA GPU
+    the attention of packed rows does not run on cuDNN (no segment ids there) but on the next implementation. Not with
+    ``length_bucket``; not for the ``bnpo`` loss (its value depends on which rows share a micro-batch: it runs
+    padded); per-micro-batch metrics are averaged over other micro-batches than without it."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
     balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""
@@ -57,5 +66,8 @@ class OptimConfig:
         check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
         check_int(self, "micro_batch_size", lo=1, optional=True)
         check_int(self, "length_bucket", lo=0, fix="use 0 (off) or a token count such as 128")
+        if self.packing and self.length_bucket:
+            raise invalid("OptimConfig", "packing", self.packing, "packed rows hold no padding to trim; set "
+                          "length_bucket=0 or packing=False")
         check_real(self, "router_aux_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
         check_real(self, "router_z_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")

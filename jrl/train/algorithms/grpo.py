@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jrl.data.pipeline import left_pad
@@ -50,6 +51,7 @@ from jrl.sharding import on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
+from jrl.train.packing import pack, per_sequence
 from jrl.sources.partial import PartialRollout, PartialRollouts
 from jrl.sources.replay import ReplayBuffer
 from jrl.sources.scored import ScoredRollout, reward_log_name, rollout_metrics
@@ -216,6 +218,66 @@ class GRPOLoss:
         return loss, metrics
 
 
+class PackedStep(NamedTuple):
+    """A GRPO step's rows packed (:mod:`jrl.train.packing`): R packed rows of width W, up to S sequences each, with the
+    sequences' per-token arrays in the padded layout ([R, S, T]) and per-sequence ones [R, S]."""
+
+    input_ids: np.ndarray
+    segment_ids: np.ndarray
+    targets: np.ndarray
+    gather: np.ndarray
+    completion_mask: np.ndarray
+    advantages: np.ndarray
+    truncated: np.ndarray
+    sampler_logprobs: np.ndarray | None = None
+    old_logprobs: np.ndarray | None = None
+    ref_logprobs: np.ndarray | None = None
+
+
+def packed_step(batch: StepBatch, *, rows_multiple: int | None) -> tuple[PackedStep, np.ndarray]:
+    """``batch`` packed (:func:`jrl.train.packing.pack`) and the padded row of each sequence slot [R, S] (-1: empty)."""
+    rows = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=rows_multiple)
+    seq = rows.sequence
+    return PackedStep(
+        input_ids=rows.input_ids, segment_ids=rows.segment_ids, targets=rows.targets, gather=rows.gather,
+        completion_mask=per_sequence(batch.completion_mask, seq, 0), advantages=per_sequence(batch.advantages, seq, 0),
+        truncated=per_sequence(batch.truncated, seq, False),
+        sampler_logprobs=per_sequence(batch.sampler_logprobs, seq, np.nan),
+        old_logprobs=per_sequence(batch.old_logprobs, seq, 0), ref_logprobs=per_sequence(batch.ref_logprobs, seq, 0),
+    ), seq
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedGRPOLoss:
+    """``grpo_loss`` of packed rows: the log-probs of every packed position from the ``impl`` log-prob kernel,
+    gathered into each sequence's completion columns, then the padded loss over the sequence slots ([R·S, T]; an
+    empty slot has no loss token)."""
+
+    algo: GRPOConfig
+    temperature: float
+    impl: str
+
+    def __call__(self, model, packed: PackedStep, normalizers):
+        r, w = packed.input_ids.shape
+        _, s, t = packed.gather.shape
+        hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids)
+        lp, ent = token_logprobs(hidden.reshape(r * w, -1), model.lm_head_weight(), packed.targets.reshape(r * w),
+                                 temperature=self.temperature, with_entropy=self.algo.needs_entropy, impl=self.impl)
+
+        def per_slot(x):  # [R * W] values at packed positions -> [R * S, T] in the padded layout
+            at = packed.gather.reshape(r, s * t)
+            return None if x is None else jnp.take_along_axis(x.reshape(r, w), at, axis=1).reshape(r * s, t)
+
+        def flat(x):
+            return None if x is None else x.reshape((r * s,) + x.shape[2:])
+
+        rows = StepBatch(input_ids=None, attention_mask=None, completion_ids=None,
+                         completion_mask=flat(packed.completion_mask), advantages=flat(packed.advantages),
+                         truncated=flat(packed.truncated), sampler_logprobs=flat(packed.sampler_logprobs),
+                         old_logprobs=flat(packed.old_logprobs), ref_logprobs=flat(packed.ref_logprobs))
+        return grpo_loss(_loss_inputs(rows, per_slot(lp), per_slot(ent)), self.algo, normalizers)
+
+
 def _with_completion_length(loss: GRPOLoss, width: int) -> GRPOLoss:
     """``loss`` for rows trimmed from ``width`` completion columns: ``dr_grpo``'s constant stays ``width``."""
     if loss.algo.max_completion_length is not None:
@@ -281,12 +343,17 @@ class PolicyUpdate:
         return LossTerm(self.loss, batch._replace(has_signal=None), norms, keep)
 
     def policy_terms(self, learner, batch: StepBatch) -> list[LossTerm]:
-        """:meth:`policy_term` of ``batch`` as the loss terms of one update: with ``optim.length_bucket`` and
-        several micro-batches, one term per run of micro-batches of one trimmed width (:func:`length_groups`),
-        each with the step's normalisers and the padded length as ``max_completion_length`` (``dr_grpo``), so
-        the loss and gradient are the padded ones; else the term itself."""
+        """:meth:`policy_term` of ``batch`` as the loss terms of one update: with ``optim.packing`` one term of
+        packed rows (:class:`PackedGRPOLoss`); with ``optim.length_bucket`` and several micro-batches, one term per
+        run of micro-batches of one trimmed width (:func:`length_groups`), each with the step's normalisers and the
+        padded length as ``max_completion_length`` (``dr_grpo``); either way the loss and gradient are the padded
+        ones (``bnpo`` keeps the padded term); else the term itself."""
         term = self.policy_term(learner, batch)
         n, width = batch.completion_ids.shape
+        if learner.optim.packing and self.algo.loss_type != "bnpo":
+            packed, seq = packed_step(term.rows, rows_multiple=learner.optim.micro_batch_size)
+            keep = None if term.keep is None else (term.keep[np.maximum(seq, 0)] & (seq >= 0)).any(axis=1)
+            return [LossTerm(PackedGRPOLoss(self.algo, self.loss.temperature, self.loss.impl), packed, term.aux, keep)]
         bucket, mb = learner.optim.length_bucket, learner.optim.micro_batch_size or n
         if not bucket or width <= bucket or self.algo.loss_type == "bnpo":
             return [term]

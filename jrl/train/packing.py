@@ -1,0 +1,114 @@
+"""Sequence packing for the learner: whole sequences (a row's prompt and its completion up to the last loss token) laid
+end to end in rows of a fixed width with segment ids, so an update computes no padding of short completions.
+
+A packed micro-batch of ``R`` rows holds up to ``S`` sequences per row. The per-token arrays the loss reads stay in the
+padded layout, one ``[S, T]`` block per packed row (``T`` the step's completion width): the loss computes the log-probs
+of every packed position ``[R, W]``, gathers each sequence's completion positions into ``[R, S, T]`` and runs the
+padded loss on ``[R·S, T]``, where an empty sequence slot has no loss token. Log-probs, losses and the gradient are
+the padded rows' (the attention inside a segment equals the attention of the padded row; positions restart at 0 in
+each segment as they start at a padded row's first real token).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class PackedRows(NamedTuple):
+    """``R`` packed rows of width ``W`` holding up to ``S`` sequences each, and their sequences' per-token arrays in the
+    padded layout (``T`` completion columns)."""
+
+    input_ids: np.ndarray
+    """[R, W] int32: sequences end to end, then padding."""
+    segment_ids: np.ndarray
+    """[R, W] int32: 1, 2, ... per sequence in the row, 0 on padding."""
+    targets: np.ndarray
+    """[R, W] int32: the next token of the same sequence (0 where there is none)."""
+    gather: np.ndarray
+    """[R, S, T] int32: the column of row r whose log-prob is completion token j of the row's sequence s (0 where
+    the slot or the token is not there; such entries have no loss token)."""
+    sequence: np.ndarray
+    """[R, S] int32: the padded-batch row of each sequence slot (-1 for an empty slot)."""
+
+
+def sequence_extents(attention_mask: np.ndarray, completion_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first real column [N], length [N]) of each padded row's sequence: from its first real prompt token to its
+    last loss token (later tokens do not change earlier log-probs). ``attention_mask`` [N, Lp + T],
+    ``completion_mask`` [N, T]."""
+    attention_mask, completion_mask = np.asarray(attention_mask) > 0, np.asarray(completion_mask) > 0
+    n, width = attention_mask.shape
+    t = completion_mask.shape[1]
+    first = np.argmax(attention_mask, axis=1)
+    last_loss = np.where(completion_mask.any(1), t - np.argmax(completion_mask[:, ::-1], axis=1), 0)
+    end = np.maximum(width - t + last_loss, first + 1)  # a row without a loss token keeps one token
+    return first, end - first
+
+
+def plan_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
+    """The sequences of each packed row (indices into ``lengths``): first fit, longest first, rows of ``width``."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-np.asarray(lengths), kind="stable").tolist():
+        need = int(lengths[i])
+        if need > width:
+            raise ValueError(f"a sequence of {need} tokens does not fit a packed row of {width}")
+        for r, free in enumerate(room):
+            if free >= need:
+                rows[r].append(i)
+                room[r] -= need
+                break
+        else:
+            rows.append([i])
+            room.append(width - need)
+    return rows
+
+
+def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.ndarray, *,
+         rows_multiple: int | None) -> PackedRows:
+    """The padded rows ``input_ids`` / ``attention_mask`` [N, Lp + T] (left-padded prompts, right-padded completions of
+    ``T`` = ``completion_mask.shape[1]`` columns) packed into rows of the same width (padding: token 0, segment 0);
+    the row count padded with empty rows to a multiple of ``rows_multiple`` (None: a power of two) and the sequences
+    per row to a power of two, so that few shapes compile."""
+    input_ids = np.asarray(input_ids)
+    n, width = input_ids.shape
+    t = np.asarray(completion_mask).shape[1]
+    prompt_width = width - t
+    first, lengths = sequence_extents(attention_mask, completion_mask)
+    plan = plan_rows(lengths, width)
+    r = (1 << (len(plan) - 1).bit_length() if rows_multiple is None
+         else -(-len(plan) // rows_multiple) * rows_multiple)
+    s = 1 << (max(len(p) for p in plan) - 1).bit_length()
+    ids = np.zeros((r, width), np.int32)
+    segments = np.zeros((r, width), np.int32)
+    targets = np.zeros((r, width), np.int32)
+    gather = np.zeros((r, s, t), np.int32)
+    sequence = np.full((r, s), -1, np.int32)
+    for row, members in enumerate(plan):
+        at = 0
+        for slot, i in enumerate(members):
+            size = int(lengths[i])
+            tokens = input_ids[i, first[i]:first[i] + size]
+            ids[row, at:at + size] = tokens
+            segments[row, at:at + size] = slot + 1
+            targets[row, at:at + size - 1] = tokens[1:]
+            # Completion token j sits at padded column prompt_width + j, predicted by the column before it.
+            j = np.arange(t)
+            column = at + prompt_width + j - 1 - first[i]
+            inside = (column >= at) & (column < at + size - 1)
+            gather[row, slot] = np.where(inside, column, 0)
+            sequence[row, slot] = i
+            at += size
+    return PackedRows(ids, segments, targets, gather, sequence)
+
+
+def per_sequence(values: np.ndarray | None, sequence: np.ndarray, fill) -> np.ndarray | None:
+    """A padded-batch per-row array ``values`` [N, ...] laid out per sequence slot [R, S, ...] (``fill`` in empty
+    slots)."""
+    if values is None:
+        return None
+    values = np.asarray(values)
+    out = values[np.maximum(sequence, 0)]
+    empty = (sequence < 0).reshape(sequence.shape + (1,) * (values.ndim - 1))
+    return np.where(empty, np.asarray(fill, values.dtype), out)

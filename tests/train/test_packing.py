@@ -1,0 +1,87 @@
+"""Sequence packing (optim.packing): the packed rows hold every sequence once and point each completion token at the
+position that predicts it; a packed update's loss and gradient are the padded update's (float32)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from train_testlib import grpo_learner, max_rel_err, random_step_batch, tiny_model
+
+from jrl.losses import GRPOConfig
+from jrl.train.config import OptimConfig
+from jrl.train.packing import pack, plan_rows, sequence_extents
+
+ALGO = GRPOConfig(num_generations=2, loss_type="dapo", metrics="full")
+
+
+def _long_tailed_batch(seed: int, n: int = 12, completion_len: int = 24):
+    """A step whose completions are mostly short with a few long ones (what packing is for)."""
+    batch = random_step_batch(seed=seed, n=n, prompt_len=6, completion_len=completion_len)
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.geometric(0.25, n), completion_len)
+    lengths[0] = completion_len
+    mask = (np.arange(completion_len)[None] < lengths[:, None]).astype(np.int32)
+    p = batch.input_ids.shape[1] - completion_len
+    ids = batch.input_ids.copy()
+    ids[:, p:] = np.where(mask > 0, rng.integers(1, 50, (n, completion_len)), 0)
+    attention = batch.attention_mask.copy()
+    attention[:, p:] = mask
+    samp = np.where(mask > 0, -rng.uniform(4.5, 6.5, mask.shape), np.nan).astype(np.float32)
+    return batch._replace(input_ids=ids, attention_mask=attention, completion_ids=ids[:, p:], completion_mask=mask,
+                          truncated=lengths == completion_len, sampler_logprobs=samp, has_signal=np.ones(n, bool))
+
+
+def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
+    batch = _long_tailed_batch(seed=1)
+    n, width = batch.input_ids.shape
+    t = batch.completion_ids.shape[1]
+    rows = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=4)
+    assert rows.input_ids.shape[0] % 4 == 0 and rows.input_ids.shape[0] < n  # fewer rows than padded
+    assert sorted(rows.sequence[rows.sequence >= 0].tolist()) == list(range(n))
+    first, lengths = sequence_extents(batch.attention_mask, batch.completion_mask)
+    for r in range(rows.input_ids.shape[0]):
+        for s, i in enumerate(rows.sequence[r]):
+            if i < 0:
+                continue
+            inside = rows.segment_ids[r] == s + 1
+            assert inside.sum() == lengths[i]
+            np.testing.assert_array_equal(rows.input_ids[r, inside], batch.input_ids[i, first[i]:first[i] + lengths[i]])
+            loss = batch.completion_mask[i] > 0
+            at = rows.gather[r, s, loss]  # the position predicting each loss token: its target is that token
+            np.testing.assert_array_equal(rows.targets[r, at], batch.completion_ids[i, loss])
+            assert (rows.segment_ids[r, at] == s + 1).all()
+    assert rows.gather.shape[1] & (rows.gather.shape[1] - 1) == 0 and rows.gather.shape[2] == t
+    assert (rows.segment_ids[:, :] == 0).sum() < (batch.attention_mask == 0).sum()  # less padding than padded
+    assert max(sum(lengths[plan]) for plan in plan_rows(lengths, width)) <= width
+
+
+@pytest.mark.parametrize("loss_type,mb", [("dapo", 2), ("grpo", None), ("dr_grpo", 2)])
+def test_a_packed_update_is_the_padded_update(loss_type, mb):
+    algo = dataclasses.replace(ALGO, loss_type=loss_type)
+    batch = _long_tailed_batch(seed=3)
+    padded, u1 = grpo_learner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=mb), total_updates=2,
+                              temperature=0.7)
+    packed, u2 = grpo_learner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=mb, packing=True),
+                              total_updates=2, temperature=0.7)
+    (term,) = u2.policy_terms(packed, batch)
+    assert term.rows.input_ids.shape[0] < batch.input_ids.shape[0]
+    g1, c1, _ = padded.accumulate(u1.policy_terms(padded, batch))
+    g2, c2, _ = packed.accumulate([term])
+    assert np.isfinite(float(sum(c1["loss"]))) and float(abs(sum(c1["loss"]))) > 0
+    assert float(sum(c2["loss"])) == pytest.approx(float(sum(c1["loss"])), rel=1e-5)
+    assert max_rel_err(g2, g1) <= 1e-5
+    m1, m2 = u1(padded, batch), u2(packed, batch)
+    assert max_rel_err(packed.params, padded.params) <= 1e-5
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+    assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
+
+
+def test_packing_refuses_length_buckets_and_leaves_bnpo_padded():
+    with pytest.raises(ValueError, match=r"OptimConfig\.packing=True.*length_bucket=0"):
+        OptimConfig(packing=True, length_bucket=4)
+    learner, update = grpo_learner(tiny_model(seed=4), dataclasses.replace(ALGO, loss_type="bnpo"),
+                                   OptimConfig(micro_batch_size=2, packing=True), total_updates=1)
+    batch = _long_tailed_batch(seed=2)
+    assert [t.rows.input_ids.shape for t in update.policy_terms(learner, batch)] == [batch.input_ids.shape]

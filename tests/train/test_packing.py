@@ -78,6 +78,26 @@ def test_a_packed_update_is_the_padded_update(loss_type, mb):
     assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
 
 
+def test_old_and_reference_logprobs_of_packed_rows_are_the_padded_ones():
+    """Two updates per batch (old log-probs) and a KL term (reference log-probs of the initial weights): filled in
+    from packed rows they equal the padded rows' on every loss token, and the two passes give the padded update."""
+    algo = dataclasses.replace(ALGO, beta=0.04)
+    batch = _long_tailed_batch(seed=5)
+    padded, u1 = grpo_learner(tiny_model(seed=6), algo, OptimConfig(micro_batch_size=4), total_updates=4,
+                              num_iterations=2, temperature=0.7)
+    packed, u2 = grpo_learner(tiny_model(seed=6), algo, OptimConfig(micro_batch_size=4, packing=True),
+                              total_updates=4, num_iterations=2, temperature=0.7)
+    b1, b2 = u1.prepare(padded, batch), u2.prepare(packed, batch)
+    loss = batch.completion_mask > 0
+    for name in ("old_logprobs", "ref_logprobs"):
+        want, got = getattr(b1, name)[loss], getattr(b2, name)[loss]
+        assert np.isfinite(got).all() and np.abs(want).max() > 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    m1, m2 = u1(padded, batch), u2(packed, batch)
+    assert max_rel_err(packed.params, padded.params) <= 1e-5
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+
+
 def test_packing_refuses_length_buckets_and_leaves_bnpo_padded():
     with pytest.raises(ValueError, match=r"OptimConfig\.packing=True.*length_bucket=0"):
         OptimConfig(packing=True, length_bucket=4)

@@ -247,26 +247,47 @@ def packed_step(batch: StepBatch, *, rows_multiple: int | None) -> tuple[PackedS
     ), seq
 
 
+def packed_logprobs(model, packed: PackedStep, *, temperature: float, impl: str, with_entropy: bool = False):
+    """(logπ, entropy or None) [R·S, T] of each sequence slot's completion tokens in packed rows: the ``impl``
+    log-prob kernel over every packed position, gathered into the padded layout."""
+    r, w = packed.input_ids.shape
+    _, s, t = packed.gather.shape
+    hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids)
+    lp, ent = token_logprobs(hidden.reshape(r * w, -1), model.lm_head_weight(), packed.targets.reshape(r * w),
+                             temperature=temperature, with_entropy=with_entropy, impl=impl)
+
+    def per_slot(x):
+        return None if x is None else jnp.take_along_axis(x.reshape(r, w), packed.gather.reshape(r, s * t),
+                                                          axis=1).reshape(r * s, t)
+
+    return per_slot(lp), per_slot(ent)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedCompletionLogprobs:
+    """``model, packed -> logπ [R, S, T]`` of packed rows' completions (old / reference scoring, no gradient)."""
+
+    temperature: float
+    impl: str
+
+    def __call__(self, model, packed: PackedStep, aux=None):
+        lp, _ = packed_logprobs(model, packed, temperature=self.temperature, impl=self.impl)
+        return lp.reshape(packed.gather.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedGRPOLoss:
-    """``grpo_loss`` of packed rows: the log-probs of every packed position from the ``impl`` log-prob kernel,
-    gathered into each sequence's completion columns, then the padded loss over the sequence slots ([R·S, T]; an
-    empty slot has no loss token)."""
+    """``grpo_loss`` of packed rows (:func:`packed_logprobs`): the padded loss over the sequence slots ([R·S, T];
+    an empty slot has no loss token)."""
 
     algo: GRPOConfig
     temperature: float
     impl: str
 
     def __call__(self, model, packed: PackedStep, normalizers):
-        r, w = packed.input_ids.shape
-        _, s, t = packed.gather.shape
-        hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids)
-        lp, ent = token_logprobs(hidden.reshape(r * w, -1), model.lm_head_weight(), packed.targets.reshape(r * w),
-                                 temperature=self.temperature, with_entropy=self.algo.needs_entropy, impl=self.impl)
-
-        def per_slot(x):  # [R * W] values at packed positions -> [R * S, T] in the padded layout
-            at = packed.gather.reshape(r, s * t)
-            return None if x is None else jnp.take_along_axis(x.reshape(r, w), at, axis=1).reshape(r * s, t)
+        r, s = packed.advantages.shape
+        lp, ent = packed_logprobs(model, packed, temperature=self.temperature, impl=self.impl,
+                                  with_entropy=self.algo.needs_entropy)
 
         def flat(x):
             return None if x is None else x.reshape((r * s,) + x.shape[2:])
@@ -275,7 +296,7 @@ class PackedGRPOLoss:
                          completion_mask=flat(packed.completion_mask), advantages=flat(packed.advantages),
                          truncated=flat(packed.truncated), sampler_logprobs=flat(packed.sampler_logprobs),
                          old_logprobs=flat(packed.old_logprobs), ref_logprobs=flat(packed.ref_logprobs))
-        return grpo_loss(_loss_inputs(rows, per_slot(lp), per_slot(ent)), self.algo, normalizers)
+        return grpo_loss(_loss_inputs(rows, lp, ent), self.algo, normalizers)
 
 
 def _with_completion_length(loss: GRPOLoss, width: int) -> GRPOLoss:
@@ -308,6 +329,7 @@ class PolicyUpdate:
         fused = loss_head == "fused" or (loss_head == "auto" and kernel_backend() != "cpu")
         self.loss = GRPOLoss(algo, float(temperature), impl, fused and fused_head_supported(algo))
         self.logprobs = CompletionLogprobs(float(temperature), impl)
+        self.packed_logprobs = PackedCompletionLogprobs(float(temperature), impl)
         # Full fine-tune with a KL term: a frozen copy of the initial weights is the reference.
         self.ref_params = learner.snapshot() if algo.beta != 0.0 and not learner.lora else None
 
@@ -317,13 +339,31 @@ class PolicyUpdate:
 
     def prepare(self, learner, batch: StepBatch) -> StepBatch:
         """``batch`` with the reference log-probs (``beta > 0``) and the old log-probs (more than one update per
-        batch) of the current weights filled in."""
-        scoring = batch._replace(has_signal=None)
-        if self.algo.beta != 0.0 and batch.ref_logprobs is None:
-            batch = batch._replace(ref_logprobs=learner.evaluate(self.logprobs, scoring, disable_lora=learner.lora,
-                                                                 params=self.ref_params))
-        if self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None:
-            batch = batch._replace(old_logprobs=learner.evaluate(self.logprobs, scoring))
+        batch) of the current weights filled in (computed on packed rows with ``optim.packing``; 0 past each row's
+        last loss token)."""
+        need_ref = self.algo.beta != 0.0 and batch.ref_logprobs is None
+        need_old = self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None
+        if not (need_ref or need_old):
+            return batch
+        if learner.optim.packing:
+            packed, seq = packed_step(batch, rows_multiple=learner.optim.micro_batch_size)
+            fn, rows = self.packed_logprobs, packed._replace(completion_mask=None, advantages=None, truncated=None,
+                                                             sampler_logprobs=None)
+        else:
+            fn, rows = self.logprobs, batch._replace(has_signal=None)
+
+        def score(**kwargs) -> np.ndarray:
+            values = learner.evaluate(fn, rows, **kwargs)
+            if not learner.optim.packing:
+                return values
+            out = np.zeros(batch.completion_ids.shape, np.float32)
+            out[seq[seq >= 0]] = values[seq >= 0]
+            return out
+
+        if need_ref:
+            batch = batch._replace(ref_logprobs=score(disable_lora=learner.lora, params=self.ref_params))
+        if need_old:
+            batch = batch._replace(old_logprobs=score())
         return batch
 
     def policy_term(self, learner, batch: StepBatch) -> LossTerm:

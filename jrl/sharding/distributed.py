@@ -243,11 +243,18 @@ def make_global_batch(local: Any, mesh: Mesh, rules: Mapping[str, MeshAxes] | No
     return jax.tree_util.tree_map(one, local)
 
 
-def _batch_blocks(mesh: Mesh, rules) -> tuple[int, int]:
-    """(number of batch shards on the mesh, number of distinct ones on this process)."""
+def batch_shards(mesh: Mesh | None, rules=None) -> int:
+    """How many parts the batch sharding splits the rows of a batch into (1 without a mesh)."""
+    if mesh is None:
+        return 1
     spec = batch_sharding(mesh, 1, rules).spec
     axes = mesh_axes(spec[0] if len(spec) else None)
-    n_shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _batch_blocks(mesh: Mesh, rules) -> tuple[int, int]:
+    """(number of batch shards on the mesh, number of distinct ones on this process)."""
+    n_shards = batch_shards(mesh, rules)
     sharding = batch_sharding(mesh, 1, rules, shape=(n_shards,))
     local = {(s[0].start, s[0].stop) for s in sharding.addressable_devices_indices_map((n_shards,)).values()}
     return n_shards, len(local)

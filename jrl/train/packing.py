@@ -66,18 +66,19 @@ def plan_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
 
 
 def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.ndarray, *,
-         rows_multiple: int | None) -> PackedRows:
+         rows_multiple: int | None, least_rows: int = 1) -> PackedRows:
     """The padded rows ``input_ids`` / ``attention_mask`` [N, Lp + T] (left-padded prompts, right-padded completions of
     ``T`` = ``completion_mask.shape[1]`` columns) packed into rows of the same width (padding: token 0, segment 0);
-    the row count padded with empty rows to a multiple of ``rows_multiple`` (None: a power of two) and the sequences
-    per row to a power of two, so that few shapes compile."""
+    the row count padded with empty rows to a multiple of ``rows_multiple`` (None: a power of two, at least
+    ``least_rows``, e.g. the batch's shards on a mesh) and the sequences per row to a power of two, so that few
+    shapes compile."""
     input_ids = np.asarray(input_ids)
     n, width = input_ids.shape
     t = np.asarray(completion_mask).shape[1]
     prompt_width = width - t
     first, lengths = sequence_extents(attention_mask, completion_mask)
     plan = plan_rows(lengths, width)
-    r = (1 << (len(plan) - 1).bit_length() if rows_multiple is None
+    r = (1 << (max(len(plan), least_rows) - 1).bit_length() if rows_multiple is None
          else -(-len(plan) // rows_multiple) * rows_multiple)
     s = 1 << (max(len(p) for p in plan) - 1).bit_length()
     ids = np.zeros((r, width), np.int32)

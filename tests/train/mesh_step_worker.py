@@ -1,7 +1,8 @@
-"""Child process for test_grpo_e2e.py: the train step on a 2-device FSDP mesh vs one device (fake CPU devices).
+"""Child process for test_grpo_e2e.py: the train step on a 2-device FSDP mesh vs one device (fake CPU devices),
+padded and with packed rows (optim.packing) on the mesh.
 
 Prints one JSON line: the device count, the max relative gradient difference, the loss of both, and how many
-devices hold the sharded parameters.
+devices hold the sharded parameters; the packed step's gradient difference and loss.
 """
 
 import json
@@ -32,13 +33,22 @@ def main():
     u2, u1 = (PolicyUpdate(algo, x, temperature=1.0, num_iterations=1, impl="auto") for x in (sharded, single))
     g2, c2, _ = sharded.accumulate([u2.policy_term(sharded, batch)])
     g1, c1, _ = single.accumulate([u1.policy_term(single, batch)])
+    packed = {}
+    for mb in (2, None):  # micro-batches of 2 packed rows; one micro-batch of a power of two of rows
+        packing = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules),
+                          OptimConfig(micro_batch_size=mb, packing=True), total_updates=2, mesh=mesh, rules=rules)
+        up = PolicyUpdate(algo, packing, temperature=1.0, num_iterations=1, impl="auto")
+        (term,) = up.policy_terms(packing, batch)
+        gp, cp, _ = packing.accumulate([term])
+        packed[str(mb)] = dict(grad_err=max_rel_err(gp, g1), loss=float(sum(cp["loss"])),
+                               rows=int(term.rows.input_ids.shape[0]))
     m2 = u2(sharded, batch)
     m1 = u1(single, batch)
     devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params))
     print(json.dumps(dict(devices=jax.device_count(), grad_err=max_rel_err(g2, g1),
                           param_err=max_rel_err(sharded.params, single.params),
                           loss=[float(sum(c2["loss"])), float(c1["loss"][0])], param_devices=devices,
-                          grad_norm=[m2["grad_norm"], m1["grad_norm"]])))
+                          grad_norm=[m2["grad_norm"], m1["grad_norm"]], packed=packed)))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
     assert rows.gather.shape[1] & (rows.gather.shape[1] - 1) == 0 and rows.gather.shape[2] == t
     assert (rows.segment_ids[:, :] == 0).sum() < (batch.attention_mask == 0).sum()  # less padding than padded
     assert max(sum(lengths[plan]) for plan in plan_rows(lengths, width)) <= width
+    whole = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None)
+    shards = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None, least_rows=16)
+    assert whole.input_ids.shape[0] & (whole.input_ids.shape[0] - 1) == 0 and shards.input_ids.shape[0] == 16
 
 
 @pytest.mark.parametrize("loss_type,mb", [("dapo", 2), ("grpo", None), ("dr_grpo", 2)])

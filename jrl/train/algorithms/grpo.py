@@ -47,7 +47,7 @@ from jrl.losses import (
     step_normalizers,
 )
 from jrl.rollout.base import RolloutBatch, SamplingParams, concat_rollouts, step_seed
-from jrl.sharding import on_host
+from jrl.sharding import batch_shards, on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
@@ -234,9 +234,11 @@ class PackedStep(NamedTuple):
     ref_logprobs: np.ndarray | None = None
 
 
-def packed_step(batch: StepBatch, *, rows_multiple: int | None) -> tuple[PackedStep, np.ndarray]:
-    """``batch`` packed (:func:`jrl.train.packing.pack`) and the padded row of each sequence slot [R, S] (-1: empty)."""
-    rows = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=rows_multiple)
+def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
+    """``batch`` packed (:func:`jrl.train.packing.pack`) into micro-batches of ``learner``'s size (or a power of two
+    of rows, at least the batch's shards) and the padded row of each sequence slot [R, S] (-1: empty)."""
+    rows = pack(batch.input_ids, batch.attention_mask, batch.completion_mask,
+                rows_multiple=learner.optim.micro_batch_size, least_rows=batch_shards(learner.mesh, learner.rules))
     seq = rows.sequence
     return PackedStep(
         input_ids=rows.input_ids, segment_ids=rows.segment_ids, targets=rows.targets, gather=rows.gather,
@@ -346,7 +348,7 @@ class PolicyUpdate:
         if not (need_ref or need_old):
             return batch
         if learner.optim.packing:
-            packed, seq = packed_step(batch, rows_multiple=learner.optim.micro_batch_size)
+            packed, seq = packed_step(batch, learner)
             fn, rows = self.packed_logprobs, packed._replace(completion_mask=None, advantages=None, truncated=None,
                                                              sampler_logprobs=None)
         else:
@@ -391,7 +393,7 @@ class PolicyUpdate:
         term = self.policy_term(learner, batch)
         n, width = batch.completion_ids.shape
         if learner.optim.packing and self.algo.loss_type != "bnpo":
-            packed, seq = packed_step(term.rows, rows_multiple=learner.optim.micro_batch_size)
+            packed, seq = packed_step(term.rows, learner)
             keep = None if term.keep is None else (term.keep[np.maximum(seq, 0)] & (seq >= 0)).any(axis=1)
             return [LossTerm(PackedGRPOLoss(self.algo, self.loss.temperature, self.loss.impl), packed, term.aux, keep)]
         bucket, mb = learner.optim.length_bucket, learner.optim.micro_batch_size or n

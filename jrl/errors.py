@@ -76,8 +76,9 @@ def device_out_of_memory(error: BaseException) -> bool:
 
 
 #: What to try after a device ran out of memory.
-OUT_OF_MEMORY_FIX = ("lower --optim.micro-batch-size, --data.prompts-per-batch or --rollout.max-new-tokens; on several "
-                     "devices give the sampler a tensor axis (--rollout.mesh.tensor N)")
+OUT_OF_MEMORY_FIX = ("lower --optim.micro-batch-size, --data.prompts-per-batch or --rollout.max-new-tokens; for long "
+                     "completions of different lengths use --rollout.kv.layout paged (the KV cache follows the tokens "
+                     "generated); on several devices give the sampler a tensor axis (--rollout.mesh.tensor N)")
 
 
 def is_expected(error: BaseException) -> bool:

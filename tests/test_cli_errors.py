@@ -161,3 +161,4 @@ def test_a_device_out_of_memory_names_the_knobs_and_the_process_leaves_at_once()
     proc = _run(sys.executable, "-c", OUT_OF_MEMORY_RUN, timeout=120)
     _assert_user_error(proc, "a device ran out of memory", "RESOURCE_EXHAUSTED")
     assert "--optim.micro-batch-size" in _error_lines(proc)[1], proc.stderr
+    assert "--rollout.kv.layout paged" in _error_lines(proc)[1], proc.stderr

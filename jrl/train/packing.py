@@ -23,7 +23,8 @@ class PackedRows(NamedTuple):
     input_ids: np.ndarray
     """[R, W] int32: sequences end to end, then padding."""
     segment_ids: np.ndarray
-    """[R, W] int32: 1, 2, ... per sequence in the row, 0 on padding."""
+    """[R, W] int32: 1, 2, ... per sequence in the row; the padding after a row's sequences is one more segment (no
+    loss reads it), so that every query has a key to attend to (a query with none is NaN on some backends)."""
     targets: np.ndarray
     """[R, W] int32: the next token of the same sequence (0 where there is none)."""
     gather: np.ndarray
@@ -68,7 +69,7 @@ def plan_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
 def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.ndarray, *,
          rows_multiple: int | None, least_rows: int = 1) -> PackedRows:
     """The padded rows ``input_ids`` / ``attention_mask`` [N, Lp + T] (left-padded prompts, right-padded completions of
-    ``T`` = ``completion_mask.shape[1]`` columns) packed into rows of the same width (padding: token 0, segment 0);
+    ``T`` = ``completion_mask.shape[1]`` columns) packed into rows of the same width (padding: token 0);
     the row count padded with empty rows to a multiple of ``rows_multiple`` (None: a power of two, at least
     ``least_rows``, e.g. the batch's shards on a mesh) and the sequences per row to a power of two, so that few
     shapes compile."""
@@ -82,7 +83,7 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
          else -(-len(plan) // rows_multiple) * rows_multiple)
     s = 1 << (max(len(p) for p in plan) - 1).bit_length()
     ids = np.zeros((r, width), np.int32)
-    segments = np.zeros((r, width), np.int32)
+    segments = np.ones((r, width), np.int32)  # rows past the plan: one segment of padding
     targets = np.zeros((r, width), np.int32)
     gather = np.zeros((r, s, t), np.int32)
     sequence = np.full((r, s), -1, np.int32)
@@ -101,6 +102,7 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
             gather[row, slot] = np.where(inside, column, 0)
             sequence[row, slot] = i
             at += size
+        segments[row, at:] = len(members) + 1
     return PackedRows(ids, segments, targets, gather, sequence)
 
 

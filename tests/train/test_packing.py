@@ -53,7 +53,9 @@ def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
             np.testing.assert_array_equal(rows.targets[r, at], batch.completion_ids[i, loss])
             assert (rows.segment_ids[r, at] == s + 1).all()
     assert rows.gather.shape[1] & (rows.gather.shape[1] - 1) == 0 and rows.gather.shape[2] == t
-    assert (rows.segment_ids[:, :] == 0).sum() < (batch.attention_mask == 0).sum()  # less padding than padded
+    padding = sum(width - int(sum(lengths[i] for i in row if i >= 0)) for row in rows.sequence)
+    assert padding < (batch.attention_mask == 0).sum()  # less padding than the padded rows
+    assert (rows.segment_ids > 0).all()  # the padding is a segment of its own: every query attends to something
     assert max(sum(lengths[plan]) for plan in plan_rows(lengths, width)) <= width
     whole = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None)
     shards = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None, least_rows=16)

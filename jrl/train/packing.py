@@ -34,16 +34,21 @@ class PackedRows(NamedTuple):
     """[R, S] int32: the padded-batch row of each sequence slot (-1 for an empty slot)."""
 
 
+def loss_extent(mask) -> np.ndarray:
+    """[N] the position after each row's last loss token (``mask`` [N, T]; 0 for a row without one): what a row may
+    be cut to (later tokens do not change earlier ones' log-probs)."""
+    mask = np.asarray(mask) > 0
+    return np.where(mask.any(-1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=-1), 0)
+
+
 def sequence_extents(attention_mask: np.ndarray, completion_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(first real column [N], length [N]) of each padded row's sequence: from its first real prompt token to its
     last loss token (later tokens do not change earlier log-probs). ``attention_mask`` [N, Lp + T],
     ``completion_mask`` [N, T]."""
-    attention_mask, completion_mask = np.asarray(attention_mask) > 0, np.asarray(completion_mask) > 0
-    n, width = attention_mask.shape
-    t = completion_mask.shape[1]
+    attention_mask = np.asarray(attention_mask) > 0
+    width, t = attention_mask.shape[1], np.shape(completion_mask)[1]
     first = np.argmax(attention_mask, axis=1)
-    last_loss = np.where(completion_mask.any(1), t - np.argmax(completion_mask[:, ::-1], axis=1), 0)
-    end = np.maximum(width - t + last_loss, first + 1)  # a row without a loss token keeps one token
+    end = np.maximum(width - t + loss_extent(completion_mask), first + 1)  # a row without a loss token keeps one token
     return first, end - first
 
 

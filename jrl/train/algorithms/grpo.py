@@ -51,7 +51,7 @@ from jrl.sharding import batch_shards, on_host
 from jrl.train.algorithms.base import ALGORITHMS
 from jrl.train.evaluation import Completions, Evaluator
 from jrl.train.learner import LossTerm, reduce_metrics, row_slices, take_rows
-from jrl.train.packing import pack, per_sequence
+from jrl.train.packing import loss_extent, pack, per_sequence
 from jrl.sources.partial import PartialRollout, PartialRollouts
 from jrl.sources.replay import ReplayBuffer
 from jrl.sources.scored import ScoredRollout, reward_log_name, rollout_metrics
@@ -97,13 +97,6 @@ def trim_completions(batch: StepBatch, width: int) -> StepBatch:
     per_token = ("completion_ids", "completion_mask", "sampler_logprobs", "old_logprobs", "ref_logprobs")
     return batch._replace(input_ids=batch.input_ids[:, :cut], attention_mask=batch.attention_mask[:, :cut],
                           **{k: getattr(batch, k)[:, :width] for k in per_token if getattr(batch, k) is not None})
-
-
-def loss_extent(mask) -> np.ndarray:
-    """[N] the position after each row's last loss token (``mask`` [N, T]; 0 for a row without one): what a
-    micro-batch may be trimmed to (later tokens do not change earlier ones' log-probs)."""
-    mask = np.asarray(mask) > 0
-    return np.where(mask.any(-1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=-1), 0)
 
 
 def length_groups(lengths: np.ndarray, micro_batch_size: int, bucket: int, width: int) -> list[tuple[np.ndarray, int]]:

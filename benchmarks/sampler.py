@@ -56,8 +56,9 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    kv = KVCacheConfig(layout=args.kv, page_size=args.page_size, slots=args.slots, pages=args.pages,
-                       round_steps=args.round_steps)
+    set_knobs = {k: getattr(args, k) for k in ("page_size", "round_steps") if getattr(args, k) is not None}
+    kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages, **set_knobs)
+    args.page_size, args.round_steps = kv.page_size, kv.round_steps  # as run (the config's defaults where unset)
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
     times, lengths = [], []
@@ -133,8 +134,9 @@ def main():
     ap.add_argument("--stop-fraction", type=float, default=0.0,
                     help="share of the vocabulary that stops a row (ragged lengths; jrl)")
     ap.add_argument("--kv", choices=("dense", "paged"), default="dense", help="rollout.kv.layout (jrl)")
-    ap.add_argument("--page-size", type=int, default=16, help="rollout.kv.page_size (paged)")
-    ap.add_argument("--round-steps", type=int, default=64, help="rollout.kv.round_steps (paged)")
+    ap.add_argument("--page-size", type=int, default=None, help="rollout.kv.page_size (paged; default: the config's)")
+    ap.add_argument("--round-steps", type=int, default=None,
+                    help="rollout.kv.round_steps (paged; default: the config's)")
     ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
     ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)

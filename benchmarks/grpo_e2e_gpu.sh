@@ -5,10 +5,13 @@
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
 # cases: one, bucketed (one GPU, --optim.length-bucket 128), packed (one GPU, --optim.packing), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
+#        paged_packed / partial_packed (paged / partial with --optim.packing),
 #        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
 #        shared_paged (all GPUs, paged), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
-# env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), CASE_TIMEOUT (170 s), WORK (/tmp/e2e), PY (python3), WHEELS (1:
-#      install the carried .whl files, built for the device image's Python 3.12)
+# env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), MEAN_FRACTION (0.4: mean
+#      completion length over MAX_NEW), PROMPTS (32 prompts per device and step), MICRO (8 rows per device and
+#      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
+#      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
@@ -19,8 +22,9 @@ trap 'fold_logs "$LOGS" "$OUT/e2e.log"' EXIT
 B="${PY:-python3} benchmarks/grpo_e2e.py"
 INIT=$([ "${SHAPE:-llama1b}" = llama8b ] && echo torch || echo jrl)
 [ -f "$WORK/meta.json" ] || timeout 300 $B prepare --work "$WORK" --shape "${SHAPE:-llama1b}" \
-  --max-new-tokens "${MAX_NEW:-1024}" --init "$INIT" > "$LOGS/prepare.log" 2>&1 || { tail -5 "$LOGS/prepare.log"; exit 1; }
-R="run --work $WORK --steps ${STEPS:-3} --out $OUT/e2e.jsonl"
+  --max-new-tokens "${MAX_NEW:-1024}" --mean-fraction "${MEAN_FRACTION:-0.4}" --init "$INIT" > "$LOGS/prepare.log" 2>&1 || { tail -5 "$LOGS/prepare.log"; exit 1; }
+R="run --work $WORK --steps ${STEPS:-3} --prompts-per-device ${PROMPTS:-32} --micro-rows-per-device ${MICRO:-8}"
+R="$R --out $OUT/e2e.jsonl"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 for case in "$@"; do
   start=$(date +%s)
@@ -28,11 +32,15 @@ for case in "$@"; do
     one) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one ;;
     bucketed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.length-bucket 128 ;;
     packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing ;;
+    paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --optim.packing ;;
+    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
+      --rollout.partial --optim.packing ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ;;
     partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
       --rollout.partial ;;
-    trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --out "$OUT/e2e.jsonl" ;;
+    trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
+      --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
     shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;

@@ -276,10 +276,12 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         return self.o_proj(attention(q, k, v, mask, impl=self.config.attention))
 
-    def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: KVCache, index: jax.Array | int,
-               residual: jax.Array, *, fused: bool) -> tuple[jax.Array, KVCache]:
+    def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array | AttentionMask, cache: KVCache,
+               index: jax.Array | int, residual: jax.Array, *, fused: bool) -> tuple[jax.Array, KVCache]:
         """Attention of x [B, T, H] (cache slots ``index ..``) over the cache after writing x's keys and values
-        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`). Returns (``residual`` + output, updated
+        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`), or a structured mask for a prefill that
+        fills the whole cache from slot 0 (then the forward's attention kernel runs, flash on a GPU, where dense
+        scores would take memory quadratic in a long prompt). Returns (``residual`` + output, updated
         cache); ``fused`` (one device): the output projection and the sum as one call (:func:`linear_add`), and a
         one-token step's rope, cache write and attention as one call
         (:func:`jrl.kernels.attention.decode_attention_append`)."""
@@ -293,7 +295,9 @@ class Attention(nnx.Module):
             return linear_add(self.o_proj, out[:, None], residual, fused=True), KVCache(k_cache, v_cache)
         q, k, v = self.qkv(x, positions)
         cache = cache.write(k, v, index)
-        if x.shape[1] == 1:
+        if isinstance(mask, AttentionMask):
+            out = attention(q, k, v, mask, impl=self.config.attention, scale=scale)
+        elif x.shape[1] == 1:
             out = self._attend_one(q[:, 0], cache, mask[:, 0], scale)[:, None]
         else:
             out = attend_dense(q, cache.k, cache.v, mask, scale=scale)

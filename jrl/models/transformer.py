@@ -167,12 +167,15 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None,
-                       mask=None, *, starts_at_zero: bool = False) -> tuple[jax.Array, AttentionMask]:
+                       mask=None, *, starts_at_zero: bool = False,
+                       max_segments: int | None = None) -> tuple[jax.Array, AttentionMask]:
         """(positions [B, S], structured attention mask) for a forward pass.
 
         An explicit ``mask`` [B, S, S] (query, key) replaces the causal, padding, segment and
         sliding-window rules, and ``positions`` must then be given too. ``starts_at_zero``: the caller promises
-        that every row of ``attention_mask`` is right-padded only (:attr:`AttentionMask.starts_at_zero`)."""
+        that every row of ``attention_mask`` is right-padded only (:attr:`AttentionMask.starts_at_zero`).
+        ``max_segments``: the caller's bound on the segments of a ``segment_ids`` row, padding included
+        (:attr:`AttentionMask.max_segments`)."""
         b, s = input_ids.shape
         window = self.config.sliding_window
         if mask is not None:
@@ -184,7 +187,8 @@ class Transformer(nnx.Module):
                 raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, seq, seq) = {(b, s, s)}")
             return positions.astype(jnp.int32), AttentionMask.from_dense(mask)
         if segment_ids is not None:
-            structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window)
+            structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window,
+                                              max_segments=max_segments)
             positions = positions_from_segments(segment_ids) if positions is None else positions
         elif attention_mask is not None:
             structured = AttentionMask.padded(attention_mask, sliding_window=window, starts_at_zero=starts_at_zero)
@@ -197,11 +201,13 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None,
-                      mask=None, return_layers: bool | Sequence[int] = False):
+                      mask=None, max_segments: int | None = None, return_layers: bool | Sequence[int] = False):
         """Final hidden states [B, S, H] (after the final norm, compute dtype).
 
         ``mask``: an explicit boolean attention mask [B, S, S] (query, key) used instead of the model's own
         (causal / padding / segments / sliding window); needs ``positions`` (see :meth:`prepare_inputs`).
+        ``max_segments``: with ``segment_ids``, at most this many segments per row, padding included (packed rows
+        then take cuDNN's packed attention on a GPU).
 
         ``return_layers``: ``True`` also returns the tuple of all L + 1 hidden states in transformers'
         ``output_hidden_states`` convention (entry 0 = embedding output, entry i = output of layer i - 1,
@@ -230,7 +236,7 @@ class Transformer(nnx.Module):
             return h if shift is None else roll_rows(h, (h.shape[1] - shift) % h.shape[1])
 
         positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask,
-                                              starts_at_zero=aligned)
+                                              starts_at_zero=aligned, max_segments=max_segments)
         embedded = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
         x, outputs = self._run_layers(embedded, positions, mask, depth, collect=return_layers is not False)
         collected = [embedded, *outputs]
@@ -336,14 +342,19 @@ class Transformer(nnx.Module):
         slots ``cache_index .. cache_index + T - 1``, attending causally to every cache slot marked real in
         ``key_mask`` [B, S_max] (which must already mark these T slots). Returns (hidden, updated cache).
 
-        Prefill is one call over the whole left-padded prompt at slot 0; decoding is one call per token.
+        Prefill is one call over the whole left-padded prompt at slot 0 (where it fills the cache, it runs the
+        forward's attention kernel over the prompt, each row's real tokens one run); decoding is one call per token.
         An explicit ``mask`` [B, T, S_max] (query, cache slot) replaces the mask built from ``key_mask``
         (which may then be None), sliding window included.
 
         The layers run one by one (stacked layers are sliced per call: a decoding loop runs on
         :meth:`unstacked`, which slices them once)."""
         t, slots = input_ids.shape[1], cache[0].k.shape[1]
-        if mask is None:
+        fills_cache = isinstance(cache_index, int) and cache_index == 0 and 1 < t == slots
+        if mask is None and key_mask is not None and fills_cache:
+            # A prefill filling the whole cache (each row's real tokens one run): the forward's attention kernel.
+            mask = AttentionMask.padded(key_mask, sliding_window=self.config.sliding_window)
+        elif mask is None:
             query_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
             mask = cache_attention_mask(key_mask, query_slots, positions, sliding_window=self.config.sliding_window)
         elif mask.shape != (input_ids.shape[0], t, slots):

@@ -1,12 +1,14 @@
 """Sequence packing for the learner: whole sequences (a row's prompt and its completion up to the last loss token) laid
 end to end in rows of a fixed width with segment ids, so an update computes no padding of short completions.
 
-A packed micro-batch of ``R`` rows holds up to ``S`` sequences per row. The per-token arrays the loss reads stay in the
-padded layout, one ``[S, T]`` block per packed row (``T`` the step's completion width): the loss computes the log-probs
-of every packed position ``[R, W]``, gathers each sequence's completion positions into ``[R, S, T]`` and runs the
-padded loss on ``[R·S, T]``, where an empty sequence slot has no loss token. Log-probs, losses and the gradient are
-the padded rows' (the attention inside a segment equals the attention of the padded row; positions restart at 0 in
-each segment as they start at a padded row's first real token).
+A packed micro-batch of ``R`` rows of width ``W`` holds up to ``S`` sequences per row. The body of the model runs over
+every packed position; the LM head only over each row's *scored* columns (those predicting a loss token, at most
+``T`` per row, ``T`` the step's completion width, as in the padded layout, so no head FLOP goes to prompts). The
+per-token arrays the loss reads stay in the padded layout, one ``[S, T]`` block per packed row: the loss gathers each
+sequence's completion log-probs from the scored columns into ``[R, S, T]`` and runs the padded loss on ``[R·S, T]``,
+where an empty sequence slot has no loss token. Log-probs, losses and the gradient are the padded rows' (the attention
+inside a segment equals the attention of the padded row; positions restart at 0 in each segment as they start at a
+padded row's first real token).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ class PackedRows(NamedTuple):
     segment_ids: np.ndarray
     """[R, W] int32: 1, 2, ... per sequence in the row; the padding after a row's sequences is one more segment (no
     loss reads it), so that every query has a key to attend to (a query with none is NaN on some backends)."""
+    scored: np.ndarray
+    """[R, T] int32: the columns of each row that predict a completion token of their sequence, in order (0 past the
+    row's last)."""
     targets: np.ndarray
-    """[R, W] int32: the next token of the same sequence (0 where there is none)."""
+    """[R, T] int32: the token each scored column predicts (0 past the row's last)."""
     gather: np.ndarray
-    """[R, S, T] int32: the column of row r whose log-prob is completion token j of the row's sequence s (0 where
-    the slot or the token is not there; such entries have no loss token)."""
+    """[R, S, T] int32: the scored column (index into ``scored``) whose log-prob is completion token j of the row's
+    sequence s (0 where the slot or the token is not there; such entries have no loss token)."""
     sequence: np.ndarray
     """[R, S] int32: the padded-batch row of each sequence slot (-1 for an empty slot)."""
 
@@ -52,22 +57,28 @@ def sequence_extents(attention_mask: np.ndarray, completion_mask: np.ndarray) ->
     return first, end - first
 
 
-def plan_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
-    """The sequences of each packed row (indices into ``lengths``): first fit, longest first, rows of ``width``."""
+def plan_rows(lengths: np.ndarray, width: int, scored: np.ndarray | None = None,
+              scored_width: int | None = None) -> list[list[int]]:
+    """The sequences of each packed row (indices into ``lengths``): first fit, longest first, rows of ``width``
+    tokens and, with ``scored``, of at most ``scored_width`` scored columns (each sequence's count in ``scored``)."""
+    lengths = np.asarray(lengths)
+    scored = np.zeros_like(lengths) if scored is None else np.asarray(scored)
+    scored_width = int(scored.max(initial=0)) if scored_width is None else scored_width
     rows: list[list[int]] = []
-    room: list[int] = []
-    for i in np.argsort(-np.asarray(lengths), kind="stable").tolist():
-        need = int(lengths[i])
-        if need > width:
-            raise ValueError(f"a sequence of {need} tokens does not fit a packed row of {width}")
-        for r, free in enumerate(room):
-            if free >= need:
+    room: list[list[int]] = []  # per row: tokens left, scored columns left
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        need, score = int(lengths[i]), int(scored[i])
+        if need > width or score > scored_width:
+            raise ValueError(f"a sequence of {need} tokens ({score} scored) does not fit a packed row of {width} "
+                             f"({scored_width} scored)")
+        for r, (free, free_scored) in enumerate(room):
+            if free >= need and free_scored >= score:
                 rows[r].append(i)
-                room[r] -= need
+                room[r] = [free - need, free_scored - score]
                 break
         else:
             rows.append([i])
-            room.append(width - need)
+            room.append([width - need, scored_width - score])
     return rows
 
 
@@ -83,32 +94,35 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
     t = np.asarray(completion_mask).shape[1]
     prompt_width = width - t
     first, lengths = sequence_extents(attention_mask, completion_mask)
-    plan = plan_rows(lengths, width)
+    # Completion token j sits at padded column prompt_width + j and is predicted by the column before it, which is in
+    # the sequence from j0 on (j0 = 1 only for a row without a prompt token): tokens j0 .. j0 + scored - 1 are scored.
+    j0 = np.maximum(first + 1 - prompt_width, 0)
+    scored = np.maximum(lengths - (prompt_width - first) - j0, 0)
+    plan = plan_rows(lengths, width, scored, t)
     r = (1 << (max(len(plan), least_rows) - 1).bit_length() if rows_multiple is None
          else -(-len(plan) // rows_multiple) * rows_multiple)
     s = 1 << (max(len(p) for p in plan) - 1).bit_length()
     ids = np.zeros((r, width), np.int32)
     segments = np.ones((r, width), np.int32)  # rows past the plan: one segment of padding
-    targets = np.zeros((r, width), np.int32)
+    columns = np.zeros((r, t), np.int32)
+    targets = np.zeros((r, t), np.int32)
     gather = np.zeros((r, s, t), np.int32)
     sequence = np.full((r, s), -1, np.int32)
     for row, members in enumerate(plan):
-        at = 0
+        at = done = 0
         for slot, i in enumerate(members):
-            size = int(lengths[i])
-            tokens = input_ids[i, first[i]:first[i] + size]
-            ids[row, at:at + size] = tokens
+            size, k = int(lengths[i]), int(scored[i])
+            ids[row, at:at + size] = input_ids[i, first[i]:first[i] + size]
             segments[row, at:at + size] = slot + 1
-            targets[row, at:at + size - 1] = tokens[1:]
-            # Completion token j sits at padded column prompt_width + j, predicted by the column before it.
-            j = np.arange(t)
-            column = at + prompt_width + j - 1 - first[i]
-            inside = (column >= at) & (column < at + size - 1)
-            gather[row, slot] = np.where(inside, column, 0)
+            j = int(j0[i])
+            start = at + prompt_width + j - 1 - first[i]  # the column predicting completion token j
+            columns[row, done:done + k] = np.arange(start, start + k)
+            targets[row, done:done + k] = input_ids[i, prompt_width + j:prompt_width + j + k]
+            gather[row, slot, j:j + k] = np.arange(done, done + k)
             sequence[row, slot] = i
-            at += size
+            at, done = at + size, done + k
         segments[row, at:] = len(members) + 1
-    return PackedRows(ids, segments, targets, gather, sequence)
+    return PackedRows(ids, segments, columns, targets, gather, sequence)
 
 
 def per_sequence(values: np.ndarray | None, sequence: np.ndarray, fill) -> np.ndarray | None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jrl.kernels.attention import DENSE_MAX_SCORES, AttentionMask, attention
+from jrl.kernels.attention.mask import segment_runs
 from jrl.models import strided as st
 from kernels_testlib import assert_close, rng_for
 
@@ -61,6 +62,7 @@ def _masks(rng, b, t):
         "padded": AttentionMask.padded(_padded_rows(rng, b, t)),
         "padded+window": AttentionMask.padded(_padded_rows(rng, b, t), sliding_window=int(rng.integers(3, t // 2))),
         "packed": AttentionMask.packed(seg, pad),
+        "packed runs": AttentionMask.packed(seg, pad, max_segments=8),  # 4 documents + a padding run
         "packed+window": AttentionMask.packed(seg, pad, sliding_window=5),
         "full": AttentionMask.full_causal(b, t),
     }
@@ -115,6 +117,27 @@ def test_mask_rules_by_hand():
     np.testing.assert_array_equal(dense, want)
     seg = np.asarray(AttentionMask.packed(jnp.asarray([[0, 0, 1, 1]])).dense())[0]
     np.testing.assert_array_equal(seg, np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool))
+
+
+def test_segment_runs_match_a_loop(request):
+    rng = rng_for(request)
+    b, t, m = 5, 37, 6
+    seg = np.zeros((b, t), np.int32)
+    for r in range(b):  # 1..m runs of random lengths; ids may repeat in non-adjacent runs
+        cuts = np.sort(rng.choice(np.arange(1, t), size=int(rng.integers(0, m)), replace=False))
+        seg[r] = rng.integers(0, 3, len(cuts) + 1)[np.searchsorted(cuts, np.arange(t), side="right")]
+    start, length = map(np.asarray, segment_runs(jnp.asarray(seg), m))
+    for r in range(b):
+        runs = [[0, 1]]
+        for i in range(1, t):
+            if seg[r, i] == seg[r, i - 1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1])
+        want = np.full((m, 2), -1)
+        want[:len(runs)] = runs
+        np.testing.assert_array_equal(np.stack([start[r], length[r]], -1), want, err_msg=f"row {r}: {seg[r]}")
+    assert (length > 0).sum() > b  # some row has several runs
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -207,6 +230,7 @@ def test_row_rotation_gradient_is_the_opposite_rotation(request):
 def test_gpu_impls_match_reference(request, impl):
     rng = rng_for(request)
     masks = _masks(rng, 4, 512)
-    if impl == "cudnn":
-        masks = {k: m for k, m in masks.items() if m.contiguous}
+    if impl == "cudnn":  # cuDNN takes padded rows and packed rows with a bound on their runs, without a window
+        masks = {k: m for k, m in masks.items() if m.contiguous or (m.max_segments and m.sliding_window is None)}
+        assert "packed runs" in masks  # impl="cudnn" raises, naming why, where it cannot run
     _compare(impl, rng, jnp.bfloat16, b=4, t=512, n=8, kh=2, d=64, masks=masks)

@@ -66,3 +66,30 @@ def test_engine_greedy_matches_full_forward_greedy(kind):
     got = [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths)]
     assert got == expected
     assert len(got[0]) <= 3 and got[0][-1] == stop
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral_sliding"])
+def test_prefill_that_fills_the_cache_matches_dense_cache_attention(kind):
+    """A prefill writing the whole cache from slot 0 runs the forward's attention kernel over the prompt (dense scores
+    would take memory quadratic in a long prompt): its hidden states and cache equal the dense cache attention's,
+    for left- and right-padded rows."""
+    from jrl.models.layers import cache_attention_mask
+
+    model = tiny_model(kind, seed=2)
+    rng = np.random.default_rng()
+    b, width = 4, 12
+    ids = rng.integers(1, model.config.vocab_size, (b, width)).astype(np.int32)
+    key_mask = np.zeros((b, width), bool)
+    key_mask[0, 3:], key_mask[1, :9], key_mask[2, 2:10], key_mask[3] = True, True, True, True  # left, right, both, none
+    positions = np.maximum(np.cumsum(key_mask, 1) - 1, 0).astype(np.int32)
+    dense = cache_attention_mask(jnp.asarray(key_mask), jnp.arange(width, dtype=jnp.int32), jnp.asarray(positions),
+                                 sliding_window=model.config.sliding_window)
+    fast, fast_cache = model.decode(ids, positions, key_mask, model.init_cache(b, width), 0)
+    slow, slow_cache = model.decode(ids, positions, None, model.init_cache(b, width), 0, mask=dense)
+    real = key_mask[:, :, None]
+    assert np.isfinite(np.asarray(fast)).all()
+    np.testing.assert_allclose(np.asarray(fast) * real, np.asarray(slow) * real, rtol=1e-5, atol=1e-5)
+    for f, s in zip(jax.tree.leaves(fast_cache), jax.tree.leaves(slow_cache), strict=True):  # [B, S, K, D]
+        # (padding slots hold what the layers computed at padding queries, unspecified there, never attended)
+        np.testing.assert_allclose(np.asarray(f) * real[..., None], np.asarray(s) * real[..., None], rtol=1e-5,
+                                   atol=1e-5)

@@ -49,14 +49,25 @@ def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
             assert inside.sum() == lengths[i]
             np.testing.assert_array_equal(rows.input_ids[r, inside], batch.input_ids[i, first[i]:first[i] + lengths[i]])
             loss = batch.completion_mask[i] > 0
-            at = rows.gather[r, s, loss]  # the position predicting each loss token: its target is that token
+            at = rows.gather[r, s, loss]  # the scored column predicting each loss token: its target is that token
             np.testing.assert_array_equal(rows.targets[r, at], batch.completion_ids[i, loss])
-            assert (rows.segment_ids[r, at] == s + 1).all()
+            column = rows.scored[r, at]
+            assert (rows.segment_ids[r, column] == s + 1).all() and (rows.segment_ids[r, column + 1] == s + 1).all()
+            np.testing.assert_array_equal(rows.input_ids[r, column + 1], batch.completion_ids[i, loss])
     assert rows.gather.shape[1] & (rows.gather.shape[1] - 1) == 0 and rows.gather.shape[2] == t
     padding = sum(width - int(sum(lengths[i] for i in row if i >= 0)) for row in rows.sequence)
     assert padding < (batch.attention_mask == 0).sum()  # less padding than the padded rows
     assert (rows.segment_ids > 0).all()  # the padding is a segment of its own: every query attends to something
+    # The packed forward promises the attention at most S + 1 runs per row (cuDNN's packed layout needs the bound).
+    runs = 1 + (np.diff(rows.segment_ids, axis=1) != 0).sum(axis=1)
+    assert runs.max() <= rows.gather.shape[1] + 1 and runs.max() > 2
     assert max(sum(lengths[plan]) for plan in plan_rows(lengths, width)) <= width
+    assert plan_rows([5, 5, 5], 20, [4, 4, 4], 8) == [[0, 1], [2]]  # the scored budget binds before the width
+    # The LM head runs over at most T scored columns per row, each a distinct column of the row.
+    assert rows.scored.shape == (rows.input_ids.shape[0], t)
+    for r in range(rows.input_ids.shape[0]):
+        used = rows.gather[r][batch.completion_mask[np.maximum(rows.sequence[r], 0)] * (rows.sequence[r] >= 0)[:, None] > 0]
+        assert len(set(rows.scored[r, used].tolist())) == len(used)
     whole = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None)
     shards = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None, least_rows=16)
     assert whole.input_ids.shape[0] & (whole.input_ids.shape[0] - 1) == 0 and shards.input_ids.shape[0] == 16

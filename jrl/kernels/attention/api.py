@@ -123,7 +123,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, 
 
     config = (tuple(q.shape), tuple(k.shape), str(q.dtype), f"causal={mask.causal}",
               f"window={mask.sliding_window}", f"contiguous={mask.contiguous}",
-              f"explicit={mask.explicit is not None}")
+              f"max_segments={mask.max_segments}", f"explicit={mask.explicit is not None}")
     _, mod = _dispatch.select("attention", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.attention(q, k, v, mask, scale=scale, **kwargs)
 

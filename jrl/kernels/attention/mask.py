@@ -14,7 +14,9 @@ Outputs at padding queries (segment 0) are unspecified but finite: implementatio
 nothing downstream reads them. ``contiguous`` promises that each row's non-zero segment is one run
 (left and/or right padding, no packing); kernels that work on per-row lengths rely on it. ``starts_at_zero``
 promises more: that run starts at index 0 in every row (right padding only), so a kernel that handles only
-trailing padding needs no per-row shift (:func:`roll_rows` moves a left-padded row's run there).
+trailing padding needs no per-row shift (:func:`roll_rows` moves a left-padded row's run there). ``max_segments``
+promises of a packed row that each segment (padding included) is one contiguous run and that a row has at most that
+many runs; kernels that take packed rows as a list of runs (cuDNN's packed layout) need the bound at trace time.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class AttentionMask:
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     contiguous: bool = dataclasses.field(default=False, metadata=dict(static=True))
     starts_at_zero: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    max_segments: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def padded(cls, attention_mask: jax.Array, *, sliding_window: int | None = None,
@@ -51,13 +54,14 @@ class AttentionMask:
 
     @classmethod
     def packed(cls, segment_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-               sliding_window: int | None = None) -> AttentionMask:
+               sliding_window: int | None = None, max_segments: int | None = None) -> AttentionMask:
         """Causal attention within documents: ``segment_ids`` [B, S] (each document one contiguous run),
-        padding where ``attention_mask`` is 0."""
+        padding where ``attention_mask`` is 0. ``max_segments``: the caller's bound on the runs of a row, padding
+        runs included (:attr:`max_segments`)."""
         seg = segment_ids.astype(jnp.int32) + 1  # user ids may start at 0; 0 is reserved for padding
         if attention_mask is not None:
             seg = jnp.where(attention_mask.astype(bool), seg, 0)
-        return cls(seg, seg, causal=True, sliding_window=sliding_window)
+        return cls(seg, seg, causal=True, sliding_window=sliding_window, max_segments=max_segments)
 
     @classmethod
     def full_causal(cls, batch: int, seq_len: int, *, sliding_window: int | None = None) -> AttentionMask:
@@ -97,6 +101,18 @@ class AttentionMask:
         """The whole allowed-matrix [B, T, S]."""
         _, t, s = self.shape
         return self.block(0, t, 0, s)
+
+
+def segment_runs(segments: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """(start [B, M], length [B, M]) int32 of each row's runs of equal ids in ``segments`` [B, S], in order, ``M`` =
+    ``max_segments``; -1 in both past a row's last run (runs beyond ``M`` are dropped: the caller's bound)."""
+    new = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    run = jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1  # [B, S] the run of each index
+    ids = jnp.arange(max_segments, dtype=jnp.int32)
+    length = jnp.sum(run[:, :, None] == ids, axis=1, dtype=jnp.int32)  # [B, M]
+    start = jnp.cumsum(length, axis=1, dtype=jnp.int32) - length
+    there = length > 0
+    return jnp.where(there, start, -1), jnp.where(there, length, -1)
 
 
 def run_starts(real: jax.Array) -> jax.Array:

@@ -217,6 +217,7 @@ class PackedStep(NamedTuple):
 
     input_ids: np.ndarray
     segment_ids: np.ndarray
+    scored: np.ndarray
     targets: np.ndarray
     gather: np.ndarray
     completion_mask: np.ndarray
@@ -234,7 +235,8 @@ def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
                 rows_multiple=learner.optim.micro_batch_size, least_rows=batch_shards(learner.mesh, learner.rules))
     seq = rows.sequence
     return PackedStep(
-        input_ids=rows.input_ids, segment_ids=rows.segment_ids, targets=rows.targets, gather=rows.gather,
+        input_ids=rows.input_ids, segment_ids=rows.segment_ids, scored=rows.scored, targets=rows.targets,
+        gather=rows.gather,
         completion_mask=per_sequence(batch.completion_mask, seq, 0), advantages=per_sequence(batch.advantages, seq, 0),
         truncated=per_sequence(batch.truncated, seq, False),
         sampler_logprobs=per_sequence(batch.sampler_logprobs, seq, np.nan),
@@ -244,15 +246,16 @@ def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
 
 def packed_logprobs(model, packed: PackedStep, *, temperature: float, impl: str, with_entropy: bool = False):
     """(logπ, entropy or None) [R·S, T] of each sequence slot's completion tokens in packed rows: the ``impl``
-    log-prob kernel over every packed position, gathered into the padded layout."""
-    r, w = packed.input_ids.shape
+    log-prob kernel over each row's scored columns, gathered into the padded layout."""
+    r, c = packed.scored.shape
     _, s, t = packed.gather.shape
-    hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids)
-    lp, ent = token_logprobs(hidden.reshape(r * w, -1), model.lm_head_weight(), packed.targets.reshape(r * w),
+    hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids, max_segments=s + 1)
+    scored = jnp.take_along_axis(hidden, jnp.asarray(packed.scored)[:, :, None], axis=1)  # [R, C, H]
+    lp, ent = token_logprobs(scored.reshape(r * c, -1), model.lm_head_weight(), packed.targets.reshape(r * c),
                              temperature=temperature, with_entropy=with_entropy, impl=impl)
 
     def per_slot(x):
-        return None if x is None else jnp.take_along_axis(x.reshape(r, w), packed.gather.reshape(r, s * t),
+        return None if x is None else jnp.take_along_axis(x.reshape(r, c), packed.gather.reshape(r, s * t),
                                                           axis=1).reshape(r * s, t)
 
     return per_slot(lp), per_slot(ent)

@@ -5,6 +5,7 @@
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
 # cases: one, bucketed (one GPU, --optim.length-bucket 128), packed (one GPU, --optim.packing), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
+#        packed_saveprobs (packed, the log-prob kernel keeping probabilities for its backward),
 #        paged_packed / partial_packed (paged / partial with --optim.packing),
 #        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
 #        shared_paged (all GPUs, paged), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
@@ -32,6 +33,8 @@ for case in "$@"; do
     one) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one ;;
     bucketed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.length-bucket 128 ;;
     packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing ;;
+    packed_saveprobs) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing \
+      --logprobs-impl triton_saveprobs ;;
     paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --optim.packing ;;
     partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
       --rollout.partial --optim.packing ;;

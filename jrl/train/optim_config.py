@@ -42,12 +42,12 @@ class OptimConfig:
     packing: bool = False
     """GRPO-family updates: whole sequences (prompt and completion up to its last loss token) packed end to end into
     rows of the padded width with segment ids (attention stays inside a sequence, positions restart), so the update
-    computes no padding; ``micro_batch_size`` then counts packed rows, each holding several sequences. Log-probs
-    come from the ``logprobs_impl`` kernel over every packed position (not the loss-fused head), old and reference
-    log-probs too; the loss and gradient are the padded rows'. On an NVIDIA GPU the attention of packed rows does
-    not run on cuDNN (no segment ids there) but on the next implementation. Not with ``length_bucket``; not for the
-    ``bnpo`` loss (its value depends on which rows share a micro-batch: it runs padded); per-micro-batch metrics
-    are averaged over other micro-batches than without it."""
+    computes no padding; ``micro_batch_size`` then counts packed rows, each holding several sequences (rows of
+    thousands of tokens want 1). Log-probs come from the ``logprobs_impl`` kernel (not the loss-fused head) over the
+    columns that predict a completion token, old and reference log-probs too; the loss and gradient are the padded
+    rows'. On Hopper or later GPUs the attention of packed rows runs on cuDNN's packed layout. Not with
+    ``length_bucket``; not for the ``bnpo`` loss (its value depends on which rows share a micro-batch: it runs
+    padded); per-micro-batch metrics are averaged over other micro-batches than without it."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
     balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""

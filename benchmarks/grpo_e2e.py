@@ -193,9 +193,11 @@ def run(args) -> None:
             m["wall"] = time.perf_counter() - t
             steps.append(m)
             peaks.setdefault("after_step", _peak_gib())
+            partial = "".join(f", {k.removeprefix('partial/')} {v:.0f}" for k, v in sorted(m.items())
+                              if k.startswith("partial/"))  # with rollout.partial: what was carried and restarted
             print(f"step {i}: wall {m['wall']:.2f} s, generate {m['time/rollout']:.2f}, experience "
                   f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, mean length "
-                  f"{m['completions/mean_length']:.0f}", flush=True)
+                  f"{m['completions/mean_length']:.0f}{partial}", flush=True)
         if args.profile:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                 t = time.perf_counter()

@@ -230,7 +230,8 @@ class Attention(nnx.Module):
     implementation ``config.attention`` names) under a structured mask. A decode step (one query per row)
     runs :func:`jrl.kernels.attention.decode_attention_append` on one device (rope, cache write and attention
     in one call) and :func:`jrl.kernels.attention.decode_attention` on a mesh (``auto``; the dense reference
-    when ``config.attention`` is ``reference``); a prefill of several tokens attends densely over the cache.
+    when ``config.attention`` is ``reference``); a prefill at slot 0 runs the forward's attention over its own
+    tokens, and several tokens appended after it attend densely over the cache.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules=None):
@@ -279,9 +280,9 @@ class Attention(nnx.Module):
     def decode(self, x: jax.Array, positions: jax.Array, mask: jax.Array | AttentionMask, cache: KVCache,
                index: jax.Array | int, residual: jax.Array, *, fused: bool) -> tuple[jax.Array, KVCache]:
         """Attention of x [B, T, H] (cache slots ``index ..``) over the cache after writing x's keys and values
-        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`), or a structured mask for a prefill that
-        fills the whole cache from slot 0 (then the forward's attention kernel runs, flash on a GPU, where dense
-        scores would take memory quadratic in a long prompt). Returns (``residual`` + output, updated
+        there; ``mask`` [B, T, S_max] (see :func:`cache_attention_mask`), or a structured mask over x's own T tokens
+        for a prefill at slot 0 (then the forward's attention kernel runs over them, flash on a GPU, where dense
+        scores over the cache would take memory quadratic in a long prompt). Returns (``residual`` + output, updated
         cache); ``fused`` (one device): the output projection and the sum as one call (:func:`linear_add`), and a
         one-token step's rope, cache write and attention as one call
         (:func:`jrl.kernels.attention.decode_attention_append`)."""

@@ -342,18 +342,19 @@ class Transformer(nnx.Module):
         slots ``cache_index .. cache_index + T - 1``, attending causally to every cache slot marked real in
         ``key_mask`` [B, S_max] (which must already mark these T slots). Returns (hidden, updated cache).
 
-        Prefill is one call over the whole left-padded prompt at slot 0 (where it fills the cache, it runs the
-        forward's attention kernel over the prompt, each row's real tokens one run); decoding is one call per token.
+        Prefill is one call over the whole left-padded prompt at slot 0 (it runs the forward's attention kernel over
+        the prompt alone, each row's real tokens one run); decoding is one call per token.
         An explicit ``mask`` [B, T, S_max] (query, cache slot) replaces the mask built from ``key_mask``
         (which may then be None), sliding window included.
 
         The layers run one by one (stacked layers are sliced per call: a decoding loop runs on
         :meth:`unstacked`, which slices them once)."""
         t, slots = input_ids.shape[1], cache[0].k.shape[1]
-        fills_cache = isinstance(cache_index, int) and cache_index == 0 and 1 < t == slots
-        if mask is None and key_mask is not None and fills_cache:
-            # A prefill filling the whole cache (each row's real tokens one run): the forward's attention kernel.
-            mask = AttentionMask.padded(key_mask, sliding_window=self.config.sliding_window)
+        prefill = isinstance(cache_index, int) and cache_index == 0 and t > 1
+        if mask is None and key_mask is not None and prefill:
+            # Nothing before slot 0: the prompt attends to itself alone (each row's real tokens one run), through the
+            # forward's attention kernel.
+            mask = AttentionMask.padded(key_mask[:, :t], sliding_window=self.config.sliding_window)
         elif mask is None:
             query_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
             mask = cache_attention_mask(key_mask, query_slots, positions, sliding_window=self.config.sliding_window)

@@ -69,27 +69,28 @@ def test_engine_greedy_matches_full_forward_greedy(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral_sliding"])
-def test_prefill_that_fills_the_cache_matches_dense_cache_attention(kind):
-    """A prefill writing the whole cache from slot 0 runs the forward's attention kernel over the prompt (dense scores
+@pytest.mark.parametrize("spare", [0, 5], ids=["cache=prompt", "cache>prompt"])
+def test_prefill_at_slot_0_matches_dense_cache_attention(kind, spare):
+    """A prefill at slot 0 runs the forward's attention kernel over the prompt alone (dense scores over the cache
     would take memory quadratic in a long prompt): its hidden states and cache equal the dense cache attention's,
-    for left- and right-padded rows."""
+    for left- and right-padded rows, with and without cache slots past the prompt."""
     from jrl.models.layers import cache_attention_mask
 
     model = tiny_model(kind, seed=2)
     rng = np.random.default_rng()
     b, width = 4, 12
     ids = rng.integers(1, model.config.vocab_size, (b, width)).astype(np.int32)
-    key_mask = np.zeros((b, width), bool)
-    key_mask[0, 3:], key_mask[1, :9], key_mask[2, 2:10], key_mask[3] = True, True, True, True  # left, right, both, none
-    positions = np.maximum(np.cumsum(key_mask, 1) - 1, 0).astype(np.int32)
+    key_mask = np.zeros((b, width + spare), bool)
+    key_mask[0, 3:width], key_mask[1, :9], key_mask[2, 2:10], key_mask[3, :width] = True, True, True, True
+    positions = np.maximum(np.cumsum(key_mask[:, :width], 1) - 1, 0).astype(np.int32)
     dense = cache_attention_mask(jnp.asarray(key_mask), jnp.arange(width, dtype=jnp.int32), jnp.asarray(positions),
                                  sliding_window=model.config.sliding_window)
-    fast, fast_cache = model.decode(ids, positions, key_mask, model.init_cache(b, width), 0)
-    slow, slow_cache = model.decode(ids, positions, None, model.init_cache(b, width), 0, mask=dense)
-    real = key_mask[:, :, None]
+    fast, fast_cache = model.decode(ids, positions, key_mask, model.init_cache(b, width + spare), 0)
+    slow, slow_cache = model.decode(ids, positions, None, model.init_cache(b, width + spare), 0, mask=dense)
+    real = key_mask[:, :width, None]
     assert np.isfinite(np.asarray(fast)).all()
     np.testing.assert_allclose(np.asarray(fast) * real, np.asarray(slow) * real, rtol=1e-5, atol=1e-5)
+    slots = key_mask[:, :, None, None]
     for f, s in zip(jax.tree.leaves(fast_cache), jax.tree.leaves(slow_cache), strict=True):  # [B, S, K, D]
         # (padding slots hold what the layers computed at padding queries, unspecified there, never attended)
-        np.testing.assert_allclose(np.asarray(f) * real[..., None], np.asarray(s) * real[..., None], rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(f) * slots, np.asarray(s) * slots, rtol=1e-5, atol=1e-5)

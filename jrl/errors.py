@@ -71,8 +71,18 @@ def _disk_full(error: BaseException) -> bool:
 
 
 def device_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is XLA's out-of-memory on a device (``jax.errors.JaxRuntimeError`` ``RESOURCE_EXHAUSTED``)."""
-    return isinstance(error, RuntimeError) and str(error).startswith("RESOURCE_EXHAUSTED")
+    """Whether ``error`` is XLA's out-of-memory on a device (``jax.errors.JaxRuntimeError`` ``RESOURCE_EXHAUSTED``),
+    also when it reaches the user as the failure of every candidate of XLA's GPU autotuner (``NOT_FOUND: All configs
+    failed during profiling``, each for lack of memory)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and (text.startswith("RESOURCE_EXHAUSTED") or (
+        text.startswith("NOT_FOUND: All configs failed") and "RESOURCE_EXHAUSTED" in text))
+
+
+def _out_of_memory_line(error: BaseException) -> str:
+    """The line of ``error``'s message that says what could not be allocated."""
+    lines = str(error).splitlines()
+    return next((line.strip() for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0])
 
 
 #: What to try after a device ran out of memory.
@@ -96,7 +106,7 @@ def describe(error: BaseException) -> str:
         if _disk_full(error) and where:
             text += f" ({human(free_bytes(where))} free there; free some space or choose another --output-dir)"
     elif device_out_of_memory(error):
-        text = f"a device ran out of memory ({str(error).splitlines()[0]})\n{OUT_OF_MEMORY_FIX}"
+        text = f"a device ran out of memory ({_out_of_memory_line(error)})\n{OUT_OF_MEMORY_FIX}"
     else:
         text = str(error).strip() or type(error).__name__
         if _disk_full(error):

@@ -157,6 +157,24 @@ raise SystemExit(report(main, []))
 """
 
 
+def test_an_autotuner_that_ran_out_of_memory_is_told_as_out_of_memory():
+    """On a GPU XLA's autotuner reports a program whose every candidate ran out of memory as NOT_FOUND (the message
+    of an H100 run, in JAX's own error type): it is the user's out-of-memory, with the knobs."""
+    import jax
+
+    from jrl.errors import describe, is_expected
+
+    error = jax.errors.JaxRuntimeError(
+        "NOT_FOUND: All configs failed during profiling or were excluded from selection.\nFailures (3):\n"
+        "EXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.02GiB with allocator "
+        "GPU_0_bfc on device 0.")
+    text = describe(error)
+    assert is_expected(error) and text.startswith("a device ran out of memory (EXECUTION FAILED: RESOURCE_EXHAUSTED")
+    assert "--optim.micro-batch-size" in text.splitlines()[1]
+    other = jax.errors.JaxRuntimeError("NOT_FOUND: All configs failed during profiling (a kernel did not compile)")
+    assert not is_expected(other)
+
+
 def test_a_device_out_of_memory_names_the_knobs_and_the_process_leaves_at_once():
     proc = _run(sys.executable, "-c", OUT_OF_MEMORY_RUN, timeout=120)
     _assert_user_error(proc, "a device ran out of memory", "RESOURCE_EXHAUSTED")

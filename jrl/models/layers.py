@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jrl.kernels.attention import (AttentionMask, attention, decode_attention, decode_attention_append,
                                   paged_decode_attention_append)
+from jrl.kernels.attention.mask import segment_starts
 from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.attention.rope import apply_rope
 from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
@@ -150,9 +151,7 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     """Positions [B, S] that restart at 0 wherever the segment id changes (packed rows)."""
     s = segment_ids.shape[-1]
     idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)
-    start = jnp.concatenate(
-        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
-    first = jax.lax.cummax(jnp.where(start, idx, 0), axis=segment_ids.ndim - 1)
+    first = jax.lax.cummax(jnp.where(segment_starts(segment_ids), idx, 0), axis=segment_ids.ndim - 1)
     return idx - first
 
 

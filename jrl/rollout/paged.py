@@ -187,11 +187,16 @@ class PageScheduler:
         """The prompt's pages a row reads without owning them: its full ones."""
         return self.prompt_pages[prompt][:self.prompt_lengths[prompt] // self.page_size]
 
+    def _lacking(self, row: int, length: int, own: int, steps: int) -> int:
+        """Pages row ``row`` (``length`` slots filled, ``own`` pages of its own) lacks for its next ``steps`` tokens,
+        never past its last slot."""
+        have = len(self._shared(self.row_prompt[row])) + own
+        return max(pages_for(min(length + steps, self.row_slots[row]), self.page_size) - have, 0)
+
     def _need(self, slot: int, steps: int) -> int:
         """Pages slot ``slot``'s row lacks for its next ``steps`` tokens."""
         s = self.slots[slot]
-        have = len(self._shared(self.row_prompt[s.row])) + len(s.own)
-        return max(pages_for(min(int(self.lengths[slot]) + steps, self.row_slots[s.row]), self.page_size) - have, 0)
+        return self._lacking(s.row, int(self.lengths[slot]), len(s.own), steps)
 
     def _take(self, slot: int, count: int) -> None:
         s = self.slots[slot]
@@ -233,8 +238,7 @@ class PageScheduler:
                 continue
             row = self.waiting[0]
             prompt = self.row_prompt[row]
-            first = min(self.prompt_lengths[prompt] + steps, self.row_slots[row])
-            if pages_for(first, self.page_size) - len(self._shared(prompt)) > len(self.free):
+            if self._lacking(row, self.prompt_lengths[prompt], 0, steps) > len(self.free):
                 break
             self.waiting.popleft()
             self.slots[slot] = _Slot(row=row, own=[], admitted=self._admissions)

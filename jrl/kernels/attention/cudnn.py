@@ -63,14 +63,14 @@ def call_unsupported(q, k, mask: AttentionMask) -> str | None:
 
 
 def attention(q, k, v, mask: AttentionMask, *, scale: float) -> jax.Array:
+    if not mask.contiguous:
+        return _packed_attention(q, k, v, mask, scale=scale)
     window = None if mask.sliding_window is None else (mask.sliding_window - 1, 0)
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=window,
                                             implementation="cudnn")
 
-    if not mask.contiguous:
-        return _packed_attention(q, k, v, mask, scale=scale)
     if mask.starts_at_zero:
         return attend(q, k, v)
     start = run_starts(mask.kv_segments != 0)

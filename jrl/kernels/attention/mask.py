@@ -103,11 +103,16 @@ class AttentionMask:
         return self.block(0, t, 0, s)
 
 
+def segment_starts(segments: jax.Array) -> jax.Array:
+    """[..., S] bool: where a run of equal ids in ``segments`` [..., S] begins (index 0 and every change of id)."""
+    return jnp.concatenate([jnp.ones_like(segments[..., :1], bool), segments[..., 1:] != segments[..., :-1]],
+                           axis=-1)
+
+
 def segment_runs(segments: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
     """(start [B, M], length [B, M]) int32 of each row's runs of equal ids in ``segments`` [B, S], in order, ``M`` =
     ``max_segments``; -1 in both past a row's last run (runs beyond ``M`` are dropped: the caller's bound)."""
-    new = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
-    run = jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1  # [B, S] the run of each index
+    run = jnp.cumsum(segment_starts(segments), axis=1, dtype=jnp.int32) - 1  # [B, S] the run of each index
     ids = jnp.arange(max_segments, dtype=jnp.int32)
     length = jnp.sum(run[:, :, None] == ids, axis=1, dtype=jnp.int32)  # [B, M]
     start = jnp.cumsum(length, axis=1, dtype=jnp.int32) - length

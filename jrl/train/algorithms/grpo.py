@@ -250,7 +250,7 @@ def packed_logprobs(model, packed: PackedStep, *, temperature: float, impl: str,
     r, c = packed.scored.shape
     _, s, t = packed.gather.shape
     hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids, max_segments=s + 1)
-    scored = jnp.take_along_axis(hidden, jnp.asarray(packed.scored)[:, :, None], axis=1)  # [R, C, H]
+    scored = jnp.take_along_axis(hidden, packed.scored[:, :, None], axis=1)  # [R, C, H]
     lp, ent = token_logprobs(scored.reshape(r * c, -1), model.lm_head_weight(), packed.targets.reshape(r * c),
                              temperature=temperature, with_entropy=with_entropy, impl=impl)
 

@@ -5,7 +5,8 @@
 # $OUT/sampler.jsonl, GRPO steps to $OUT/e2e.jsonl (their logs' tails to $OUT/e2e.log), the other logs' tails to
 # $OUT/paged.log (few files come back).
 #   bash benchmarks/paged_gpu.sh                      # all stages
-#   bash benchmarks/paged_gpu.sh tests uniform e2e    # some: tests, uniform, longtail, static, e2e
+#   bash benchmarks/paged_gpu.sh tests uniform e2e    # some: tests, uniform, longtail, longtail_keep, static, e2e
+# (longtail_keep: the long-tailed workload with rollout.kv.tail_slots 0, the slots never shrunk)
 # Time limits: tests 240 s, uniform 440 s, longtail and static LONG_TIMEOUT each, e2e 3 x CASE_TIMEOUT plus writing
 # its checkpoint; pick stages to fit a call.
 # env: WHEELS (1: install the carried .whl files), LONG_TIMEOUT (500 s), CASE_TIMEOUT (150 s, per GRPO case)
@@ -31,6 +32,7 @@ for stage in ${@:-tests uniform longtail static e2e}; do
              run uniform_paged 120 $S --rows 64 --prompt 128 --new 256 --kv paged
              run uniform_256 200 $S --rows 256 --generations 8 --prompt 256 --new 1024 --kv paged --slots 256 --reps 1 ;;
     longtail) run longtail_paged "${LONG_TIMEOUT:-500}" $S $LONG --kv paged --slots 256 --reps 1 ;;
+    longtail_keep) run longtail_keep "${LONG_TIMEOUT:-500}" $S $LONG --kv paged --slots 256 --reps 1 --tail-slots 0 ;;
     static) run longtail_dense_128 "${LONG_TIMEOUT:-500}" $S ${LONG/--rows 512/--rows 128} --kv dense --reps 1 ;;
     e2e) OUT=$OUT WHEELS=0 CASE_TIMEOUT=${CASE_TIMEOUT:-150} STEPS=${STEPS:-4} \
            bash benchmarks/grpo_e2e_gpu.sh one paged partial ;;

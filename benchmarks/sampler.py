@@ -56,9 +56,9 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    set_knobs = {k: getattr(args, k) for k in ("page_size", "round_steps") if getattr(args, k) is not None}
+    set_knobs = {k: getattr(args, k) for k in ("page_size", "round_steps", "tail_slots") if getattr(args, k) is not None}
     kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages, **set_knobs)
-    args.page_size, args.round_steps = kv.page_size, kv.round_steps  # as run (the config's defaults where unset)
+    args.page_size, args.round_steps, args.tail_slots = kv.page_size, kv.round_steps, kv.tail_slots  # as run (the config's defaults where unset)
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
     times, lengths = [], []
@@ -97,7 +97,7 @@ def paged_memory(stats: dict, cfg, args) -> dict:
     return dict(dense_kv_gib=round(row_bucket(args.rows) * (args.prompt + args.new) * slot_bytes / gib, 3),
                 pool_kv_gib=round(stats["pool"] * page_bytes / gib, 3),
                 peak_kv_gib=round((stats["peak_pages"] + stats["prompt_pages"]) * page_bytes / gib, 3),
-                preempted=stats["preempted"], rounds=stats["rounds"])
+                preempted=stats["preempted"], rounds=stats["rounds"], shrinks=stats["shrinks"])
 
 
 def run_transformers(args, shape, prompts) -> tuple[list[float], float]:
@@ -137,6 +137,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=None, help="rollout.kv.page_size (paged; default: the config's)")
     ap.add_argument("--round-steps", type=int, default=None,
                     help="rollout.kv.round_steps (paged; default: the config's)")
+    ap.add_argument("--tail-slots", type=int, default=None,
+                    help="rollout.kv.tail_slots (paged; 0 = never shrink; default: the config's)")
     ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
     ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)

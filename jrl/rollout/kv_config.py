@@ -30,6 +30,11 @@ class KVCacheConfig:
     slots: int = 0
     """Rows decoded at once per device (``paged``): 0 = every row of a generation; fewer bounds the pages in use and
     the work of a decode step, the rows waiting for a slot start as others stop."""
+    tail_slots: int = 16
+    """The fewest slots a generation's tail decodes in (``paged``). Once no row waits for a slot and at most half the
+    slots hold a running row, the running rows move into the next power of two of slots (at least this many), so the
+    last long rows decode without the work of empty slots (their pages stay where they are: only the page table's
+    rows move). Each slot count is a program of its own, compiled once per run. 0 keeps a generation's slots."""
     pages: int = 0
     """Pages in each device's pool (``paged``), shared by all layers' keys and values: 0 = enough for every slot's
     longest completion, capped at 70% of the device's free memory when a generation starts (where the device tells
@@ -43,4 +48,5 @@ class KVCacheConfig:
         check_int(self, "page_size", lo=1)
         check_int(self, "round_steps", lo=1)
         check_int(self, "slots", lo=0, fix="use 0 (every row at once) or a slot count")
+        check_int(self, "tail_slots", lo=0, fix="use 0 (keep the slots) or the fewest slots to shrink to")
         check_int(self, "pages", lo=0, fix="use 0 (enough for every slot) or a page count")

@@ -12,7 +12,9 @@ A generation of N rows (``num_generations`` per prompt) runs in three parts:
    the host scheduler (:class:`PageScheduler`) frees the pages of rows that stopped, gives each waiting row a free
    slot (continuous batching), and gives each running row the pages its next round's tokens need. When the pool
    has no page left, the row admitted last gives its pages back and waits to start again (preemption, as vLLM's
-   scheduler does); the oldest row always goes on, so every generation ends.
+   scheduler does); the oldest row always goes on, so every generation ends. Once no row waits and at most half
+   the slots run, the running rows move into fewer slots (``kv.tail_slots``), so a long tail decodes in a smaller
+   program.
 3. Rows come back in their order, padded to ``max_new_tokens`` like the dense sampler's.
 
 Sampling: token i of row r is drawn with the key ``fold_in(fold_in(key(seed), r), i)``, so a row's tokens do not
@@ -114,6 +116,11 @@ def _admit(logits, prompt_logits, admit_prompt):
     return jnp.where((admit_prompt >= 0)[:, None], prompt_logits[jnp.maximum(admit_prompt, 0)], logits)
 
 
+@jax.jit
+def _take_rows(logits, keep):
+    return logits[keep]
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "program", "steps"), donate_argnames=("cache", "logits"))
 def _decode_round(graphdef, state, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
                   key, temperature, top_p, *, program: PagedProgram, steps: int):
@@ -212,6 +219,17 @@ class PageScheduler:
         self.slots[slot] = None
         self.page_table[slot] = SCRATCH_PAGE
         return s.row
+
+    def shrink(self, size: int) -> np.ndarray:
+        """Keep ``size`` slots (at least the running rows'), the running rows in the first ones in slot order;
+        returns the old slot of each slot kept."""
+        running = [i for i, s in enumerate(self.slots) if s is not None]
+        if size < len(running):
+            raise ValueError(f"cannot keep {len(running)} running rows in {size} slots")
+        keep = np.array((running + [i for i, s in enumerate(self.slots) if s is None])[:size])
+        self.slots = [self.slots[i] for i in keep]
+        self.page_table, self.lengths = self.page_table[keep], self.lengths[keep]
+        return keep
 
     def schedule(self, steps: int) -> tuple[dict[int, int], list[int]]:
         """Make room for every running row's next ``steps`` tokens, oldest first, preempting the rows admitted last
@@ -312,7 +330,8 @@ class _Generation:
                  pad_id: int, prompt_bucket: int, slot_bucket, prefill_tokens: int = PREFILL_TOKENS,
                  slots: int = 0):
         page = kv.page_size
-        self.page, self.steps, self.params = page, kv.round_steps, params
+        self.page, self.steps, self.params, self.slot_bucket = page, kv.round_steps, params, slot_bucket
+        self.tail_slots = kv.tail_slots
         sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
         for k, group in enumerate(groups):
             shared = None  # the prompt's own sequence, shared by the group's new rows
@@ -376,7 +395,7 @@ class _Generation:
         self.generated, self.active = np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)
         self.slot_rows = np.zeros(self.slots, np.int32)
         self.logits = jnp.zeros((self.slots, self.prompt_logits.shape[-1]), self.prompt_logits.dtype)
-        self.rounds = 0
+        self.rounds = self.shrinks = 0
         # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
         # far above any real schedule, so that a scheduling fault fails instead of looping.
         self.most_rounds = 4 * self.rows * (pages_for(params.max_new_tokens, self.steps) + 2)
@@ -395,6 +414,7 @@ class _Generation:
         if self.rounds > self.most_rounds:
             raise RuntimeError(f"paged sampler: {int((~self.finished_rows).sum())} of {self.rows} rows unfinished "
                                f"after {self.rounds} rounds ({sched.preempted} preemptions); a scheduling fault")
+        self._shrink()
         admitted, preempted = sched.schedule(self.steps)
         for row in preempted:
             self.tokens[row], self.logprobs[row] = [], []
@@ -418,6 +438,21 @@ class _Generation:
             key, temperature, top_p, program=self.program, steps=self.steps)
         self.rounds += 1
         return out
+
+    def _shrink(self) -> None:
+        """Once no row waits, the running rows move into fewer slots when a smaller bucket (of at least
+        ``kv.tail_slots``) holds them: a long tail then decodes without the work of empty slots. Only the slots'
+        host state and their next-token logits move; the rows' pages stay."""
+        sched = self.sched
+        if not self.tail_slots or sched.waiting:
+            return
+        size = max(self.slot_bucket(sum(s is not None for s in sched.slots)), self.slot_bucket(self.tail_slots))
+        if size >= self.slots:
+            return
+        keep = sched.shrink(size)
+        self.generated, self.slot_rows, self.slots = self.generated[keep], self.slot_rows[keep], size
+        self.logits = _take_rows(self.logits, keep)
+        self.shrinks += 1
 
     def collect(self, out) -> None:
         """Read a round's outputs: each row's new tokens; the slots of rows that stopped freed."""
@@ -450,7 +485,7 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
     this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
-    ``prompt_pages`` and ``rounds``. ``slot_bucket(n)``: the slot count a generation of n slots runs with
+    ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots). ``slot_bucket(n)``: the slot count a generation of n slots runs with
     (bucketed, so that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes. ``slots``:
     with ``kv.slots`` 0, the slots to decode with (devices together) instead of one per row: a caller whose row count
     changes from call to call passes its largest, so that every call runs the same compiled program."""
@@ -468,7 +503,7 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
                       pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
                                 preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
-                                rounds=max(gen.rounds for gen in gens),
+                                rounds=max(gen.rounds for gen in gens), shrinks=sum(gen.shrinks for gen in gens),
                                 peak_pages=sum(gen.sched.peak_pages for gen in gens),
                                 prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages))
 

@@ -224,11 +224,23 @@ def _update(params, opt_state, grads, tx):
 
 
 # The programs below take and return the learner's trees as :class:`Flat`.
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router"), donate_argnums=0)
-def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, *, graphdef, loss, router):
-    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated), its loss and metrics."""
+def _laid_out(tree: Flat, layout: Static | None) -> Flat:
+    """``tree`` held with ``layout`` (its leaves' shardings; None: as the compiler picks). A gradient accumulator
+    needs it: zeros and sums have no sharding of their own, and XLA gave a whole accumulator to the first device
+    or replicated parts of it (an FSDP step then gathered those gradients at every micro-batch)."""
+    if layout is None:
+        return tree
+    return Flat(tree.structure, [jax.lax.with_sharding_constraint(x, s)
+                                 for x, s in zip(tree.leaves, layout.value, strict=True)])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router", "layout"), donate_argnums=0)
+def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, *, graphdef, loss, router, layout):
+    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated; laid out as ``layout``), its loss and
+    metrics."""
     (value, metrics), grads = _grads(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss, router)
-    return jax.tree.map(jnp.add, acc, params.like(grads)), Scalars.of({"loss": value, **metrics})
+    return (_laid_out(jax.tree.map(jnp.add, acc, params.like(grads)), layout),
+            Scalars.of({"loss": value, **metrics}))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router"), donate_argnums=(0, 1))
@@ -257,7 +269,11 @@ def _apply(params: Flat, opt_state: Flat, grads: Flat, *, tx):
     return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
 
 
-_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _zeros_like(tree: Flat, *, layout: Static | None) -> Flat:
+    return _laid_out(jax.tree.map(jnp.zeros_like, tree), layout)
+
+
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
@@ -293,6 +309,7 @@ class Learner:
         self.lora = has_lora(model)
         graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
         self._params, self._frozen = Flat.of(params), Flat.of(frozen)
+        self._layouts: Static | None = None  # cache of _layout
         self._static_graphdef = Static(graphdef)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
@@ -310,6 +327,16 @@ class Learner:
     @params.setter
     def params(self, value: nnx.State) -> None:
         self._params = Flat.of(value)
+
+    @property
+    def _layout(self) -> Static | None:
+        """The shardings of the trainable parameters on the mesh (None without one): their gradients' too."""
+        if self.mesh is None:
+            return None
+        shardings = tuple(x.sharding for x in self._params.leaves)
+        if self._layouts is None or self._layouts.value != shardings:
+            self._layouts = Static(shardings)
+        return self._layouts
 
     def block_until_ready(self) -> None:
         """Wait until the weights of the last update are computed (without rebuilding their pytree)."""
@@ -421,7 +448,8 @@ class Learner:
         return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef, micro_batches
 
     def _accumulate(self, plan, collected: UpdateMetrics) -> Any:
-        acc = _zeros_like(self._params)
+        layout = self._layout
+        acc = _zeros_like(self._params, layout=layout)
         placed_aux: dict[int, Any] = {}  # each term's aux goes to the devices once
         for index, term, sl in plan:
             if index not in placed_aux:
@@ -429,7 +457,7 @@ class Learner:
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
                 acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
                                    placed_aux[index], graphdef=self._static_graphdef, loss=term.loss,
-                                   router=self._router(len(plan)))
+                                   router=self._router(len(plan)), layout=layout)
             collected.add(part)
         return acc
 

@@ -95,8 +95,11 @@ def test_a_rows_tokens_do_not_depend_on_slots_pool_page_size_or_round_length():
         KVCacheConfig(layout="paged", page_size=16, round_steps=16, slots=5, pages=12),
         KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=16, pages=14),
         KVCacheConfig(layout="paged", page_size=8, slots=2, round_steps=5),
-        KVCacheConfig(layout="paged", page_size=8, slots=16, pages=16, round_steps=13))]
+        KVCacheConfig(layout="paged", page_size=8, slots=16, pages=16, round_steps=13),
+        KVCacheConfig(layout="paged", page_size=8, round_steps=4, tail_slots=1),
+        KVCacheConfig(layout="paged", page_size=8, round_steps=2, slots=8, tail_slots=2))]
     assert runs[0]["preempted"] == 0 and runs[2]["preempted"] + runs[3]["preempted"] > 0
+    assert runs[0]["shrinks"] == 0 and runs[6]["shrinks"] >= 3 and runs[7]["shrinks"] >= 1
     assert runs[4]["rounds"] > runs[1]["rounds"]  # rounds of 5 steps instead of 8: more of them
     lengths = runs[0]["mask"].sum(1)
     assert len(set(lengths.tolist())) > 3  # ragged
@@ -126,6 +129,15 @@ def test_the_scheduler_keeps_every_page_in_one_place():
     for _ in range(200):
         if len(finished) == len(lengths) * g:
             break
+        if not sched.waiting and rng.random() < 0.5:  # the tail: running rows move into fewer slots
+            rows = [(s.row, tuple(sched.page_table[i]), int(sched.lengths[i]))
+                    for i, s in enumerate(sched.slots) if s is not None]
+            keep = sched.shrink(max(len(rows), 1))
+            assert len(sched.slots) == len(sched.page_table) == len(sched.lengths) == len(keep) == max(len(rows), 1)
+            assert [(s.row, tuple(sched.page_table[i]), int(sched.lengths[i]))
+                    for i, s in enumerate(sched.slots) if s is not None] == rows
+            with pytest.raises(ValueError, match="running rows"):
+                sched.shrink(len(rows) - 1) if rows else sched.shrink(-1)
         before = {s.row: s.admitted for s in sched.slots if s is not None}
         admitted, preempted = sched.schedule(steps)
         for row in preempted:

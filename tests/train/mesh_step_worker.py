@@ -2,7 +2,8 @@
 padded and with packed rows (optim.packing) on the mesh.
 
 Prints one JSON line: the device count, the max relative gradient difference, the loss of both, and how many
-devices hold the sharded parameters; the packed step's gradient difference and loss.
+devices hold the sharded parameters; whether the accumulated gradient is laid out as the parameters and how many
+programs its micro-batches compiled; the packed step's gradient difference and loss.
 """
 
 import json
@@ -19,6 +20,7 @@ from jrl.models import create_model  # noqa: E402
 from jrl.sharding import MeshConfig, make_mesh  # noqa: E402
 from jrl.train.config import OptimConfig  # noqa: E402
 from jrl.train.algorithms.grpo import PolicyUpdate  # noqa: E402
+from jrl.train import learner as learner_module  # noqa: E402
 from jrl.train.learner import Learner  # noqa: E402
 
 
@@ -32,6 +34,9 @@ def main():
     single = Learner(create_model(tiny_config(), seed=1), OptimConfig(), total_updates=2)
     u2, u1 = (PolicyUpdate(algo, x, temperature=1.0, num_iterations=1, impl="auto") for x in (sharded, single))
     g2, c2, _ = sharded.accumulate([u2.policy_term(sharded, batch)])
+    micro_programs = learner_module._micro._cache_size()  # one for every micro-batch of the step
+    grad_layout = all(g.sharding.is_equivalent_to(p.sharding, g.ndim)
+                      for g, p in zip(jax.tree.leaves(g2), jax.tree.leaves(sharded.params), strict=True))
     g1, c1, _ = single.accumulate([u1.policy_term(single, batch)])
     packed = {}
     for mb in (2, None):  # micro-batches of 2 packed rows; one micro-batch of a power of two of rows
@@ -48,7 +53,9 @@ def main():
     print(json.dumps(dict(devices=jax.device_count(), grad_err=max_rel_err(g2, g1),
                           param_err=max_rel_err(sharded.params, single.params),
                           loss=[float(sum(c2["loss"])), float(c1["loss"][0])], param_devices=devices,
-                          grad_norm=[m2["grad_norm"], m1["grad_norm"]], packed=packed)))
+                          grad_norm=[m2["grad_norm"], m1["grad_norm"]], packed=packed,
+                          micro_programs=micro_programs, grad_layout=grad_layout,
+                          micro_batches=len(c2["loss"]))))
 
 
 if __name__ == "__main__":

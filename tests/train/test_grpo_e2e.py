@@ -130,7 +130,8 @@ def test_two_device_mesh_run(tiny_model_dir, tmp_path):
 
 
 def test_sharded_step_equals_single_device():
-    """§12.3: the gradient of a 2-device FSDP step (2 micro-batches) equals the 1-device, 1-micro-batch one; so does
+    """§12.3: the gradient of a 2-device FSDP step (2 micro-batches) equals the 1-device, 1-micro-batch one, and is
+    sharded as the parameters (an accumulator left to the compiler sat on one device or replicated); so does
     a step of packed rows on the mesh (micro-batches of 2 packed rows, or one of a power of two of at least 2 rows:
     split over the devices)."""
     out = run_worker("mesh_step_worker.py")
@@ -138,6 +139,8 @@ def test_sharded_step_equals_single_device():
         assert packed["rows"] % 2 == 0 and packed["rows"] < 8 and packed["grad_err"] <= 1e-5
         assert packed["loss"] == pytest.approx(out["loss"][1], rel=1e-5)
     assert out["devices"] == 2 and out["param_devices"] == 2
+    # the accumulated gradient sharded as the parameters, its micro-batches one program (not one per layout)
+    assert out["grad_layout"] and out["micro_batches"] >= 2 and out["micro_programs"] == 1
     assert out["grad_err"] <= 1e-5 and out["param_err"] <= 1e-5
     assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-5)
     assert out["grad_norm"][0] == pytest.approx(out["grad_norm"][1], rel=1e-5)

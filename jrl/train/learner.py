@@ -199,11 +199,12 @@ def fetch_metrics(updates: list[UpdateMetrics]) -> None:
         update.fill(parts)
 
 
-def _grads(params, frozen, rows, aux, graphdef, loss, router):
+def _grads(params, frozen, rows, aux, graphdef, loss, router, micro_batches):
     """(loss, metrics), ∇ loss of one micro-batch. A MoE model's router statistics join the metrics
     (:func:`jrl.models.router_stats.summary`) and, weighted by ``router`` = (aux-loss coefficient, z-loss
-    coefficient, micro-batches in the update), its loss."""
-    aux_coef, z_coef, micro_batches = router
+    coefficient) over ``micro_batches`` (the update's count: a traced value, so that an update skipping a different
+    number of micro-batches runs the same program), its loss."""
+    aux_coef, z_coef = router
 
     def f(p):
         with router_stats.collecting() as stats:
@@ -224,6 +225,24 @@ def _update(params, opt_state, grads, tx):
 
 
 # The programs below take and return the learner's trees as :class:`Flat`.
+def _respelled(tree):
+    """``tree``'s arrays with their shardings spelled as a program's output spells them (a :class:`NamedSharding`'s
+    spec without trailing Nones), rewrapped without a copy. The parameters come back from the first optimizer update
+    spelled so; had they been spelled otherwise before it, every program taking them would compile again."""
+    def one(x):
+        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+            return x
+        spec = list(x.sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        sharding = NamedSharding(x.sharding.mesh, PartitionSpec(*spec), memory_kind=x.sharding.memory_kind)
+        if sharding == x.sharding:
+            return x
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [s.data for s in x.addressable_shards])
+
+    return jax.tree.map(one, tree)
+
+
 def _laid_out(tree: Flat, layout: Static | None) -> Flat:
     """``tree`` held with ``layout`` (its leaves' shardings; None: as the compiler picks). A gradient accumulator
     needs it: zeros and sums have no sharding of their own, and XLA gave a whole accumulator to the first device
@@ -235,10 +254,11 @@ def _laid_out(tree: Flat, layout: Static | None) -> Flat:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router", "layout"), donate_argnums=0)
-def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, *, graphdef, loss, router, layout):
+def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_batches, *, graphdef, loss, router, layout):
     """``acc + ∇ loss`` of one micro-batch (the accumulator is donated; laid out as ``layout``), its loss and
     metrics."""
-    (value, metrics), grads = _grads(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss, router)
+    (value, metrics), grads = _grads(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss, router,
+                                     micro_batches)
     return (_laid_out(jax.tree.map(jnp.add, acc, params.like(grads)), layout),
             Scalars.of({"loss": value, **metrics}))
 
@@ -248,7 +268,7 @@ def _micro_and_apply(params: Flat, opt_state: Flat, frozen: Flat, batch, *, grap
     """A whole update of one micro-batch (``batch``: its rows and aux, see :meth:`Learner._put_micro_batch`) in one
     program: no accumulator, params and state donated."""
     rows, aux = unpack(batch)
-    (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router)
+    (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router, 1)
     new_params, new_state, gnorm = _update(params.tree, opt_state.tree, grads, tx)
     return params.like(new_params), opt_state.like(new_state), Scalars.of({"loss": value, **metrics,
                                                                            "grad_norm": gnorm})
@@ -308,7 +328,7 @@ class Learner:
         self._unfilled_per_device = mesh is not None and mesh.size > 1
         self.lora = has_lora(model)
         graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
-        self._params, self._frozen = Flat.of(params), Flat.of(frozen)
+        self._params, self._frozen = Flat.of(_respelled(params)), Flat.of(frozen)
         self._layouts: Static | None = None  # cache of _layout
         self._static_graphdef = Static(graphdef)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
@@ -326,7 +346,7 @@ class Learner:
 
     @params.setter
     def params(self, value: nnx.State) -> None:
-        self._params = Flat.of(value)
+        self._params = Flat.of(_respelled(value))
 
     @property
     def _layout(self) -> Static | None:
@@ -443,21 +463,24 @@ class Learner:
                     plan.append((index, term, sl))
         return plan, skipped
 
-    def _router(self, micro_batches: int) -> tuple[float, float, int]:
-        """The static router-loss settings of an update of ``micro_batches`` micro-batches (see :func:`_grads`)."""
-        return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef, micro_batches
+    @property
+    def _router(self) -> tuple[float, float]:
+        """The static router-loss coefficients (see :func:`_grads`)."""
+        return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef
 
     def _accumulate(self, plan, collected: UpdateMetrics) -> Any:
         layout = self._layout
         acc = _zeros_like(self._params, layout=layout)
+        count = np.int32(len(plan))  # on the devices once, not with every micro-batch
+        micro_batches = jax.device_put(count) if self.mesh is None else self._replicated(count)
         placed_aux: dict[int, Any] = {}  # each term's aux goes to the devices once
         for index, term, sl in plan:
             if index not in placed_aux:
                 placed_aux[index] = self._replicated(term.aux)
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
                 acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
-                                   placed_aux[index], graphdef=self._static_graphdef, loss=term.loss,
-                                   router=self._router(len(plan)), layout=layout)
+                                   placed_aux[index], micro_batches, graphdef=self._static_graphdef, loss=term.loss,
+                                   router=self._router, layout=layout)
             collected.add(part)
         return acc
 
@@ -490,7 +513,7 @@ class Learner:
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
                 self._params, self._opt_state, part = _micro_and_apply(
                     self._params, self._opt_state, self._frozen, batch,
-                    graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router(1))
+                    graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router)
             self.num_updates += 1
             collected.add(part)
         else:

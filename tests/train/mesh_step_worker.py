@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_testlib import max_rel_err, random_step_batch, tiny_config  # noqa: E402
@@ -38,6 +39,17 @@ def main():
     grad_layout = all(g.sharding.is_equivalent_to(p.sharding, g.ndim)
                       for g, p in zip(jax.tree.leaves(g2), jax.tree.leaves(sharded.params), strict=True))
     g1, c1, _ = single.accumulate([u1.policy_term(single, batch)])
+    # After an optimizer update (the parameters come back from it) and with a micro-batch skipped, an update's
+    # micro-batches run the program they ran before: one program for this micro-batch shape, not one per update.
+    again = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules), OptimConfig(micro_batch_size=2),
+                    total_updates=2, mesh=mesh, rules=rules)
+    term = PolicyUpdate(algo, again, temperature=1.0, num_iterations=1, impl="auto").policy_term(again, batch)
+    before = learner_module._micro._cache_size()
+    again.apply(again.accumulate([term])[0])
+    keep = np.ones(len(batch.advantages), bool)
+    keep[:2] = False
+    skipped = again.accumulate([term._replace(keep=keep)])[2]
+    later_programs = learner_module._micro._cache_size() - before
     packed = {}
     for mb in (2, None):  # micro-batches of 2 packed rows; one micro-batch of a power of two of rows
         packing = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules),
@@ -54,7 +66,8 @@ def main():
                           param_err=max_rel_err(sharded.params, single.params),
                           loss=[float(sum(c2["loss"])), float(c1["loss"][0])], param_devices=devices,
                           grad_norm=[m2["grad_norm"], m1["grad_norm"]], packed=packed,
-                          micro_programs=micro_programs, grad_layout=grad_layout,
+                          micro_programs=micro_programs, grad_layout=grad_layout, later_programs=later_programs,
+                          later_skipped=int(skipped),
                           micro_batches=len(c2["loss"]))))
 
 

@@ -141,6 +141,8 @@ def test_sharded_step_equals_single_device():
     assert out["devices"] == 2 and out["param_devices"] == 2
     # the accumulated gradient sharded as the parameters, its micro-batches one program (not one per layout)
     assert out["grad_layout"] and out["micro_batches"] >= 2 and out["micro_programs"] == 1
+    # ... and the same program after an optimizer update and with a micro-batch skipped (one for a new shape)
+    assert out["later_skipped"] == 1 and out["later_programs"] == 1
     assert out["grad_err"] <= 1e-5 and out["param_err"] <= 1e-5
     assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-5)
     assert out["grad_norm"][0] == pytest.approx(out["grad_norm"][1], rel=1e-5)

@@ -56,9 +56,11 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    set_knobs = {k: getattr(args, k) for k in ("page_size", "round_steps", "tail_slots") if getattr(args, k) is not None}
-    kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages, **set_knobs)
-    args.page_size, args.round_steps, args.tail_slots = kv.page_size, kv.round_steps, kv.tail_slots  # as run (the config's defaults where unset)
+    knobs = ("page_size", "round_steps", "tail_slots")
+    kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages,
+                       **{k: getattr(args, k) for k in knobs if getattr(args, k) is not None})
+    for k in knobs:  # as run (the config's defaults where unset)
+        setattr(args, k, getattr(kv, k))
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
     times, lengths = [], []
@@ -177,8 +179,9 @@ def main():
     bound = dict(limit_s=round(limit, 4), fraction_of_limit=round(limit / med, 3)) if not args.stop_fraction else {}
     report(dict(bench="sampler", backend=args.backend, shape=args.shape, rows=args.rows, prompt=args.prompt,
                 new=args.new, generations=args.generations, lora=args.lora, stop_fraction=args.stop_fraction,
-                kv=args.kv, **(dict(page_size=args.page_size, round_steps=args.round_steps, slots=args.slots,
-                                    pages=args.pages, **args.paged_stats) if args.kv == "paged" else {}),
+                kv=args.kv, **(dict(page_size=args.page_size, round_steps=args.round_steps, tail_slots=args.tail_slots,
+                                    slots=args.slots, pages=args.pages, **args.paged_stats)
+                               if args.kv == "paged" else {}),
                 mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),
                 tokens_per_s=round(args.rows * mean_len / med), **bound, compile_s=round(times[0] - med, 2),

@@ -485,10 +485,11 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
     this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
-    ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots). ``slot_bucket(n)``: the slot count a generation of n slots runs with
-    (bucketed, so that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes. ``slots``:
-    with ``kv.slots`` 0, the slots to decode with (devices together) instead of one per row: a caller whose row count
-    changes from call to call passes its largest, so that every call runs the same compiled program."""
+    ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots).
+    ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so that few programs compile).
+    ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode
+    with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
+    largest, so that every call runs the same compiled program."""
     parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
     gens = [_Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
                         prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens,

@@ -245,8 +245,8 @@ def _respelled(tree):
 
 def _laid_out(tree: Flat, layout: Static | None) -> Flat:
     """``tree`` held with ``layout`` (its leaves' shardings; None: as the compiler picks). A gradient accumulator
-    needs it: zeros and sums have no sharding of their own, and XLA gave a whole accumulator to the first device
-    or replicated parts of it (an FSDP step then gathered those gradients at every micro-batch)."""
+    needs it: zeros and sums have no sharding of their own, and XLA put a whole accumulator on the first device and
+    returned parts of it replicated."""
     if layout is None:
         return tree
     return Flat(tree.structure, [jax.lax.with_sharding_constraint(x, s)

@@ -36,6 +36,7 @@ against ``jax.lax.ragged_all_to_all`` (only the routed rows move; its placement 
     python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --layouts fsdp,data,hsdp:2 --out scaling.jsonl
     python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
+    python benchmarks/scaling.py train --shape llama1b --devices 1,4 --micro-batches 8    # accumulate, then update
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
     python benchmarks/scaling.py exchange --devices 2,4,8 --out scaling.jsonl
 
@@ -134,18 +135,23 @@ def train(args) -> None:
     names = args.layouts.split(",") + ([f"tensor:{args.tensor}"] if args.tensor > 1 else [])
     for n, sizes in _layouts(devices, names, count):
         mesh, rules = _mesh(n, sizes, args.rules)
-        learner, update = T.jrl_update(args, shape, mesh, rules)
-        check_batch = T.step_batch(args.check_rows, args.seq, shape["vocab_size"], seed=1)
+        micro = n * args.rows_per_device if args.micro_batches > 1 else None
+        learner, update = T.jrl_update(args, shape, mesh, rules, micro_batch_size=micro)
+        # With micro-batches the check batch must split into every layout's micro-batches: the largest layout's step.
+        check_rows = max(devices) * args.rows_per_device * args.micro_batches if micro else args.check_rows
+        check_batch = T.step_batch(check_rows, args.seq, shape["vocab_size"], seed=1)
         t0 = time.perf_counter()
         checked = jax.block_until_ready(update(learner, check_batch))  # this layout's first call: compiles
         first_update = time.perf_counter() - t0
-        batch = T.step_batch(n * args.rows_per_device, args.seq, shape["vocab_size"])
+        rows = n * args.rows_per_device * args.micro_batches
+        batch = T.step_batch(rows, args.seq, shape["vocab_size"])
         times, _ = T.time_updates(learner, update, batch, args.steps)
         step = T.steady_median(times)
-        tokens = n * args.rows_per_device * args.seq
+        tokens = rows * args.seq
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
+                   micro_batches=args.micro_batches,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.num_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
                    first_update_s=round(first_update, 2), check_loss=checked["loss"],
@@ -404,6 +410,9 @@ def main() -> None:
     train_args.add_argument("--mode", choices=("full", "lora"), default="full")
     train_args.add_argument("--rows-per-device", type=int, default=8)
     train_args.add_argument("--seq", type=int, default=1024)
+    train_args.add_argument("--micro-batches", type=int, default=1,
+                            help="micro-batches of --rows-per-device rows per GPU in a step (>1: gradients "
+                                 "accumulated, then one optimizer update, as a GRPO step of many rows runs)")
     train_args.add_argument("--check-rows", type=int, default=8,
                             help="rows of the numerics batch every layout updates on (divisible by every fsdp size)")
     train_args.add_argument("--layouts", default="fsdp",

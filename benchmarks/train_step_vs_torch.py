@@ -82,9 +82,10 @@ def num_params(shape: dict) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- jrl
-def jrl_update(args, shape: dict, mesh=None, rules=None):
+def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int | None = None):
     """(learner, update): the benchmark's jrl side, on ``mesh`` when given (the model built sharded by
-    ``rules``; batches are split over its batch axes)."""
+    ``rules``; batches are split over its batch axes); ``micro_batch_size``: rows per micro-batch (None: a step is one
+    micro-batch, gradient and optimizer in one program)."""
     sys.path.insert(0, str(REPO))
     from jrl.losses import GRPOConfig
     from jrl.models.config import ModelConfig
@@ -102,8 +103,8 @@ def jrl_update(args, shape: dict, mesh=None, rules=None):
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
         if mesh is not None:
             shard_model(model, mesh, rules)
-    learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0), total_updates=1000, mesh=mesh,
-                      rules=rules)
+    learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, micro_batch_size=micro_batch_size),
+                      total_updates=1000, mesh=mesh, rules=rules)
     # The DAPO loss is token-level: the group size plays no part (advantages come with the batch).
     algo = GRPOConfig(loss_type="dapo", epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH)
     update = PolicyUpdate(algo, learner, temperature=1.0, num_iterations=1, impl=args.logprobs,

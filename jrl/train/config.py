@@ -211,6 +211,11 @@ class TrainConfig:
     prompt; the episode's reward is one more reward column beside the reward functions' (which may then be none)."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     """Weights & Biases logging (off unless ``wandb.project`` is set; offline by default)."""
+    step_timeout_s: float = 3600.0
+    """A training step (generation, scoring and update) or an evaluation still running after this many seconds (or
+    after 4x the longest step so far, when that is longer) ends the run with exit status 1, the stacks of its threads
+    printed (:mod:`jrl.train.watchdog`): a program stuck on the devices, e.g. one GPU out of memory while the others
+    wait for it in a collective, would otherwise hang the run. Continue with ``resume``. 0 = never."""
     resume: bool = False
     """Continue from the newest intact checkpoint in ``output_dir`` (a damaged newer one is named in a
     warning and skipped)."""
@@ -289,6 +294,7 @@ class TrainConfig:
             check_int(self, name, lo=1)
         check_choice(self, "loss_head", ("auto", "fused", "logprobs"))
         check_int(self, "save_every", lo=0, fix="use an int >= 0 (0 = only at the end)")
+        check_real(self, "step_timeout_s", ge=0, fix="use a number of seconds >= 0 (0 = never)")
         check_int(self, "seed", lo=-2**63, fix="use an int")
         check_int(self, "resume_from", lo=1, optional=True,
                   fix="use the step of a checkpoint in output_dir/checkpoints, or None")

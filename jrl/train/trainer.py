@@ -22,7 +22,8 @@ call), ``time/wait_rollout`` (time this thread waited for generation), ``time/re
 ``sync/version`` (the policy version the engine holds after it) and ``tokens_per_second``.
 
 SIGTERM / SIGINT (:mod:`jrl.train.preemption`): the running step finishes, a checkpoint is written at that
-boundary and :meth:`Trainer.train` returns (the script exits 0); ``--resume`` continues exactly.
+boundary and :meth:`Trainer.train` returns (the script exits 0); ``--resume`` continues exactly. A step or evaluation
+that runs past ``step_timeout_s`` ends the process with status 1 (:mod:`jrl.train.watchdog`).
 
 Several processes (:func:`jrl.sharding.initialize`, docs/multihost.md) run the same loop on one global mesh: each
 builds the same prompt batches and places only its devices' rows, the sampler's completions are gathered to every
@@ -61,6 +62,7 @@ from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, 
 from jrl.rewards.functions import best_total, load_reward_functions
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
+from jrl.train.watchdog import StepWatchdog
 from jrl.sources.rollout import RolloutSource, make_rollout_engine
 
 logger = logging.getLogger(__name__)
@@ -193,6 +195,7 @@ class Trainer:
 
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=algorithm.progress_desc,
                    disable=not (self.progress and main), dynamic_ncols=True)
+        watchdog = StepWatchdog(cfg.step_timeout_s)
         try:
             if cfg.resuming:  # lines written after the restored checkpoint
                 writer.truncate_after(self.step)
@@ -201,13 +204,16 @@ class Trainer:
                     truncate_jsonl_after(self.evaluator.samples_path, self.step)
             with stop_requests() as stop:
                 if eval_writer and self.step == 0:
-                    self.evaluate(eval_writer)
+                    with watchdog.step("the evaluation before step 1"):
+                        self.evaluate(eval_writer)
                 stopping = False
                 while self.step < cfg.max_steps and not stopping:
-                    metrics = self.train_step()
+                    with watchdog.step(f"step {self.step + 1}"):
+                        metrics = self.train_step()
                     writer.write(self.step, metrics)
                     if eval_writer and self.step % cfg.eval_every == 0:
-                        self.evaluate(eval_writer)
+                        with watchdog.step(f"the evaluation after step {self.step}"):
+                            self.evaluate(eval_writer)
                     bar.update(1)
                     bar.set_postfix(algorithm.progress_postfix(metrics))
                     if self.step % cfg.log_every == 0:
@@ -224,6 +230,7 @@ class Trainer:
                     logger.warning("%s: stopped after step %d of %d with a checkpoint in %s; continue with --resume",
                                    why, self.step, cfg.max_steps, self.checkpointer.directory)
         finally:
+            watchdog.close()
             self.source.stop()
             bar.close()
             writer.close()

@@ -212,10 +212,11 @@ class TrainConfig:
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     """Weights & Biases logging (off unless ``wandb.project`` is set; offline by default)."""
     step_timeout_s: float = 3600.0
-    """A training step (generation, scoring and update) or an evaluation still running after this many seconds (or
-    after 4x the longest step so far, when that is longer) ends the run with exit status 1, the stacks of its threads
-    printed (:mod:`jrl.train.watchdog`): a program stuck on the devices, e.g. one GPU out of memory while the others
-    wait for it in a collective, would otherwise hang the run. Continue with ``resume``. 0 = never."""
+    """A training step (generation, scoring and update), an evaluation or an explorer's batch still running after
+    this many seconds (or after 4x the longest step so far, when that is longer) ends the process with exit status
+    1, the stacks of its threads printed (:mod:`jrl.train.watchdog`): a program stuck on the devices, e.g. one GPU
+    out of memory while the others wait for it in a collective, would otherwise hang the run. Continue with
+    ``resume``. 0 = never."""
     resume: bool = False
     """Continue from the newest intact checkpoint in ``output_dir`` (a damaged newer one is named in a
     warning and skipped)."""

@@ -40,6 +40,7 @@ from jrl.explore.queue import ExperienceGroup, open_queue
 from jrl.train.observability import MetricsWriter, truncate_jsonl_after
 from jrl.train.policy import load_policy
 from jrl.train.preemption import stop_requests
+from jrl.train.watchdog import StepWatchdog
 from jrl.explore.publication import (
     WeightPublisher,
     finished_version,
@@ -320,6 +321,7 @@ class Explorer:
         for _ in range(batch):
             next(self.loader)
         first, budget = batch, self.cfg.explore.max_batches
+        watchdog = StepWatchdog(self.cfg.step_timeout_s)
         try:
             logger.info("explorer %s: exploring from version %d (queue %s)", self.name, self.version,
                         self.cfg.explore.queue_url(self.cfg.output_dir))
@@ -330,9 +332,11 @@ class Explorer:
                         time.sleep(POLL_SECONDS)
                         continue
                     self.pick_up()
-                    self.explore_batch(batch, writer)
+                    with watchdog.step(f"explorer {self.name}'s batch {batch + 1}"):
+                        self.explore_batch(batch, writer)
                     batch += 1
         finally:
+            watchdog.close()
             writer.close()
         why = ("the trainer finished" if finished_version(self.root) is not None
                else "explore.max_batches reached" if batch - first == budget else "stopped")

@@ -12,7 +12,8 @@ gather while the first computes, and buffers carried between iterations are not 
 the 8B model's width at fsdp=2).
 
 Head: the hidden rows stay split over the devices and each device computes its rows' loss against the gathered
-head weight; the head's gradient is summed over the rows of a device and reduce-scattered once.
+head weight; the head's gradient is summed over the rows of a device and reduce-scattered once. The log-prob kernel
+(:func:`token_logprobs`: packed rows, old and reference log-probs, EBFT) runs the same way, each device on its rows.
 
 Without this, XLA's partitioner gathers each layer's weights in the iteration that uses them and keeps them for the
 backward, and splits the head matmul on the hidden dimension with float32 all-reduces of every chunk's logits:
@@ -32,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jrl.kernels.logprobs import fused_head_loss
+from jrl.kernels.logprobs import token_logprobs as kernel_token_logprobs
 from jrl.models.remat import remat
 from jrl.sharding.collectives import batch_axes, gather_shards, only_axes, spec_gathers
 from jrl.sharding.placement import variable_spec
@@ -112,3 +114,28 @@ def head_loss(weight: nnx.Variable, transpose: bool, hidden: jax.Array, targets:
                        out_specs=(split, split, split if with_entropy else PartitionSpec()))
     loss, lp, ent = fn(weight.get_value(), hidden, targets, rows, aux)
     return jnp.sum(loss), lp, ent
+
+
+def token_logprobs(weight: nnx.Variable, transpose: bool, hidden: jax.Array, targets: jax.Array, *, mesh: Mesh,
+                   rules: Mapping, axes: tuple[str, ...], reduce_dtype: str | None, temperature: float,
+                   with_entropy: bool, impl: str):
+    """:func:`jrl.kernels.logprobs.token_logprobs` of each device's rows ``hidden`` [R, T, H] predicting ``targets``
+    [R, T] against the gathered head ``weight`` (in its own dtype, as the one-device call reads it): (log-probs
+    [R, T], entropies [R, T] or None), split like the rows. The log-prob kernel is a custom call on GPUs, which XLA's
+    partitioner cannot split: left to it, every device would compute every row's log-probs."""
+    spec = variable_spec(weight, mesh, rules)
+    gathers = spec_gathers(spec, weight.get_value().ndim)
+    split = PartitionSpec(axes)
+
+    def per_device(w, hidden, targets):
+        w = gather_shards(w, gathers, None, reduce_dtype) if gathers else w
+        r, t, h = hidden.shape
+        lp, ent = kernel_token_logprobs(hidden.reshape(r * t, h), w.T if transpose else w, targets.reshape(r * t),
+                                        temperature=temperature, with_entropy=with_entropy, impl=impl)
+        return (lp.reshape(r, t), ent.reshape(r, t)) if with_entropy else lp.reshape(r, t)
+
+    fn = jax.shard_map(per_device, mesh=mesh, check_vma=False, in_specs=(spec, split, split),
+                       out_specs=(split, split) if with_entropy else split)
+    out = fn(weight.get_value(), hidden, targets)
+    return out if with_entropy else (out, None)
+

@@ -28,7 +28,7 @@ from jrl.models.layers import (
     positions_from_mask,
     positions_from_segments,
 )
-from jrl.kernels.logprobs import fused_head_loss
+from jrl.kernels.logprobs import fused_head_loss, token_logprobs
 from jrl.models import fsdp, router_stats
 from jrl.models.moe import MoE
 from jrl.models.remat import remat
@@ -408,6 +408,24 @@ class Transformer(nnx.Module):
                               rows, aux, mesh=self.mesh, rules=self._rules(), axes=axes, dtype=self.config.dtype,
                               reduce_dtype=self.config.grad_reduce_dtype, temperature=temperature,
                               with_entropy=with_entropy)
+
+    def token_logprobs(self, hidden: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
+                       with_entropy: bool = False, impl: str = "auto"):
+        """(log-probs [R, T], entropies [R, T] or None) of ``targets`` [R, T] from final hidden states ``hidden``
+        [R, T, H] through the ``impl`` log-prob kernel (:func:`jrl.kernels.logprobs.token_logprobs`). On a
+        ``data``/``fsdp`` mesh each device computes its own rows against the gathered head
+        (:func:`jrl.models.fsdp.token_logprobs`)."""
+        r, t = targets.shape
+        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), r)
+        if axes is None:
+            lp, ent = token_logprobs(hidden.reshape(r * t, -1), self.lm_head_weight(), targets.reshape(r * t),
+                                     temperature=temperature, with_entropy=with_entropy, impl=impl)
+            return lp.reshape(r, t), None if ent is None else ent.reshape(r, t)
+        tied = self.lm_head is None
+        return fsdp.token_logprobs(self.embed.embedding if tied else self.lm_head.kernel, tied, hidden, targets,
+                                   mesh=self.mesh, rules=self._rules(), axes=axes,
+                                   reduce_dtype=self.config.grad_reduce_dtype, temperature=temperature,
+                                   with_entropy=with_entropy, impl=impl)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from final hidden states [..., H]."""

@@ -3,10 +3,12 @@ padded and with packed rows (optim.packing) on the mesh.
 
 Prints one JSON line: the device count, the max relative gradient difference, the loss of both, and how many
 devices hold the sharded parameters; whether the accumulated gradient is laid out as the parameters and how many
-programs its micro-batches compiled; the packed step's gradient difference and loss.
+programs its micro-batches compiled; the row counts the log-prob kernel ran on; the packed step's gradient
+difference and loss.
 """
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -25,7 +27,22 @@ from jrl.train import learner as learner_module  # noqa: E402
 from jrl.train.learner import Learner  # noqa: E402
 
 
+class KernelRows(logging.Handler):
+    """The row counts the log-prob kernel was called with (from the kernel dispatcher's once-per-shape record)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.rows: set[int] = set()
+
+    def emit(self, record):
+        if record.args and record.args[0] == "logprobs":
+            self.rows.add(int(record.args[3][0][0]))
+
+
 def main():
+    kernel_rows = KernelRows()
+    logging.getLogger("jrl.kernels").addHandler(kernel_rows)
+    logging.getLogger("jrl.kernels").setLevel(logging.DEBUG)
     cfg = MeshConfig(fsdp=2)
     mesh, rules = make_mesh(cfg), cfg.logical_rules()
     algo = GRPOConfig(num_generations=2, loss_type="grpo")
@@ -67,7 +84,7 @@ def main():
                           loss=[float(sum(c2["loss"])), float(c1["loss"][0])], param_devices=devices,
                           grad_norm=[m2["grad_norm"], m1["grad_norm"]], packed=packed,
                           micro_programs=micro_programs, grad_layout=grad_layout, later_programs=later_programs,
-                          later_skipped=int(skipped),
+                          later_skipped=int(skipped), kernel_rows=sorted(kernel_rows.rows),
                           micro_batches=len(c2["loss"]))))
 
 

@@ -143,6 +143,9 @@ def test_sharded_step_equals_single_device():
     assert out["grad_layout"] and out["micro_batches"] >= 2 and out["micro_programs"] == 1
     # ... and the same program after an optimizer update and with a micro-batch skipped (one for a new shape)
     assert out["later_skipped"] == 1 and out["later_programs"] == 1
+    # the log-prob kernel runs on each device's rows: a micro-batch of 4 rows x 6 tokens as 2 x 6 per device, never
+    # as the whole 24 (a custom call on GPUs, which XLA's partitioner would run on every row on every device)
+    assert 12 in out["kernel_rows"] and 24 not in out["kernel_rows"], out["kernel_rows"]
     assert out["grad_err"] <= 1e-5 and out["param_err"] <= 1e-5
     assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-5)
     assert out["grad_norm"][0] == pytest.approx(out["grad_norm"][1], rel=1e-5)

@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.kernels.logprobs import token_logprobs
 from jrl.losses.ebft import cross_entropy_loss, ebft_advantages, embed_layers, feature_rewards, reinforce_loss
 from jrl.models import strided as st
 from jrl.models.features import feature_layer_indices, feature_layers
@@ -161,9 +160,8 @@ def block_logprobs(model, ids, anchors, geometry: StridedGeometry, *, temperatur
     n = ids.shape[0]
     pred = st.prediction_indices(seq_len, anchors, geometry.generate_len).reshape(n, -1)
     h = jnp.take_along_axis(hidden, pred[..., None], axis=1)
-    lp, _ = token_logprobs(h.reshape(-1, h.shape[-1]), model.lm_head_weight(), ids[:, seq_len:].reshape(-1),
-                           temperature=temperature, impl=impl)
-    return lp.reshape(n, -1), hidden
+    lp, _ = model.token_logprobs(h, ids[:, seq_len:], temperature=temperature, impl=impl)
+    return lp, hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,14 +182,12 @@ class StridedLoss:
         m = batch.block_mask
         share = jnp.sum(m) / jnp.maximum(1.0, normalizers[0])
         rl = reinforce_loss(lp, batch.advantages, m) * share
-        n = batch.input_ids.shape[0]
         doc_hidden = hidden[:, :seq_len - 1]
         if self.ce_coef == 0.0:
             doc_hidden = jax.lax.stop_gradient(doc_hidden)  # logged only: no backward pass through it
-        lp_doc, _ = token_logprobs(doc_hidden.reshape(-1, doc_hidden.shape[-1]), model.lm_head_weight(),
-                                   batch.input_ids[:, 1:seq_len].reshape(-1), impl=self.impl)
+        lp_doc, _ = model.token_logprobs(doc_hidden, batch.input_ids[:, 1:seq_len], impl=self.impl)
         cm = batch.ce_mask[:, 1:]
-        ce = cross_entropy_loss(lp_doc.reshape(n, seq_len - 1), cm) * jnp.sum(cm) / jnp.maximum(1.0, normalizers[1])
+        ce = cross_entropy_loss(lp_doc, cm) * jnp.sum(cm) / jnp.maximum(1.0, normalizers[1])
         loss = self.rl_coef * rl + (self.ce_coef * ce if self.ce_coef else 0.0)
         diff = jnp.sum(jnp.abs(jax.lax.stop_gradient(lp) - batch.sampler_logprobs) * m) / jnp.maximum(1.0, normalizers[0])
         return loss, {"ebft/rl_loss": rl, "ebft/ce_loss": ce, "sampling/logp_diff": diff}

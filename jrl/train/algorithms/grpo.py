@@ -33,7 +33,6 @@ from jrl.data.pipeline import left_pad
 from jrl.envs import ENVIRONMENTS, EnvSteps, EpisodeRollout, join_episodes, run_episodes
 from jrl.envs.chat import observation_encoder
 from jrl.kernels._dispatch import backend as kernel_backend
-from jrl.kernels.logprobs import token_logprobs
 from jrl.losses import (
     GRPOConfig,
     LossInputs,
@@ -147,11 +146,8 @@ def completion_hidden(model, batch: StepBatch):
 def completion_logprobs(model, batch: StepBatch, *, temperature: float, impl: str = "auto",
                         with_entropy: bool = False):
     """(logπ [N, T], entropy [N, T] or None) of ``batch.completion_ids`` under ``model`` at ``temperature``."""
-    n, t = batch.completion_ids.shape
-    h = completion_hidden(model, batch)
-    lp, ent = token_logprobs(h.reshape(n * t, -1), model.lm_head_weight(), batch.completion_ids.reshape(n * t),
-                             temperature=temperature, with_entropy=with_entropy, impl=impl)
-    return lp.reshape(n, t), None if ent is None else ent.reshape(n, t)
+    return model.token_logprobs(completion_hidden(model, batch), batch.completion_ids, temperature=temperature,
+                                with_entropy=with_entropy, impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,16 +243,14 @@ def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
 def packed_logprobs(model, packed: PackedStep, *, temperature: float, impl: str, with_entropy: bool = False):
     """(logπ, entropy or None) [R·S, T] of each sequence slot's completion tokens in packed rows: the ``impl``
     log-prob kernel over each row's scored columns, gathered into the padded layout."""
-    r, c = packed.scored.shape
-    _, s, t = packed.gather.shape
+    r, s, t = packed.gather.shape
     hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids, max_segments=s + 1)
     scored = jnp.take_along_axis(hidden, packed.scored[:, :, None], axis=1)  # [R, C, H]
-    lp, ent = token_logprobs(scored.reshape(r * c, -1), model.lm_head_weight(), packed.targets.reshape(r * c),
-                             temperature=temperature, with_entropy=with_entropy, impl=impl)
+    lp, ent = model.token_logprobs(scored, packed.targets, temperature=temperature, with_entropy=with_entropy,
+                                   impl=impl)
 
     def per_slot(x):
-        return None if x is None else jnp.take_along_axis(x.reshape(r, c), packed.gather.reshape(r, s * t),
-                                                          axis=1).reshape(r * s, t)
+        return None if x is None else jnp.take_along_axis(x, packed.gather.reshape(r, s * t), axis=1).reshape(r * s, t)
 
     return per_slot(lp), per_slot(ent)
 

@@ -1,4 +1,5 @@
-"""Expert parallelism: a mixture-of-experts block whose experts are split over a mesh axis.
+"""A mixture-of-experts block on a mesh: expert parallelism (the experts split over a mesh axis), and the routed
+experts computed per device on a ``data``/``fsdp`` mesh (:func:`moe_per_device`).
 
 Each device routes its own tokens, sorts their (token, expert) copies by expert and sends every expert
 shard its rows with one ``all_to_all`` over the expert axis; the shard regroups what it received by local
@@ -11,6 +12,12 @@ every row to one shard without dropping any (a padded ``all_to_all``: a device s
 slots, mostly empty; ``jax.lax.ragged_all_to_all`` would send only the rows but has no CPU
 implementation, so it is not used yet). The expert MLP width may be split too (``expert_mlp`` on the
 ``tensor`` axis): the down projection's partial sums are added over that axis.
+
+Without an expert axis, on a mesh of ``data`` and ``fsdp`` axes, each device routes and sorts its own tokens and
+runs them through the whole experts (their weights gathered, as any FSDP weight's, the gradient reduce-scattered
+back).
+Left to XLA's partitioner the block sorts the batch's tokens globally (all-reduces of token-sized arrays), and the
+grouped matmul, a custom call on GPUs that the partitioner cannot split, would run every token on every device.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jrl.kernels.moe import permute, unpermute
+from jrl.sharding.collectives import gather_shards, only_axes, spec_gathers
 from jrl.sharding.rules import DEFAULT_RULES, logical_to_spec
 
 #: ``experts(rows [R, H], group_sizes [E_local], *expert_params) -> [R, H]``: the expert MLP on rows sorted by
@@ -83,6 +91,38 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
         perm = permute(xf, ids.reshape(-1, ids.shape[-1]), num_experts)
         y_sorted = _exchange(perm.sorted_x, perm.group_sizes, experts, params, axis=axis, ep=ep,
                              mlp_axes=tuple(mlp_axes))
+        return unpermute(y_sorted, perm, weights.reshape(-1, weights.shape[-1])).reshape(shape)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
+                         out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
+
+
+def per_device_tokens(mesh: Mesh | None, rules: Mapping | None, shape: tuple[int, ...]) -> P | None:
+    """The token spec of :func:`moe_per_device` for tokens of ``shape`` [B, S, H], or None where it does not apply:
+    no mesh, mesh axes other than ``data``/``fsdp``, or tokens that the rules leave whole."""
+    if mesh is None or not only_axes(mesh, ("data", "fsdp")):
+        return None
+    spec = logical_to_spec(_TOKENS, mesh, None if rules is None else dict(rules), shape)
+    return spec if any(entry is not None for entry in spec) else None
+
+
+def moe_per_device(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, experts: ExpertsFn,
+                   params: tuple[jax.Array, ...], param_axes: tuple[tuple[str | None, ...], ...], *,
+                   num_experts: int, mesh: Mesh, rules: Mapping | None, token_spec: P) -> jax.Array:
+    """The MoE output [B, S, H] for ``x`` [B, S, H] (split as ``token_spec``, :func:`per_device_tokens`) routed to
+    ``expert_ids`` [B, S, K] with ``router_weights`` [B, S, K]: each device sorts its own tokens by expert and runs
+    ``experts`` on them with every expert's parameters (logical axes ``param_axes``) gathered whole; their gradients
+    are reduce-scattered back (module docstring)."""
+    route_spec = P(*token_spec[:2], None)
+    rules = None if rules is None else dict(rules)
+    param_specs = tuple(logical_to_spec(axes, mesh, rules, p.shape) for p, axes in zip(params, param_axes))
+    gathers = tuple(spec_gathers(spec, p.ndim) for spec, p in zip(param_specs, params))
+
+    def local(x, weights, ids, *shards):
+        whole = [gather_shards(w, g) if g else w for w, g in zip(shards, gathers)]
+        shape = x.shape
+        perm = permute(x.reshape(-1, shape[-1]), ids.reshape(-1, ids.shape[-1]), num_experts)
+        y_sorted = experts(perm.sorted_x, perm.group_sizes, *whole)
         return unpermute(y_sorted, perm, weights.reshape(-1, weights.shape[-1])).reshape(shape)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),

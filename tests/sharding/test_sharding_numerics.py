@@ -101,6 +101,17 @@ def test_expert_parallel_block_exchanges_tokens_by_all_to_all(result):
     assert all(n < tokens for op in ("all-gather", "all-reduce") for n in found.get(op, [])), (found, tokens)
 
 
+def test_gathered_experts_block_keeps_each_devices_tokens(result):
+    """Without an expert axis (fsdp=8) each device routes and computes its own tokens against the gathered experts:
+    the collectives are the weights' gathers and their gradients' reduce-scatters, none larger than the block's
+    parameters (left to XLA's partitioner, the block sorted the batch's tokens globally: all-reduces of
+    tokens x top-k elements)."""
+    r = result["moe_collectives_fsdp8"]
+    found, params = r["collectives"], r["param_elements"]
+    assert not found.get("all-to-all") and found.get("reduce-scatter"), found  # the experts' gradients scattered
+    assert all(n <= params for op in ("all-gather", "all-reduce") for n in found.get(op, [])), (found, params)
+
+
 @pytest.mark.parametrize("mesh_name, shards", [("fsdp8", 8), ("data2_fsdp2_tensor2", 4)])
 def test_measured_memory_of_a_larger_model(result, mesh_name, shards):
     """~4.1M parameters (16 MB float32): each device holds total / shards (+ the replicated norm scales)."""

@@ -170,18 +170,18 @@ def main() -> None:
         }
     out["timing"]["memory"] = time.time() - t
     t = time.time()
-    out["moe_collectives"] = moe_block_collectives()
+    out["moe_collectives"] = moe_block_collectives(S.MeshConfig(expert=4, fsdp=2))
+    out["moe_collectives_fsdp8"] = moe_block_collectives(S.MeshConfig(fsdp=8))
     out["timing"]["moe_collectives"] = time.time() - t
     out["timing"]["total"] = time.time() - t0
     print(json.dumps(out))
 
 
-def moe_block_collectives() -> dict:
-    """The collectives XLA compiles for one MoE block's forward and backward with the experts split
-    (expert=4, fsdp=2): op -> the element counts of their results; and the element count of the tokens."""
+def moe_block_collectives(cfg) -> dict:
+    """The collectives XLA compiles for one MoE block's forward and backward on the mesh of ``cfg``: op -> the
+    element counts of their results; and the element counts of the tokens and of the block's parameters."""
     from jrl.models.moe import MoE
 
-    cfg = S.MeshConfig(expert=4, fsdp=2)
     mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
     config = common.CONFIGS["moe"]
     block = S.shard_model(MoE(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
@@ -198,7 +198,8 @@ def moe_block_collectives() -> dict:
             elems = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([\d,]*)\]",
                                                                                           m.group(1))]
             found.setdefault(m.group(2), []).append(sum(elems))
-    return dict(collectives=found, token_elements=math.prod(shape))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(block, nnx.Param)))
+    return dict(collectives=found, token_elements=math.prod(shape), param_elements=int(params))
 
 
 if __name__ == "__main__":

@@ -45,10 +45,12 @@ AXES = ("data", "fsdp")
 UNROLL = 2
 
 
-def explicit_axes(config, mesh: Mesh | None, rules: Mapping | None, rows: int) -> tuple[str, ...] | None:
+def explicit_axes(config, mesh: Mesh | None, rules: Mapping | None, rows: int, *,
+                  layers: bool = True) -> tuple[str, ...] | None:
     """The batch axes of the per-device path when it applies to ``rows`` rows on ``mesh``: ``config.fsdp_prefetch``,
-    a dense model, only ``data``/``fsdp`` axes with ``fsdp`` > 1, and rows that divide among the batch axes."""
-    if mesh is None or not config.fsdp_prefetch or config.is_moe or not only_axes(mesh, AXES):
+    only ``data``/``fsdp`` axes with ``fsdp`` > 1, rows that divide among the batch axes, and for the decoder
+    ``layers`` a dense model (the head runs per device for MoE models too)."""
+    if mesh is None or not config.fsdp_prefetch or (layers and config.is_moe) or not only_axes(mesh, AXES):
         return None
     if mesh.shape.get("fsdp", 1) == 1:
         return None

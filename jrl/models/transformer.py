@@ -399,7 +399,7 @@ class Transformer(nnx.Module):
         """:func:`jrl.kernels.logprobs.fused_head_loss` of ``hidden`` [R, T, H] predicting ``targets`` [R, T] under
         this model's LM head: (loss, logp [R, T], entropy or None). On a ``data``/``fsdp`` mesh each device computes
         its own rows against the gathered head (:func:`jrl.models.fsdp.head_loss`)."""
-        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), hidden.shape[0])
+        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), hidden.shape[0], layers=False)
         if axes is None:
             return fused_head_loss(hidden, self.lm_head_weight(), targets, row_loss, rows, aux,
                                    temperature=temperature, with_entropy=with_entropy)
@@ -416,7 +416,7 @@ class Transformer(nnx.Module):
         ``data``/``fsdp`` mesh each device computes its own rows against the gathered head
         (:func:`jrl.models.fsdp.token_logprobs`)."""
         r, t = targets.shape
-        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), r)
+        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), r, layers=False)
         if axes is None:
             lp, ent = token_logprobs(hidden.reshape(r * t, -1), self.lm_head_weight(), targets.reshape(r * t),
                                      temperature=temperature, with_entropy=with_entropy, impl=impl)

@@ -67,6 +67,19 @@ def main():
     keep[:2] = False
     skipped = again.accumulate([term._replace(keep=keep)])[2]
     later_programs = learner_module._micro._cache_size() - before
+    # An MoE model on the same mesh: its head (the loss-fused one, and the log-prob kernel of old / reference
+    # log-probs) runs per device too, with gradients equal to one device's.
+    moe = tiny_config(model_type="qwen3_moe", qk_norm=True, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16)
+    moe_grads = {}
+    for name, m, o in (("mesh", mesh, OptimConfig(micro_batch_size=4)), ("single", None, OptimConfig())):
+        learner = Learner(create_model(moe, seed=1, mesh=m, rules=rules if m else None), o, total_updates=2, mesh=m,
+                          rules=rules if m else None)
+        update = PolicyUpdate(algo, learner, temperature=1.0, num_iterations=1, impl="auto", loss_head="fused")
+        moe_grads[name] = learner.accumulate([update.policy_term(learner, batch)])[0]
+        moe_grads[name + "_old"] = learner.evaluate(update.logprobs, batch)
+    moe_err = dict(grad=max_rel_err(moe_grads["mesh"], moe_grads["single"]),
+                   old_logprobs=float(np.abs(moe_grads["mesh_old"] - moe_grads["single_old"]).max()))
     packed = {}
     for mb in (2, None):  # micro-batches of 2 packed rows; one micro-batch of a power of two of rows
         packing = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules),
@@ -84,7 +97,7 @@ def main():
                           loss=[float(sum(c2["loss"])), float(c1["loss"][0])], param_devices=devices,
                           grad_norm=[m2["grad_norm"], m1["grad_norm"]], packed=packed,
                           micro_programs=micro_programs, grad_layout=grad_layout, later_programs=later_programs,
-                          later_skipped=int(skipped), kernel_rows=sorted(kernel_rows.rows),
+                          later_skipped=int(skipped), kernel_rows=sorted(kernel_rows.rows), moe_err=moe_err,
                           micro_batches=len(c2["loss"]))))
 
 

@@ -146,6 +146,8 @@ def test_sharded_step_equals_single_device():
     # the log-prob kernel runs on each device's rows: a micro-batch of 4 rows x 6 tokens as 2 x 6 per device, never
     # as the whole 24 (a custom call on GPUs, which XLA's partitioner would run on every row on every device)
     assert 12 in out["kernel_rows"] and 24 not in out["kernel_rows"], out["kernel_rows"]
+    # an MoE model's head runs per device as well: the same gradient and old log-probs as on one device
+    assert out["moe_err"]["grad"] <= 1e-5 and out["moe_err"]["old_logprobs"] <= 1e-5, out["moe_err"]
     assert out["grad_err"] <= 1e-5 and out["param_err"] <= 1e-5
     assert out["loss"][0] == pytest.approx(out["loss"][1], rel=1e-5)
     assert out["grad_norm"][0] == pytest.approx(out["grad_norm"][1], rel=1e-5)

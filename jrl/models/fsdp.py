@@ -18,8 +18,8 @@ head weight; the head's gradient is summed over the rows of a device and reduce-
 Without this, XLA's partitioner gathers each layer's weights in the iteration that uses them and keeps them for the
 backward, and splits the head matmul on the hidden dimension with float32 all-reduces of every chunk's logits:
 ``benchmarks/RESULTS.md`` ("Scale-out") has the profiles. Both paths compute the same function; the automatic one
-is the reference the tests compare with, and the one used for meshes with ``tensor`` or ``expert`` axes and MoE
-models.
+is the reference the tests compare with, and the one used for meshes with ``tensor`` or ``expert`` axes and for
+MoE models' layers (their head runs per device too).
 """
 
 from __future__ import annotations

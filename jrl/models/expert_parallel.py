@@ -40,6 +40,16 @@ ExpertsFn = Callable[..., jax.Array]
 _TOKENS = ("batch", "activation_length", None)
 
 
+def routed(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, num_experts: int,
+           run: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """The routed experts' weighted sum for tokens ``x`` [..., H] sent to ``expert_ids`` [..., K] with
+    ``router_weights`` [..., K]: their (token, expert) copies sorted by expert go through ``run(sorted_rows,
+    group_sizes)`` and come back summed per token."""
+    k = expert_ids.shape[-1]
+    perm = permute(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k), num_experts)
+    return unpermute(run(perm.sorted_x, perm.group_sizes), perm, router_weights.reshape(-1, k)).reshape(x.shape)
+
+
 def expert_axis(mesh: Mesh | None, rules: Mapping | None, expert_shape: tuple[int, ...],
                 expert_axes: tuple[str | None, ...]) -> str | None:
     """The mesh axis the experts of a parameter with ``expert_axes`` (logical names) are split over, or
@@ -86,12 +96,8 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
     route_spec = P(*token_spec[:2], None)
 
     def local(x, weights, ids, *params):
-        shape = x.shape
-        xf = x.reshape(-1, shape[-1])
-        perm = permute(xf, ids.reshape(-1, ids.shape[-1]), num_experts)
-        y_sorted = _exchange(perm.sorted_x, perm.group_sizes, experts, params, axis=axis, ep=ep,
-                             mlp_axes=tuple(mlp_axes))
-        return unpermute(y_sorted, perm, weights.reshape(-1, weights.shape[-1])).reshape(shape)
+        return routed(x, weights, ids, num_experts, lambda rows, counts: _exchange(
+            rows, counts, experts, params, axis=axis, ep=ep, mlp_axes=tuple(mlp_axes)))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
                          out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
@@ -102,7 +108,7 @@ def per_device_tokens(mesh: Mesh | None, rules: Mapping | None, shape: tuple[int
     no mesh, mesh axes other than ``data``/``fsdp``, or tokens that the rules leave whole."""
     if mesh is None or not only_axes(mesh, ("data", "fsdp")):
         return None
-    spec = logical_to_spec(_TOKENS, mesh, None if rules is None else dict(rules), shape)
+    spec = logical_to_spec(_TOKENS, mesh, rules, shape)
     return spec if any(entry is not None for entry in spec) else None
 
 
@@ -114,16 +120,12 @@ def moe_per_device(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Arra
     ``experts`` on them with every expert's parameters (logical axes ``param_axes``) gathered whole; their gradients
     are reduce-scattered back (module docstring)."""
     route_spec = P(*token_spec[:2], None)
-    rules = None if rules is None else dict(rules)
     param_specs = tuple(logical_to_spec(axes, mesh, rules, p.shape) for p, axes in zip(params, param_axes))
     gathers = tuple(spec_gathers(spec, p.ndim) for spec, p in zip(param_specs, params))
 
     def local(x, weights, ids, *shards):
         whole = [gather_shards(w, g) if g else w for w, g in zip(shards, gathers)]
-        shape = x.shape
-        perm = permute(x.reshape(-1, shape[-1]), ids.reshape(-1, ids.shape[-1]), num_experts)
-        y_sorted = experts(perm.sorted_x, perm.group_sizes, *whole)
-        return unpermute(y_sorted, perm, weights.reshape(-1, weights.shape[-1])).reshape(shape)
+        return routed(x, weights, ids, num_experts, lambda rows, counts: experts(rows, counts, *whole))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
                          out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)

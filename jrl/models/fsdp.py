@@ -94,20 +94,32 @@ def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask,
     return fn(values, x, positions, mask)
 
 
+def _head_gather(weight: nnx.Variable, mesh: Mesh, rules: Mapping, dtype: str | None, reduce_dtype: str | None,
+                 transpose: bool) -> tuple[PartitionSpec, Callable[[jax.Array], jax.Array]]:
+    """(the head ``weight``'s spec, the per-device function from its shard to the whole head [H, V] in ``dtype``
+    (None: its own), the gradient reduce-scattered in ``reduce_dtype``)."""
+    spec = variable_spec(weight, mesh, rules)
+    gathers = spec_gathers(spec, weight.get_value().ndim)
+
+    def whole(shard):
+        w = gather_shards(shard, gathers, dtype, reduce_dtype) if gathers else shard.astype(dtype or shard.dtype)
+        return w.T if transpose else w
+
+    return spec, whole
+
+
 def head_loss(weight: nnx.Variable, transpose: bool, hidden: jax.Array, targets: jax.Array, row_loss: Callable, rows,
               aux, *, mesh: Mesh, rules: Mapping, axes: tuple[str, ...], dtype: str, reduce_dtype: str | None,
               temperature: float, with_entropy: bool):
     """:func:`jrl.kernels.logprobs.fused_head_loss` of each device's rows against the gathered head ``weight`` (the
     embedding [V, H] with ``transpose``, else the head kernel [H, V]); the loss summed over the devices, log-probs and
     entropies split like the rows (module docstring)."""
-    spec = variable_spec(weight, mesh, rules)
-    gathers = spec_gathers(spec, weight.get_value().ndim)
+    spec, whole = _head_gather(weight, mesh, rules, dtype, reduce_dtype, transpose)
     split = PartitionSpec(axes)
 
     def per_device(w, hidden, targets, rows, aux):
-        w = gather_shards(w, gathers, dtype, reduce_dtype) if gathers else w.astype(dtype)
-        loss, lp, ent = fused_head_loss(hidden, w.T if transpose else w, targets, row_loss, rows, aux,
-                                        temperature=temperature, with_entropy=with_entropy)
+        loss, lp, ent = fused_head_loss(hidden, whole(w), targets, row_loss, rows, aux, temperature=temperature,
+                                        with_entropy=with_entropy)
         return loss[None], lp, ent
 
     fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
@@ -125,14 +137,12 @@ def token_logprobs(weight: nnx.Variable, transpose: bool, hidden: jax.Array, tar
     [R, T] against the gathered head ``weight`` (in its own dtype, as the one-device call reads it): (log-probs
     [R, T], entropies [R, T] or None), split like the rows. The log-prob kernel is a custom call on GPUs, which XLA's
     partitioner cannot split: left to it, every device would compute every row's log-probs."""
-    spec = variable_spec(weight, mesh, rules)
-    gathers = spec_gathers(spec, weight.get_value().ndim)
+    spec, whole = _head_gather(weight, mesh, rules, None, reduce_dtype, transpose)
     split = PartitionSpec(axes)
 
     def per_device(w, hidden, targets):
-        w = gather_shards(w, gathers, None, reduce_dtype) if gathers else w
         r, t, h = hidden.shape
-        lp, ent = kernel_token_logprobs(hidden.reshape(r * t, h), w.T if transpose else w, targets.reshape(r * t),
+        lp, ent = kernel_token_logprobs(hidden.reshape(r * t, h), whole(w), targets.reshape(r * t),
                                         temperature=temperature, with_entropy=with_entropy, impl=impl)
         return (lp.reshape(r, t), ent.reshape(r, t)) if with_entropy else lp.reshape(r, t)
 
@@ -140,4 +150,3 @@ def token_logprobs(weight: nnx.Variable, transpose: bool, hidden: jax.Array, tar
                        out_specs=(split, split) if with_entropy else split)
     out = fn(weight.get_value(), hidden, targets)
     return out if with_entropy else (out, None)
-

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrl.kernels.moe import gmm, permute, unpermute
+from jrl.kernels.moe import gmm
 from jrl.models.config import ModelConfig
-from jrl.models.expert_parallel import expert_axis, moe_expert_parallel, moe_per_device, per_device_tokens
+from jrl.models.expert_parallel import expert_axis, moe_expert_parallel, moe_per_device, per_device_tokens, routed
 from jrl.models import router_stats
 from jrl.models.layers import MLP, FrozenParam, Linear, normal_init
 from jrl.models.router_stats import RouterStats
@@ -145,7 +145,4 @@ class MoE(nnx.Module):
         if token_spec is not None:
             return moe_per_device(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
                                   mesh=self.mesh, rules=rules, token_spec=token_spec)
-        xf = x.reshape(-1, x.shape[-1])
-        perm = permute(xf, idx.reshape(-1, c.num_experts_per_tok), c.num_experts)
-        y = self.experts.compute(perm.sorted_x, perm.group_sizes, *params)
-        return unpermute(y, perm, weights.reshape(-1, c.num_experts_per_tok)).reshape(x.shape)
+        return routed(x, weights, idx, c.num_experts, lambda rows, counts: self.experts.compute(rows, counts, *params))

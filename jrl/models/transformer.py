@@ -391,6 +391,11 @@ class Transformer(nnx.Module):
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
+    def _head_param(self) -> tuple[nnx.Variable, bool]:
+        """The LM head's variable and whether it is the (tied) embedding [V, H], to be transposed."""
+        tied = self.lm_head is None
+        return (self.embed.embedding if tied else self.lm_head.kernel), tied
+
     def _rules(self) -> dict:
         return DEFAULT_RULES if self.rules is None else dict(self.rules)
 
@@ -403,9 +408,8 @@ class Transformer(nnx.Module):
         if axes is None:
             return fused_head_loss(hidden, self.lm_head_weight(), targets, row_loss, rows, aux,
                                    temperature=temperature, with_entropy=with_entropy)
-        tied = self.lm_head is None
-        return fsdp.head_loss(self.embed.embedding if tied else self.lm_head.kernel, tied, hidden, targets, row_loss,
-                              rows, aux, mesh=self.mesh, rules=self._rules(), axes=axes, dtype=self.config.dtype,
+        return fsdp.head_loss(*self._head_param(), hidden, targets, row_loss, rows, aux, mesh=self.mesh,
+                              rules=self._rules(), axes=axes, dtype=self.config.dtype,
                               reduce_dtype=self.config.grad_reduce_dtype, temperature=temperature,
                               with_entropy=with_entropy)
 
@@ -421,9 +425,7 @@ class Transformer(nnx.Module):
             lp, ent = token_logprobs(hidden.reshape(r * t, -1), self.lm_head_weight(), targets.reshape(r * t),
                                      temperature=temperature, with_entropy=with_entropy, impl=impl)
             return lp.reshape(r, t), None if ent is None else ent.reshape(r, t)
-        tied = self.lm_head is None
-        return fsdp.token_logprobs(self.embed.embedding if tied else self.lm_head.kernel, tied, hidden, targets,
-                                   mesh=self.mesh, rules=self._rules(), axes=axes,
+        return fsdp.token_logprobs(*self._head_param(), hidden, targets, mesh=self.mesh, rules=self._rules(), axes=axes,
                                    reduce_dtype=self.config.grad_reduce_dtype, temperature=temperature,
                                    with_entropy=with_entropy, impl=impl)
 

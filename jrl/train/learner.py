@@ -329,7 +329,6 @@ class Learner:
         self.lora = has_lora(model)
         graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
         self._params, self._frozen = Flat.of(_respelled(params)), Flat.of(frozen)
-        self._layouts: Static | None = None  # cache of _layout
         self._static_graphdef = Static(graphdef)
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
@@ -353,10 +352,7 @@ class Learner:
         """The shardings of the trainable parameters on the mesh (None without one): their gradients' too."""
         if self.mesh is None:
             return None
-        shardings = tuple(x.sharding for x in self._params.leaves)
-        if self._layouts is None or self._layouts.value != shardings:
-            self._layouts = Static(shardings)
-        return self._layouts
+        return Static(tuple(x.sharding for x in self._params.leaves))
 
     def block_until_ready(self) -> None:
         """Wait until the weights of the last update are computed (without rebuilding their pytree)."""

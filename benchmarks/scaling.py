@@ -27,11 +27,12 @@ layouts over every device run; process 0 reports.
 ``moe``: one MoE layer (defaults: Qwen3-30B-A3B's, E=128, top-8, hidden 2048, expert 768) with
 ``--tokens-per-device`` tokens per device, forward + backward time (gradients of every weight and the input) on
 one device, on ``n`` devices with the experts gathered over ``fsdp`` (``expert=1``), and with ``expert=n``
-(expert parallelism, tokens exchanged by all-to-all); and the time of one dispatch alone (``exchange``).
+(expert parallelism: the tokens gathered over ``expert``); and the time of one dispatch alone (``exchange``).
 
-``exchange``: one device's dispatch of ``tokens x top_k`` rows on ``expert=n``: the padded ``all_to_all`` of
-``jrl.models.expert_parallel`` (each device sends ``n x tokens x top_k`` row slots; it runs twice per forward)
-against ``jax.lax.ragged_all_to_all`` (only the routed rows move; its placement is checked first).
+``exchange``: one device's dispatch of ``tokens`` tokens to ``expert=n``: the all-gather of the tokens that
+``jrl.models.expert_parallel`` runs, against a padded ``all_to_all`` of their ``tokens x top_k`` rows (``n x tokens
+x top_k`` row slots sent) and ``jax.lax.ragged_all_to_all`` (only the routed rows move; its placement is checked
+first).
 
     python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --layouts fsdp,data,hsdp:2 --out scaling.jsonl
     python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
@@ -185,10 +186,12 @@ def _gib(x) -> float | None:
 
 
 def exchange_times(mesh, args) -> dict:
-    """One device's dispatch of ``tokens x top_k`` rows of ``hidden`` (bf16) to the ``expert`` axis, routed
-    uniformly: the padded ``all_to_all`` of ``jrl.models.expert_parallel`` (``ep x rows`` slots sent) against
-    ``jax.lax.ragged_all_to_all`` (only the rows move, into a receive buffer sized for the worst case), whose
-    placement is checked (float32, small rows) before it is timed. Milliseconds and MiB sent per device."""
+    """One device's dispatch of ``tokens`` tokens (``tokens x top_k`` rows of ``hidden``, bf16) to the ``expert``
+    axis, routed uniformly, three ways: the all-gather of the tokens that :mod:`jrl.models.expert_parallel` runs
+    (each token moves once; its reduce-scatter back moves as much), a padded ``all_to_all`` (``ep x rows`` slots
+    sent: dropless without a ragged exchange), and ``jax.lax.ragged_all_to_all`` (only the rows move, into a
+    receive buffer sized for the worst case), whose placement is checked (float32, small rows) before it is timed.
+    Milliseconds and MiB sent per device."""
     import functools
 
     import jax
@@ -210,8 +213,19 @@ def exchange_times(mesh, args) -> dict:
                                          jnp.arange(ep, dtype=jnp.int32) * share, sizes,
                                          jnp.full((ep,), me * share, jnp.int32), sizes, axis_name="expert")
 
-    ragged = jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
     spec = NamedSharding(mesh, P("expert"))
+    mib = rows * args.hidden * 2 / 2**20
+    gather = jax.jit(jax.shard_map(functools.partial(jax.lax.all_gather, axis_name="expert", axis=0, tiled=True),
+                                   mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+    out = dict(token_all_gather_mib_per_device=round(mib / args.top_k * (ep - 1), 1),
+               padded_all_to_all_mib_per_device=round(ep * mib, 1), ragged_all_to_all_mib_per_device=round(mib, 1))
+    out["token_all_gather_ms"] = round(C.bench(gather, jax.device_put(
+        jnp.ones((ep * args.tokens_per_device, args.hidden), jnp.bfloat16), spec))["ms"], 3)
+    out["padded_all_to_all_ms"] = round(C.bench(padded, jax.device_put(
+        jnp.ones((ep * ep, rows, args.hidden), jnp.bfloat16), spec))["ms"], 3)
+    if jax.default_backend() == "cpu":  # XLA:CPU has no ragged all-to-all
+        return out
+    ragged = jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
     small = 4 * ep
     probe = jnp.arange(ep * small * 8, dtype=jnp.float32).reshape(ep * small, 8)
     got = ragged(jax.device_put(probe, spec)).reshape(ep, ep * small, 8)
@@ -221,10 +235,6 @@ def exchange_times(mesh, args) -> dict:
             want = probe[s * small + d * share:s * small + (d + 1) * share]
             if not bool(jnp.array_equal(got[d, s * share:(s + 1) * share], want)):
                 raise SystemExit(f"ragged_all_to_all placed source {s}'s rows for device {d} wrongly")
-    mib = rows * args.hidden * 2 / 2**20
-    out = dict(padded_all_to_all_mib_per_device=round(ep * mib, 1), ragged_all_to_all_mib_per_device=round(mib, 1))
-    out["padded_all_to_all_ms"] = round(C.bench(padded, jax.device_put(
-        jnp.ones((ep * ep, rows, args.hidden), jnp.bfloat16), spec))["ms"], 3)
     out["ragged_all_to_all_ms"] = round(C.bench(ragged, jax.device_put(
         jnp.ones((ep * rows, args.hidden), jnp.bfloat16), spec))["ms"], 3)
     return out

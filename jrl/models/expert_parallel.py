@@ -1,17 +1,17 @@
 """A mixture-of-experts block on a mesh: expert parallelism (the experts split over a mesh axis), and the routed
 experts computed per device on a ``data``/``fsdp`` mesh (:func:`moe_per_device`).
 
-Each device routes its own tokens, sorts their (token, expert) copies by expert and sends every expert
-shard its rows with one ``all_to_all`` over the expert axis; the shard regroups what it received by local
-expert, runs its experts (grouped matmuls) and sends the rows back the same way. No device ever sees
-another device's tokens it does not compute for, and the expert weights stay split (the default rules
-gather them over ``fsdp`` only, as any FSDP weight).
-
-Dispatch is dropless: the buffer each device sends to a shard holds all of its rows, so routing can send
-every row to one shard without dropping any (a padded ``all_to_all``: a device sends ``ep x rows``
-slots, mostly empty; ``jax.lax.ragged_all_to_all`` would send only the rows but has no CPU
-implementation, so it is not used yet). The expert MLP width may be split too (``expert_mlp`` on the
-``tensor`` axis): the down projection's partial sums are added over that axis.
+Each device gathers the tokens (and their routing) of the devices along the expert axis, runs its own experts on
+the rows routed to them and hands every token's summed partial outputs back to the device that owns it
+(reduce-scatter, float32); in the backward the same two collectives run the other way. A device moves its tokens
+once, not once per chosen expert: ``(ep - 1) x tokens`` rows each way, against ``top_k`` copies of each token for
+an all-to-all dispatch, which the padded form (dropless without a ragged exchange) multiplies by ``ep`` again.
+Up to ``ep = top_k`` devices (Qwen3-MoE: top-8) this is the least traffic of the three; beyond, a ragged
+all-to-all would send less, but ``jax.lax.ragged_all_to_all`` ran 12-54x slower than the padded one on H100s with
+jax 0.11.2 and has no CPU implementation. Dispatch is dropless: a device sorts all ``ep x tokens x top_k`` rows of
+its peers' tokens, the rows of other devices' experts last, past its groups, where the grouped matmul skips them.
+The expert MLP width may be split too (``expert_mlp`` on the ``tensor`` axis): the down projection's partial sums
+are added over that axis.
 
 Without an expert axis, on a mesh of ``data`` and ``fsdp`` axes, each device routes and sorts its own tokens and
 runs them through the whole experts (their weights gathered, as any FSDP weight's, the gradient reduce-scattered
@@ -96,8 +96,8 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
     route_spec = P(*token_spec[:2], None)
 
     def local(x, weights, ids, *params):
-        return routed(x, weights, ids, num_experts, lambda rows, counts: _exchange(
-            rows, counts, experts, params, axis=axis, ep=ep, mlp_axes=tuple(mlp_axes)))
+        return _local_experts(x, weights, ids, experts, params, axis=axis, ep=ep, num_experts=num_experts,
+                              tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
                          out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
@@ -131,30 +131,21 @@ def moe_per_device(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Arra
                          out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
 
 
-def _exchange(sorted_x: jax.Array, counts: jax.Array, experts: ExpertsFn, params, *, axis: str, ep: int,
-              mlp_axes: tuple[str, ...]) -> jax.Array:
-    """One device's rows ``sorted_x`` [R, H] (sorted by global expert, ``counts`` [E] per expert) through their
-    experts on the shards that own them, back in the same order."""
-    rows, hidden = sorted_x.shape
-    local_experts = counts.shape[0] // ep
-    # Where each of my rows goes: shard ``dest`` (experts are contiguous per shard), slot ``slot`` there.
-    send_sizes = counts.reshape(ep, local_experts).sum(axis=1)
-    send_ends = jnp.cumsum(send_sizes)
-    dest = jnp.searchsorted(send_ends, jnp.arange(rows), side="right")
-    slot = jnp.arange(rows) - (send_ends - send_sizes)[dest]
-    outbox = jnp.zeros((ep, rows, hidden), sorted_x.dtype).at[dest, slot].set(sorted_x)
-    inbox = jax.lax.all_to_all(outbox, axis, 0, 0)  # inbox[s]: rows source s sent me, sorted by local expert
-    # Rows per (source, local expert): the sources' counts of my experts.
-    me = jax.lax.axis_index(axis)
-    all_counts = jax.lax.all_gather(counts, axis)  # [ep, E]
-    recv_counts = jax.lax.dynamic_slice_in_dim(all_counts, me * local_experts, local_experts, axis=1)
-    recv_ends = jnp.cumsum(recv_counts, axis=1)
-    local_expert = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(rows), side="right"))(recv_ends)
-    order = jnp.argsort(local_expert.reshape(-1), stable=True)  # padding (= local_experts) sorts last
-    grouped = jnp.take(inbox.reshape(ep * rows, hidden), order, axis=0)
-    y = experts(grouped, recv_counts.sum(axis=0).astype(jnp.int32), *params)
+def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: ExpertsFn, params, *, axis: str,
+                   ep: int, num_experts: int, tokens_split: bool, mlp_axes: tuple[str, ...]) -> jax.Array:
+    """One device's tokens ``x`` [B, S, H] (routed to ``ids`` [B, S, K] with ``weights``) through every expert: the
+    tokens of the devices along ``axis`` gathered (when ``tokens_split``), each device runs its own experts on the
+    rows routed to them (the other rows sort last, past the groups, weighted 0), and the partial sums of every
+    token's experts are added over ``axis`` and handed back to the device that owns the token."""
+    local_count = num_experts // ep
+    if tokens_split:
+        x, weights, ids = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, ids))
+    local = ids - jax.lax.axis_index(axis) * local_count
+    mine = (local >= 0) & (local < local_count)
+    y = routed(x, jnp.where(mine, weights, 0), jnp.where(mine, local, local_count), local_count + 1,
+               lambda rows, counts: experts(rows, counts[:local_count], *params))
+    y = y.astype(jnp.float32)  # partial sums of a token's experts, added across devices in float32
+    y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
     if mlp_axes:
         y = jax.lax.psum(y, mlp_axes)
-    y_inbox = jnp.zeros_like(y).at[order].set(y).reshape(ep, rows, hidden)
-    returned = jax.lax.all_to_all(y_inbox, axis, 0, 0)  # returned[d]: my rows' outputs from shard d
-    return returned[dest, slot]
+    return y.astype(x.dtype)

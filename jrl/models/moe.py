@@ -4,8 +4,8 @@ them.
 On one device (or with the experts whole on every device) a block sorts its (token, expert) rows by expert
 and runs grouped matmuls (:mod:`jrl.kernels.moe`). When the mesh splits the experts (the ``expert``
 logical axis on a mesh axis of size > 1) the block runs expert-parallel
-(:func:`jrl.models.expert_parallel.moe_expert_parallel`): tokens travel to their experts' shards and back
-by all-to-all.
+(:func:`jrl.models.expert_parallel.moe_expert_parallel`): each device gathers its expert peers' tokens, runs
+its own experts on them and hands the outputs back by reduce-scatter.
 """
 
 from __future__ import annotations

@@ -449,8 +449,11 @@ class JaxRolloutEngine:
     def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
         out = self.paged_generation(prompt_ids, params, num_generations=num_generations, seed=seed)
         if out["preempted"]:
-            logger.info("paged sampler: %d rows gave their pages back and started again (pool of %d pages; "
-                        "rollout.kv.pages)", out["preempted"], out["pool"])
+            logger.warning("paged sampler: %d rows gave their pages back and started again (a pool of %d pages per "
+                           "device; the rows held at most %d pages, all devices together): their tokens are decoded "
+                           "twice; set rollout.kv.slots lower (fewer rows at once) or rollout.kv.pages higher where "
+                           "memory allows",
+                           out["preempted"], out["pool"], out["peak_pages"])
         return rollout_of(out, [prompt_ids[r // num_generations] for r in range(len(out["tokens"]))],
                           pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, version=out["version"])
 

@@ -25,7 +25,7 @@ MeshAxes = str | tuple[str, ...] | None
 #: shards dimension 0 of every parameter for the same reason. The embedding table keeps FSDP on ``embed``: split on
 #: the vocabulary, XLA's partitioning of the token lookup gathers the whole table and all-reduces its gradient. The
 #: batch is split over every axis but ``tensor``: with expert parallelism the attention and dense layers still use
-#: all devices, and the MoE layers exchange tokens between the expert shards.
+#: all devices, and the MoE layers gather tokens over the expert axis.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
     "activation_length": None,

@@ -7,6 +7,7 @@ one place."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -36,14 +37,16 @@ def _batch(model, prompts, params, kv, g=3, seed=7):
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe", "qwen2_bias", "mixtral_sliding"])
-def test_paged_logprobs_match_a_full_forward_with_few_slots_and_preemption(kind):
+def test_paged_logprobs_match_a_full_forward_with_few_slots_and_preemption(kind, caplog):
     model = tiny_model(kind, seed=3)
     prompts = random_prompts(np.random.default_rng(2), LENGTHS)
     params = SamplingParams(max_new_tokens=30, temperature=0.7, stop_token_ids=STOPS)
     kv = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=6, pages=16)
     out = _paged(model, prompts, params, kv)
     assert out["preempted"] > 0 and out["pool"] == 16
-    batch = _batch(model, prompts, params, kv)
+    with caplog.at_level(logging.WARNING, logger="jrl.rollout.jax_engine"):
+        batch = _batch(model, prompts, params, kv)
+    assert f"{out['preempted']} rows gave their pages back" in caplog.text and "rollout.kv.slots lower" in caplog.text
     assert np.array_equal(batch.completion_ids, out["tokens"])
     mask = batch.completion_mask.astype(bool)
     assert mask.any() and (~mask).any() and batch.truncated.any() and (~batch.truncated).any()

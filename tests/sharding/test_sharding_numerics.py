@@ -1,6 +1,6 @@
 """Sharded == unsharded: logits and gradients of tiny dense and MoE models on 8 fake CPU devices
 (meshes (1), (fsdp=8), (data=2, fsdp=2, tensor=2), and (expert=4, fsdp=2), (expert=2, fsdp=2, tensor=2)
-for MoE: expert-parallel, tokens exchanged by all-to-all; the MoE model with LoRA on its experts too) match the
+for MoE: expert-parallel, tokens gathered over the expert axis; the MoE model with LoRA on its experts too) match the
 single-device result, parameters are placed as the rules say, and per-device memory is what the
 shape-based report predicts. All of it runs in one child process (see workers/mesh_equivalence.py)."""
 
@@ -91,14 +91,17 @@ def test_measured_memory_per_device(result, case):
         assert total / 8 < measured < total / 2
 
 
-def test_expert_parallel_block_exchanges_tokens_by_all_to_all(result):
-    """The MoE block with experts split (expert=4, fsdp=2) sends tokens with all-to-all; nothing gathers the
-    tokens of several devices: every all-gather and all-reduce (expert weights over fsdp, routing counts, weight
-    gradients) is smaller than the batch's tokens, which the partitioner's global sort all-reduces."""
+def test_expert_parallel_block_gathers_tokens_over_the_expert_axis_only(result):
+    """The MoE block with experts split (expert=4, fsdp=2): a device gathers the tokens of the 4 devices that share
+    its fsdp index (tokens / fsdp elements), never the whole batch's, and hands their summed outputs back by
+    reduce-scatter; no all-to-all and no collective of tokens x top-k rows (the padded exchange it replaces sent
+    expert x tokens x top-k row slots)."""
     r = result["moe_collectives"]
     found, tokens = r["collectives"], r["token_elements"]
-    assert found.get("all-to-all"), found
-    assert all(n < tokens for op in ("all-gather", "all-reduce") for n in found.get(op, [])), (found, tokens)
+    assert not found.get("all-to-all"), found
+    assert tokens // 2 in found.get("all-gather", []) and tokens // 8 in found.get("reduce-scatter", []), found
+    assert all(n <= tokens // 2 for op in ("all-gather", "all-reduce", "reduce-scatter") for n in found.get(op, [])), \
+        (found, tokens)
 
 
 def test_gathered_experts_block_keeps_each_devices_tokens(result):

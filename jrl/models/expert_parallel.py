@@ -41,13 +41,14 @@ _TOKENS = ("batch", "activation_length", None)
 
 
 def routed(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, num_experts: int,
-           run: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+           run: Callable[[jax.Array, jax.Array], jax.Array], dtype=None) -> jax.Array:
     """The routed experts' weighted sum for tokens ``x`` [..., H] sent to ``expert_ids`` [..., K] with
     ``router_weights`` [..., K]: their (token, expert) copies sorted by expert go through ``run(sorted_rows,
-    group_sizes)`` and come back summed per token."""
+    group_sizes)`` and come back summed per token (in ``dtype``; default: ``run``'s output dtype)."""
     k = expert_ids.shape[-1]
     perm = permute(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k), num_experts)
-    return unpermute(run(perm.sorted_x, perm.group_sizes), perm, router_weights.reshape(-1, k)).reshape(x.shape)
+    return unpermute(run(perm.sorted_x, perm.group_sizes), perm, router_weights.reshape(-1, k),
+                     dtype).reshape(x.shape)
 
 
 def expert_axis(mesh: Mesh | None, rules: Mapping | None, expert_shape: tuple[int, ...],
@@ -142,9 +143,9 @@ def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Ex
         x, weights, ids = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, ids))
     local = ids - jax.lax.axis_index(axis) * local_count
     mine = (local >= 0) & (local < local_count)
+    # A token's partial sum over this device's experts stays float32 until the sums of every device are added.
     y = routed(x, jnp.where(mine, weights, 0), jnp.where(mine, local, local_count), local_count + 1,
-               lambda rows, counts: experts(rows, counts[:local_count], *params))
-    y = y.astype(jnp.float32)  # partial sums of a token's experts, added across devices in float32
+               lambda rows, counts: experts(rows, counts[:local_count], *params), dtype=jnp.float32)
     y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
     if mlp_axes:
         y = jax.lax.psum(y, mlp_axes)

@@ -29,12 +29,12 @@ def permute(x: jax.Array, expert_idx: jax.Array, num_experts: int) -> Permutatio
     return Permutation(sorted_x, group_sizes, order)
 
 
-def unpermute(y_sorted: jax.Array, perm: Permutation, weights: jax.Array) -> jax.Array:
+def unpermute(y_sorted: jax.Array, perm: Permutation, weights: jax.Array, dtype=None) -> jax.Array:
     """Undo :func:`permute` and sum each token's expert outputs weighted by ``weights`` [T, K].
 
-    Weighting happens in float32; the result has ``y_sorted``'s dtype.
+    Weighting happens in float32; the result has ``dtype`` (default: ``y_sorted``'s).
     """
     t, k = weights.shape
     y_flat = jnp.zeros_like(y_sorted).at[perm.order].set(y_sorted)
     y = y_flat.reshape(t, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkh,tk->th", y, weights.astype(jnp.float32)).astype(y_sorted.dtype)
+    return jnp.einsum("tkh,tk->th", y, weights.astype(jnp.float32)).astype(dtype or y_sorted.dtype)

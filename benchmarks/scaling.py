@@ -27,7 +27,8 @@ layouts over every device run; process 0 reports.
 ``moe``: one MoE layer (defaults: Qwen3-30B-A3B's, E=128, top-8, hidden 2048, expert 768) with
 ``--tokens-per-device`` tokens per device, forward + backward time (gradients of every weight and the input) on
 one device, on ``n`` devices with the experts gathered over ``fsdp`` (``expert=1``), and with ``expert=n``
-(expert parallelism: the tokens gathered over ``expert``); and the time of one dispatch alone (``exchange``).
+(expert parallelism: the tokens gathered over ``expert``); and the time of one dispatch alone (``exchange``); with
+``--profile DIR`` each layout's kernels as for ``train``.
 
 ``exchange``: one device's dispatch of ``tokens`` tokens to ``expert=n``: the all-gather of the tokens that
 ``jrl.models.expert_parallel`` runs, against a padded ``all_to_all`` of their ``tokens x top_k`` rows (``n x tokens
@@ -38,6 +39,7 @@ first).
     python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 1,4 --micro-batches 8    # accumulate, then update
+    python benchmarks/scaling.py train --shape qwen3_30b_a3b --mode lora --init device --devices 4 --layouts fsdp,expert:4
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
     python benchmarks/scaling.py exchange --devices 2,4,8 --out scaling.jsonl
 
@@ -64,13 +66,14 @@ import train_step_vs_torch as T  # noqa: E402
 from moe_layer_vs_torch import moe_config  # noqa: E402
 
 
-LAYOUTS = ("fsdp", "data", "hsdp:K", "tensor:T")
+LAYOUTS = ("fsdp", "data", "hsdp:K", "tensor:T", "expert:E")
 
 
 def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple[int, dict]]:
     """(devices, mesh axis sizes) of every layout the run takes, per device count in the order of ``names``:
     ``fsdp`` (fsdp=n), ``data`` (data=n: replicated weights), ``hsdp:K`` (data=n/K x fsdp=K), ``tensor:T``
-    (fsdp=n/T x tensor=T). One device runs once, unsharded."""
+    (fsdp=n/T x tensor=T), ``expert:E`` (fsdp=n/E x expert=E: a MoE shape's experts split over E devices). One
+    device runs once, unsharded."""
     out = []
     for n in devices:
         if n > available:
@@ -78,7 +81,8 @@ def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple
         seen = set()
         for name in names:
             kind, _, k = name.partition(":")
-            if kind not in ("fsdp", "data", "hsdp", "tensor") or (kind in ("hsdp", "tensor")) != bool(k):
+            if kind not in ("fsdp", "data", "hsdp", "tensor", "expert") or (kind in ("hsdp", "tensor", "expert")
+                                                                             ) != bool(k):
                 raise SystemExit(f"--layouts: {name!r} is not one of {', '.join(LAYOUTS)}")
             k = int(k or 1)
             if n == 1:
@@ -90,7 +94,7 @@ def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple
             elif n % k or n == k and kind == "hsdp":
                 continue
             else:
-                sizes = dict(data=n // k, fsdp=k) if kind == "hsdp" else dict(fsdp=n // k, tensor=k)
+                sizes = dict(data=n // k, fsdp=k) if kind == "hsdp" else {"fsdp": n // k, kind: k}
             key = tuple(sorted(sizes.items()))
             if key not in seen:
                 seen.add(key)
@@ -154,7 +158,7 @@ def train(args) -> None:
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    micro_batches=args.micro_batches,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
-                   mfu=round(6 * T.num_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
+                   mfu=round(6 * T.active_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
                    first_update_s=round(first_update, 2), check_loss=checked["loss"],
                    check_grad_norm=checked["grad_norm"], process_peak_gib_device0=_gib(C.peak_bytes()),
                    device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}")
@@ -287,6 +291,9 @@ def moe(args) -> None:
                        versions=f"jax {jax.__version__}")
             if expert > 1:
                 row.update(exchange_times(mesh, args))
+            if args.profile:
+                row["profile"] = C.kernel_profile(forward_backward, block, x, top=12, trace_dir=os.path.join(
+                    args.profile, f"moe{n}_expert{expert}"))
             C.report(row, args.out)
             del block, x
             jax.clear_caches()
@@ -380,7 +387,7 @@ def torch_worker(args) -> None:
             bench="scaling_torch", wrap=args.wraps, shape=args.shape, devices=world,
             rows_per_device=args.rows_per_device,
             seq=args.seq, step_s=round(med, 4), tokens_per_s_per_device=round(args.rows_per_device * args.seq / med),
-            mfu=round(6 * T.num_params(shape) * args.rows_per_device * args.seq / med / (args.peak_tflops * 1e12), 4),
+            mfu=round(6 * T.active_params(shape) * args.rows_per_device * args.seq / med / (args.peak_tflops * 1e12), 4),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), device=torch.cuda.get_device_name(),
             versions=f"torch {torch.__version__}")), flush=True)
     dist.destroy_process_group()
@@ -414,6 +421,9 @@ def main() -> None:
     ap.add_argument("what", choices=("train", "torch", "moe", "exchange", "torch-worker"))
     ap.add_argument("--devices", default="1,2,4,8", help="comma list of device counts (the first n devices)")
     ap.add_argument("--out", default=None, help="append one JSON line per layout here")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="train, moe: also trace one step per layout into DIR and report its GPU kernels (first "
+                         "device): time by category, collectives' busy and exposed time, idle gaps")
     train_args = ap.add_argument_group("train")
     train_args.add_argument("--shape", choices=sorted(T.SHAPES), default="llama1b")
     train_args.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
@@ -430,9 +440,10 @@ def main() -> None:
     train_args.add_argument("--rules", default="",
                             help="logical-axis rule overrides, e.g. vocab=tensor+fsdp,mlp=tensor")
     train_args.add_argument("--tensor", type=int, default=1, help="also run fsdp=n/T, tensor=T layouts")
-    train_args.add_argument("--profile", default=None, metavar="DIR",
-                            help="also trace one step per layout into DIR and report its GPU kernels (first device): "
-                                 "time by category, collectives' busy and exposed time, idle gaps")
+    train_args.add_argument("--init", choices=("host", "device"), default="host",
+                            help="random weights drawn on the host (create_model: the same values on every mesh) "
+                                 "or on the devices (jax.random: seconds instead of minutes for a 30B shape; the "
+                                 "layouts' numerics check then compares different weights)")
     train_args.add_argument("--steps", type=int, default=6)
     train_args.add_argument("--processes", type=int, default=1, help="one process per device group")
     train_args.add_argument("--timeout-s", type=float, default=1800, help="multi-process: wait this long at most")

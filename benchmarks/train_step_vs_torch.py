@@ -47,12 +47,24 @@ SHAPES = {
     "qwen3_8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True),
+    # Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8; jrl only: `scaling.py train --init device`)
+    "qwen3_30b_a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768),
     # a smoke-test size for CPU
     "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                  tie_word_embeddings=True, qk_norm=False),
+    "tiny_moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     rope_theta=10000.0, tie_word_embeddings=False, qk_norm=True, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32),
 }
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: LoRA of a MoE shape: attention, and every expert's gate/up and down projections.
+MOE_LORA = dict(target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+                target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 
@@ -81,6 +93,41 @@ def num_params(shape: dict) -> int:
     return ModelConfig(**shape).num_params()
 
 
+def active_params(shape: dict) -> int:
+    """The parameters one token passes through (for MFU): a MoE shape's unchosen experts left out."""
+    experts = shape.get("num_experts", 0)
+    if not experts:
+        return num_params(shape)
+    unchosen = experts - shape["num_experts_per_tok"]
+    return num_params(shape) - shape["num_hidden_layers"] * unchosen * 3 * shape["hidden_size"] * shape[
+        "moe_intermediate_size"]
+
+
+def device_model(cfg, *, seed: int, mesh, rules):
+    """A random :class:`~jrl.models.transformer.Transformer` drawn on the devices (``jax.random``, each parameter
+    placed as ``create_model`` places it): for shapes whose host draw takes minutes. Its values differ from
+    ``create_model``'s."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jrl.models.transformer import Transformer, named_params, param_shardings
+
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules))
+    shardings = param_shardings(model, mesh, rules) if mesh is not None else {}
+    for i, (path, var) in enumerate(sorted(named_params(model).items())):
+        shape, dtype = var.shape, var.dtype
+        if path.endswith(".scale"):
+            draw = lambda key, shape=shape, dtype=dtype: jnp.ones(shape, dtype)  # noqa: E731
+        elif path.endswith(".bias"):
+            draw = lambda key, shape=shape, dtype=dtype: jnp.zeros(shape, dtype)  # noqa: E731
+        else:
+            draw = lambda key, shape=shape, dtype=dtype: (  # noqa: E731
+                jax.random.normal(key, shape, jnp.float32) * cfg.initializer_range).astype(dtype)
+        var.set_value(jax.jit(draw, out_shardings=shardings.get(path))(jax.random.key(seed * 100003 + i)))
+    return model
+
+
 # ----------------------------------------------------------------------------------------------- jrl
 def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int | None = None):
     """(learner, update): the benchmark's jrl side, on ``mesh`` when given (the model built sharded by
@@ -98,9 +145,13 @@ def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int |
 
     cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat,
                       scan_layers=args.scan_layers, fsdp_prefetch=getattr(args, "fsdp_prefetch", True))
-    model = create_model(cfg, seed=0, mesh=mesh, rules=rules)
+    if getattr(args, "init", "host") == "device":
+        model = device_model(cfg, seed=0, mesh=mesh, rules=rules)
+    else:
+        model = create_model(cfg, seed=0, mesh=mesh, rules=rules)
     if args.mode == "lora":
-        apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
+        targets = MOE_LORA if shape.get("num_experts") else dict(target_modules=LORA_TARGETS)
+        apply_lora(model, LoraConfig(rank=16, alpha=32.0, **targets))
         if mesh is not None:
             shard_model(model, mesh, rules)
     learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, micro_batch_size=micro_batch_size),

@@ -68,7 +68,7 @@ class RolloutBatch:
 
     def prompt_lists(self) -> list[list[int]]:
         """Each row's prompt tokens without the padding."""
-        return [list(np.asarray(ids)[np.asarray(m) > 0]) for ids, m in zip(self.prompt_ids, self.prompt_mask)]
+        return [np.asarray(ids)[np.asarray(m) > 0].tolist() for ids, m in zip(self.prompt_ids, self.prompt_mask)]
 
 
 @runtime_checkable

@@ -1,7 +1,15 @@
-"""Sorting (token, expert) pairs by expert and combining expert outputs back, around a grouped matmul."""
+"""Sorting (token, expert) pairs by expert and combining expert outputs back, around a grouped matmul.
+
+Both directions move rows with gathers only, forward and backward. Left to autodiff, the backward of the gather
+that copies each token into its experts' rows is a scatter-add of every sorted row into its token (atomic adds in
+the activations' dtype on a GPU), and undoing the sort by scattering materialises the sorted outputs a second time.
+Since the sort is a permutation, each of those is a gather through the inverse permutation instead, followed by
+a sum over a token's ``K`` rows in float32 (:func:`_gather_rows`).
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -14,6 +22,30 @@ class Permutation(NamedTuple):
     sorted_x: jax.Array  # [T*K, H] token rows, sorted by expert
     group_sizes: jax.Array  # [E] int32 rows per expert
     order: jax.Array  # [T*K] index into the flat (token, k) list for each sorted row
+    inverse: jax.Array  # [T*K] the sorted row of each flat (token, k) entry: order[inverse[i]] == i
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_rows(x: jax.Array, rows: jax.Array, back: jax.Array, k: int) -> jax.Array:
+    """``x[rows // k]`` for ``rows`` a permutation of ``range(len(x) * k)`` and ``back`` its inverse: row ``i`` of
+    the result is row ``rows[i] // k`` of ``x`` (each row of ``x`` appears ``k`` times)."""
+    return jnp.take(x, rows // k, axis=0)
+
+
+def _gather_rows_fwd(x, rows, back, k):
+    return _gather_rows(x, rows, back, k), (rows, back)
+
+
+def _gather_rows_bwd(k, res, g):
+    rows, back = res
+    # Row t of x went to the result rows back[t*k : t*k + k]: gather them and add (in float32 when k > 1).
+    dx = jnp.take(g, back, axis=0)
+    if k > 1:
+        dx = dx.reshape(-1, k, g.shape[-1]).astype(jnp.float32).sum(1).astype(g.dtype)
+    return dx, None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def permute(x: jax.Array, expert_idx: jax.Array, num_experts: int) -> Permutation:
@@ -23,10 +55,11 @@ def permute(x: jax.Array, expert_idx: jax.Array, num_experts: int) -> Permutatio
     """
     t, k = expert_idx.shape
     flat_expert = expert_idx.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    sorted_x = jnp.take(x, order // k, axis=0)
+    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=jnp.int32))
+    sorted_x = _gather_rows(x, order, inverse, k)
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    return Permutation(sorted_x, group_sizes, order)
+    return Permutation(sorted_x, group_sizes, order, inverse)
 
 
 def unpermute(y_sorted: jax.Array, perm: Permutation, weights: jax.Array, dtype=None) -> jax.Array:
@@ -35,6 +68,6 @@ def unpermute(y_sorted: jax.Array, perm: Permutation, weights: jax.Array, dtype=
     Weighting happens in float32; the result has ``dtype`` (default: ``y_sorted``'s).
     """
     t, k = weights.shape
-    y_flat = jnp.zeros_like(y_sorted).at[perm.order].set(y_sorted)
-    y = y_flat.reshape(t, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkh,tk->th", y, weights.astype(jnp.float32)).astype(dtype or y_sorted.dtype)
+    y = _gather_rows(y_sorted, perm.inverse, perm.order, 1).reshape(t, k, -1)
+    out = (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).sum(1)
+    return out.astype(dtype or y_sorted.dtype)

@@ -423,10 +423,23 @@ def row_has_signal(rewards: np.ndarray, algo: GRPOConfig) -> np.ndarray:
         rewards, group_size=g, reward_weights=algo.reward_weights, aggregation=algo.multi_objective_aggregation), g))
 
 
+def completion_rows(rollout: RolloutBatch) -> list[np.ndarray]:
+    """The completions of a rollout as int32 arrays (up to and including the stop token)."""
+    lengths = np.asarray(rollout.completion_mask).sum(-1).astype(int)
+    return [row[:n] for row, n in zip(np.asarray(rollout.completion_ids, np.int32), lengths)]
+
+
 def completion_token_lists(rollout: RolloutBatch) -> list[list[int]]:
     """The completions of a rollout as token-id lists (up to and including the stop token)."""
-    lengths = np.asarray(rollout.completion_mask).sum(-1).astype(int)
-    return [list(map(int, row[:n])) for row, n in zip(np.asarray(rollout.completion_ids), lengths)]
+    return [row.tolist() for row in completion_rows(rollout)]
+
+
+def decoded_completions(tokenizer, rollout: RolloutBatch) -> tuple[list[str], list[list[int]]]:
+    """``(texts, token-id lists)`` of a rollout's completions, special tokens skipped in the texts. The tokenizer
+    gets arrays, not lists: a Hugging Face tokenizer converts an array with one ``tolist`` but checks a list's
+    every element in Python (half the host time of a step's decoding at a thousand completions)."""
+    rows = completion_rows(rollout)
+    return [tokenizer.decode(row, skip_special_tokens=True) for row in rows], [row.tolist() for row in rows]
 
 
 def grpo_sampling(cfg, policy) -> tuple[GRPOConfig, SamplingParams]:
@@ -510,9 +523,8 @@ class GroupSampler:
 
     def _start_scoring(self, rollout: RolloutBatch, prompt_batch) -> StartedScoring:
         g = self.algo.num_generations
-        ids = completion_token_lists(rollout)
+        texts, ids = decoded_completions(self.tokenizer, rollout)
         rep = prompt_batch.repeat(g)
-        texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         return self.scorer.start(rep.prompts, texts, ids, rep.columns, group_size=g)
 
     def score(self, rollout: RolloutBatch | StreamedRollout | EpisodeRollout | PartialRollout, prompt_batch,
@@ -694,8 +706,8 @@ class GRPO:
     def _complete(self, engine, prompt_batch, sampling: SamplingParams, *, seed: int) -> Completions:
         episodes = self.sampler.generate_once(engine, prompt_batch, sampling, seed=seed)
         rollout = episodes if isinstance(episodes, RolloutBatch) else episodes.rollout
-        ids = completion_token_lists(rollout)
-        return Completions([self.sampler.tokenizer.decode(x, skip_special_tokens=True) for x in ids], ids,
+        texts, ids = decoded_completions(self.sampler.tokenizer, rollout)
+        return Completions(texts, ids,
                            np.asarray(rollout.truncated, bool),
                            None if isinstance(episodes, RolloutBatch) else episodes.rewards)
 

@@ -26,14 +26,19 @@ Memory: the pool holds the prompts once and ``slots`` rows' completions as they 
 ``rows x (prompt + max_new_tokens)`` slots.
 
 Several devices (a data-parallel sampler mesh, every device holding the whole model): each device takes a
-contiguous part of the prompts with all their rows, and runs its own pool, slots and scheduler; the host starts
-every device's round before it reads the first one back, so the devices decode side by side. ``slots`` and
-``pages`` are per device.
+contiguous part of the prompts with all their rows, and runs its own pool, slots and scheduler. Each device's
+parts (its prefill, then each round: schedule, decode, read back) run in a thread of their own, the rounds in step
+(the stop test after every device's round, so a partial generation stops at the same groups whatever the timing): a
+round's program ends when its rows stop (a data-dependent loop), which on a GPU holds the host thread that started it
+until the round ends, so one thread would run the devices' rounds one after another. ``slots`` and ``pages`` are per
+device.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
@@ -300,12 +305,16 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
     return pool
 
 
-def _free_bytes(state) -> int | None:
-    """Free memory of the device holding ``state`` (None where the device does not say, e.g. CPU)."""
+def _device(state) -> jax.Device | None:
+    """The device holding ``state`` (a generation's weights, whole on one device), or None where it holds no array."""
     leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
-    if leaf is None:
+    return None if leaf is None else next(iter(leaf.devices()))
+
+
+def _free_bytes(device: jax.Device | None) -> int | None:
+    """Free memory of ``device`` (None where it does not say, e.g. CPU, or there is none)."""
+    if device is None:
         return None
-    device = next(iter(leaf.devices()))
     limit = memory_limit(device)
     return None if limit is None else int(limit) - int((device.memory_stats() or {}).get("bytes_in_use", 0))
 
@@ -361,10 +370,11 @@ class _Generation:
         # made once for the whole generation.
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
         self.graphdef, self.state = nnx.split(view)
+        self.device = _device(self.state)
         page_bytes = view.config.kv_bytes_per_token() * page
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
                                prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens,
-                               page_bytes=page_bytes, free_bytes=_free_bytes(state))
+                               page_bytes=page_bytes, free_bytes=_free_bytes(self.device))
         starts = np.cumsum([1] + [pages_for(n, page) for n in self.lengths])  # prompt pages from page 1 on, in order
         self.prompt_pages = [list(range(a, b)) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
         free = list(range(int(starts[-1]), self.pool))
@@ -394,7 +404,8 @@ class _Generation:
         self.open_rows = collections.Counter(self.row_group)  # group -> rows not finished
         self.generated, self.active = np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)
         self.slot_rows = np.zeros(self.slots, np.int32)
-        self.logits = jnp.zeros((self.slots, self.prompt_logits.shape[-1]), self.prompt_logits.dtype)
+        self.logits = jnp.zeros((self.slots, self.prompt_logits.shape[-1]), self.prompt_logits.dtype,
+                                device=self.device)
         self.rounds = self.shrinks = 0
         # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
         # far above any real schedule, so that a scheduling fault fails instead of looping.
@@ -491,22 +502,35 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
     largest, so that every call runs the same compiled program."""
     parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
-    gens = [_Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
-                        prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens,
-                        slots=-(-slots // len(parts)))
-            for state, part in zip(states, parts)]
-    key, temperature, top_p = jax.random.key(int(seed)), np.float32(params.temperature), np.float32(params.top_p)
-    need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
-    while sum(gen.groups_done for gen in gens) < need:
-        running = [(gen, gen.dispatch(key, temperature, top_p)) for gen in gens if not gen.finished]
-        for gen, out in running:  # every device's round is started before the first is read back
-            gen.collect(out)
+    with _device_threads(len(parts)) as each:
+        gens = each(lambda state, part: _Generation(
+            graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id, prompt_bucket=prompt_bucket,
+            slot_bucket=slot_bucket, prefill_tokens=prefill_tokens, slots=-(-slots // len(parts))), states, parts)
+        temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)
+        keys = [jax.device_put(jax.random.key(int(seed)), gen.device) for gen in gens]
+        need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
+        while sum(gen.groups_done for gen in gens) < need:
+            each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
     return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
                       pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
                                 preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
                                 rounds=max(gen.rounds for gen in gens), shrinks=sum(gen.shrinks for gen in gens),
                                 peak_pages=sum(gen.sched.peak_pages for gen in gens),
                                 prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages))
+
+
+@contextlib.contextmanager
+def _device_threads(count: int):
+    """``each(fn, *iterables)``: ``fn`` over the zipped iterables, the ``i``-th call in device ``i``'s own thread, all
+    at once, returning when every call has (its results in order, the first error raised); with one device, in the
+    calling thread."""
+    if count == 1:
+        yield lambda fn, *args: [fn(*a) for a in zip(*args)]
+        return
+    with contextlib.ExitStack() as stack:
+        threads = [stack.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"paged-device{i}"))
+                   for i in range(count)]
+        yield lambda fn, *args: [f.result() for f in [t.submit(fn, *a) for t, a in zip(threads, zip(*args))]]
 
 
 def row_arrays(tokens: list[list[int]], logprobs: list[list[float]], params: SamplingParams, pad_id: int) -> dict:

@@ -2,17 +2,19 @@
 the model, on the model's 2 devices laid out for decoding (the model FSDP-sharded, the engine's copy replicated),
 and on a 2-device mesh of its own, and prints one JSON line with the tokens, logprobs (of generate, and of a second
 turn continued on the KV cache), the devices holding the engine's weights and whether each engine weight is whole
-on every device, and a paged generation (or its error), per layout."""
+on every device, and a paged generation (or its error, and the threads each device's decode rounds ran in), per
+layout."""
 
 import json
 import sys
+import threading
 
 import jax
 import numpy as np
 from flax import nnx
 from rollout_testlib import PAD, tiny_model
 
-from jrl.rollout import SamplingParams
+from jrl.rollout import SamplingParams, paged
 from jrl.rollout.jax_engine import JaxRolloutEngine
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.sharding import MeshConfig, make_mesh, split_devices
@@ -24,12 +26,24 @@ PAGED_PARAMS = SamplingParams(max_new_tokens=20, temperature=0.9, stop_token_ids
 
 
 def _paged(name: str, prompts) -> dict:
-    """A paged generation on layout ``name`` (each device a part of the prompts), or the error it gives."""
+    """A paged generation on layout ``name`` (each device a part of the prompts), or the error it gives, and the
+    (device, thread) pairs its decode rounds ran on."""
+    rounds, decode_round = set(), paged._decode_round
+
+    def recorded(graphdef, state, *args, **kwargs):
+        device = next(iter(jax.tree.leaves(state)[0].devices()))
+        rounds.add((device.id, threading.current_thread().name))
+        return decode_round(graphdef, state, *args, **kwargs)
+
+    paged._decode_round = recorded
     try:
         batch = _engine(name, PAGED).generate(prompts, PAGED_PARAMS, num_generations=3, seed=5)
     except ValueError as e:
         return dict(error=str(e))
-    return dict(tokens=batch.completion_ids.tolist(), logprobs=np.asarray(batch.sampling_logprobs).tolist())
+    finally:
+        paged._decode_round = decode_round
+    return dict(tokens=batch.completion_ids.tolist(), logprobs=np.asarray(batch.sampling_logprobs).tolist(),
+                rounds=sorted(rounds))
 
 
 #: A conversation's next turn: the session rows continued (another order, one left out) and what each reads first.

@@ -7,6 +7,7 @@ what it samples on one device."""
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import child_processes as helpers
@@ -69,6 +70,11 @@ def test_two_device_mesh_matches_one_device():
         got = result[name]["paged"]
         assert got.get("tokens") == paged.completion_ids.tolist(), (name, got.get("error"))
         np.testing.assert_allclose(got["logprobs"], paged.sampling_logprobs, atol=1e-4, err_msg=name)
+        # Each device's rounds run in a thread of its own (a round's loop holds the thread that starts it on a GPU).
+        devices = [device for device, _ in got["rounds"]]
+        threads = {thread for _, thread in got["rounds"]}
+        assert len(set(devices)) == len(devices) == len(threads) == 2, (name, got["rounds"])
+        assert threading.main_thread().name not in threads, (name, got["rounds"])
     assert "needs the whole model on every device" in result["tensor"]["paged"]["error"]
 
 

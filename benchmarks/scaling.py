@@ -25,7 +25,8 @@ variables), each seeing ``1/P`` of the devices (``CUDA_VISIBLE_DEVICES`` on GPU,
 layouts over every device run; process 0 reports.
 
 ``moe``: one MoE layer (defaults: Qwen3-30B-A3B's, E=128, top-8, hidden 2048, expert 768) with
-``--tokens-per-device`` tokens per device, forward + backward time (gradients of every weight and the input) on
+``--tokens-per-device`` tokens per device, forward + backward time (gradients of every weight and the input;
+efficiency against the run's one-device time, when ``--devices`` has 1) on
 one device, on ``n`` devices with the experts gathered over ``fsdp`` (``expert=1``), and with ``expert=n``
 (expert parallelism: the tokens gathered over ``expert``); and the time of one dispatch alone (``exchange``); with
 ``--profile DIR`` each layout's kernels as for ``train``.
@@ -283,11 +284,11 @@ def moe(args) -> None:
             x = jax.device_put(jax.random.normal(jax.random.key(1), shape, jnp.bfloat16),
                                batch_sharding(mesh, 3, rules, shape=shape))
             ms = C.bench(forward_backward, block, x)["ms"]
-            single = single or ms
+            single = ms if n == 1 else single
             row = dict(bench="scaling_moe", devices=n, expert=expert, fsdp=n // expert, experts=args.experts,
                        top_k=args.top_k, hidden=args.hidden, expert_size=args.expert_size,
                        tokens_per_device=args.tokens_per_device, fwd_bwd_ms=round(ms, 3),
-                       efficiency=round(single / ms, 4), device=jax.devices()[0].device_kind,
+                       efficiency=round(single / ms, 4) if single else None, device=jax.devices()[0].device_kind,
                        versions=f"jax {jax.__version__}")
             if expert > 1:
                 row.update(exchange_times(mesh, args))

@@ -18,7 +18,11 @@ relative difference from the first layout's, are reported.
 
 ``torch``: the same model (transformers), batch shape and loss under PyTorch FSDP2 (``fully_shard`` per decoder
 layer and the root) and DDP, bf16, fused AdamW, one process per GPU under torchrun (``--wraps``; ``--torch-remat``
-turns on transformers' gradient checkpointing); tokens/s per device against FSDP2 on one GPU.
+turns on transformers' gradient checkpointing; ``--mode lora``: peft's LoRA on the modules jrl's side adapts, on a
+MoE shape attention and every expert's ``gate_up_proj``/``down_proj`` as ``target_parameters``; a MoE shape's model
+is built on the meta device and given storage after ``fully_shard``, its experts on ``torch._grouped_mm``); tokens/s
+per device against FSDP2 on one GPU. Without a GPU the workers run on CPU with gloo (a check of the worker, not a
+timing).
 
 ``--processes P``: the same as ``P`` processes joined by :func:`jrl.sharding.initialize` (the ``JRL_*``
 variables), each seeing ``1/P`` of the devices (``CUDA_VISIBLE_DEVICES`` on GPU, fake CPU devices on CPU); only
@@ -38,6 +42,7 @@ first).
 
     python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --layouts fsdp,data,hsdp:2 --out scaling.jsonl
     python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
+    python benchmarks/scaling.py torch --shape qwen3_30b_a3b --mode lora --devices 4 --wraps fsdp2
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 1,4 --micro-batches 8    # accumulate, then update
     python benchmarks/scaling.py train --shape qwen3_30b_a3b --mode lora --init device --devices 4 --layouts fsdp,expert:4
@@ -310,7 +315,8 @@ def torch_sides(args) -> None:
                 continue
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
                    "torch-worker", "--wraps", wrap, "--shape", args.shape,
-                   "--rows-per-device", str(args.rows_per_device), "--seq", str(args.seq), "--steps", str(args.steps)]
+                   "--rows-per-device", str(args.rows_per_device), "--seq", str(args.seq), "--steps", str(args.steps),
+                   "--mode", args.mode]
             cmd += (["--layers", str(args.layers)] if args.layers else []) + (["--torch-remat"] if args.torch_remat
                                                                                else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
@@ -335,27 +341,42 @@ def torch_worker(args) -> None:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    gpu = torch.cuda.is_available()  # without one (a CPU check of the worker): gloo, plain AdamW
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo")
     shape = dict(T.SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
-    model = T.hf_model(shape, args.seq)
+    # A MoE shape is built on the meta device and materialised after sharding: its whole weights (61 GB for
+    # Qwen3-30B-A3B) need not fit one GPU.
+    meta = bool(shape.get("num_experts")) and args.wraps == "fsdp2"
+    model = T.hf_model(shape, args.seq, device="meta" if meta else device)
+    if args.mode == "lora":
+        import peft
+
+        targets = T.MOE_LORA if shape.get("num_experts") else dict(target_modules=T.LORA_TARGETS)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=16, lora_alpha=32, target_modules=list(targets["target_modules"]),
+            target_parameters=list(targets.get("target_parameters", ()))))
     if args.torch_remat:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if args.wraps == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in (model.get_base_model() if args.mode == "lora" else model).model.layers:
             fully_shard(layer)
         fully_shard(model)
     else:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if gpu else None)
+    if meta:
+        _materialise(model, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
-    ids, mask, c_ids, c_mask, adv = (torch.from_numpy(np.asarray(x)).cuda() for x in T.make_batch(
+    opt = torch.optim.AdamW(params, lr=1e-6, fused=gpu)
+    ids, mask, c_ids, c_mask, adv = (torch.from_numpy(np.asarray(x)).to(device) for x in T.make_batch(
         args.rows_per_device, args.seq, shape["vocab_size"], seed=rank))
     ids, c_ids = ids.long(), c_ids.long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
@@ -373,14 +394,16 @@ def torch_worker(args) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     times = []
     for _ in range(args.steps):
-        torch.cuda.synchronize()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
+        loss = step()
+        sync()
         times.append(time.perf_counter() - t0)
     med = T.steady_median(times)
     if rank == 0:
@@ -389,9 +412,26 @@ def torch_worker(args) -> None:
             rows_per_device=args.rows_per_device,
             seq=args.seq, step_s=round(med, 4), tokens_per_s_per_device=round(args.rows_per_device * args.seq / med),
             mfu=round(6 * T.active_params(shape) * args.rows_per_device * args.seq / med / (args.peak_tflops * 1e12), 4),
-            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), device=torch.cuda.get_device_name(),
-            versions=f"torch {torch.__version__}")), flush=True)
+            mode=args.mode, last_loss=float(loss), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
+            device=torch.cuda.get_device_name() if gpu else "cpu", versions=f"torch {torch.__version__}")),
+            flush=True)
     dist.destroy_process_group()
+
+
+def _materialise(model, device) -> None:
+    """A model built on the meta device (and sharded) given storage on ``device`` and random weights: every
+    parameter normal(0, 0.02) (the values do not matter to the timing), the rotary tables computed again."""
+    import torch
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+        for m in model.modules():
+            if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+                fresh = type(m)(m.config)
+                for name, buf in fresh.named_buffers(recurse=False):
+                    getattr(m, name).copy_(buf)
 
 
 def launch(args, argv: list[str]) -> int:

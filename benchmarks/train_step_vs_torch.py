@@ -202,9 +202,9 @@ def run_jrl(args, shape: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- PyTorch
-def hf_model(shape: dict, max_len: int):
-    """A random-weight transformers model of a benchmark shape in bf16 on the GPU (sdpa attention)."""
-    import torch
+def hf_config(shape: dict, max_len: int):
+    """``(model class, config)`` of transformers for a benchmark shape (sdpa attention; MoE experts on
+    ``torch._grouped_mm``)."""
     import transformers
 
     kw = dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
@@ -213,13 +213,28 @@ def hf_model(shape: dict, max_len: int):
               head_dim=shape["head_dim"], rope_theta=shape["rope_theta"],
               tie_word_embeddings=shape["tie_word_embeddings"],
               max_position_embeddings=max(4096, max_len), attn_implementation="sdpa")
-    cls, config = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if shape["model_type"] == "llama"
-                   else (transformers.Qwen3ForCausalLM, transformers.Qwen3Config))
+    if shape["model_type"] == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**kw, num_experts=shape["num_experts"],
+                                             num_experts_per_tok=shape["num_experts_per_tok"],
+                                             moe_intermediate_size=shape["moe_intermediate_size"], norm_topk_prob=True,
+                                             decoder_sparse_step=1, mlp_only_layers=[])
+        config._experts_implementation = "grouped_mm"
+        return transformers.Qwen3MoeForCausalLM, config
+    if shape["model_type"] == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(**kw)
+    return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**kw)
+
+
+def hf_model(shape: dict, max_len: int, device: str = "cuda"):
+    """A random-weight transformers model of a benchmark shape in bf16 on ``device`` (``meta``: shapes only)."""
+    import torch
+
+    cls, config = hf_config(shape, max_len)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialised in bf16 on the GPU: an 8B model's host init takes minutes
     try:
-        with torch.device("cuda"):
-            return cls(config(**kw))
+        with torch.device(device):
+            return cls(config)
     finally:
         torch.set_default_dtype(default)
 

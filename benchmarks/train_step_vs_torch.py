@@ -47,7 +47,7 @@ SHAPES = {
     "qwen3_8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True),
-    # Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8; jrl only: `scaling.py train --init device`)
+    # Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8; for `scaling.py train --init device` and `scaling.py torch`)
     "qwen3_30b_a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           rope_theta=1000000.0, tie_word_embeddings=False, qk_norm=True, num_experts=128,

@@ -73,6 +73,7 @@ from moe_layer_vs_torch import moe_config  # noqa: E402
 
 
 LAYOUTS = ("fsdp", "data", "hsdp:K", "tensor:T", "expert:E")
+SIZED = ("hsdp", "tensor", "expert")  # the layouts that take a size (``:K``)
 
 
 def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple[int, dict]]:
@@ -87,8 +88,7 @@ def _layouts(devices: list[int], names: list[str], available: int) -> list[tuple
         seen = set()
         for name in names:
             kind, _, k = name.partition(":")
-            if kind not in ("fsdp", "data", "hsdp", "tensor", "expert") or (kind in ("hsdp", "tensor", "expert")
-                                                                             ) != bool(k):
+            if kind not in ("fsdp", "data", *SIZED) or (kind in SIZED) != bool(k):
                 raise SystemExit(f"--layouts: {name!r} is not one of {', '.join(LAYOUTS)}")
             k = int(k or 1)
             if n == 1:
@@ -411,8 +411,10 @@ def torch_worker(args) -> None:
             bench="scaling_torch", wrap=args.wraps, shape=args.shape, devices=world,
             rows_per_device=args.rows_per_device,
             seq=args.seq, step_s=round(med, 4), tokens_per_s_per_device=round(args.rows_per_device * args.seq / med),
-            mfu=round(6 * T.active_params(shape) * args.rows_per_device * args.seq / med / (args.peak_tflops * 1e12), 4),
-            mode=args.mode, last_loss=float(loss), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
+            mfu=round(6 * T.active_params(shape) * args.rows_per_device * args.seq / med / (args.peak_tflops * 1e12),
+                      4),
+            mode=args.mode, last_loss=float(loss),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
             device=torch.cuda.get_device_name() if gpu else "cpu", versions=f"torch {torch.__version__}")),
             flush=True)
     dist.destroy_process_group()
@@ -482,9 +484,9 @@ def main() -> None:
                             help="logical-axis rule overrides, e.g. vocab=tensor+fsdp,mlp=tensor")
     train_args.add_argument("--tensor", type=int, default=1, help="also run fsdp=n/T, tensor=T layouts")
     train_args.add_argument("--init", choices=("host", "device"), default="host",
-                            help="random weights drawn on the host (create_model: the same values on every mesh) "
-                                 "or on the devices (jax.random: seconds instead of minutes for a 30B shape; the "
-                                 "layouts' numerics check then compares different weights)")
+                            help="random weights drawn on the host (create_model) or on the devices (jax.random: "
+                                 "seconds instead of minutes for a 30B shape; other values than the host draw's, the "
+                                 "same on every layout)")
     train_args.add_argument("--steps", type=int, default=6)
     train_args.add_argument("--processes", type=int, default=1, help="one process per device group")
     train_args.add_argument("--timeout-s", type=float, default=1800, help="multi-process: wait this long at most")

@@ -707,8 +707,7 @@ class GRPO:
         episodes = self.sampler.generate_once(engine, prompt_batch, sampling, seed=seed)
         rollout = episodes if isinstance(episodes, RolloutBatch) else episodes.rollout
         texts, ids = decoded_completions(self.sampler.tokenizer, rollout)
-        return Completions(texts, ids,
-                           np.asarray(rollout.truncated, bool),
+        return Completions(texts, ids, np.asarray(rollout.truncated, bool),
                            None if isinstance(episodes, RolloutBatch) else episodes.rewards)
 
     def _score_eval(self, prompt_batch, done: Completions, step: int):

@@ -1,0 +1,32 @@
+"""Expert parallelism's static row buffer (``ModelConfig.expert_capacity``) gives what one device gives: routing
+spread over the devices runs in the buffer, routing that overflows it takes the path through every row slot; both
+match one device in float32, forward and every gradient (workers/expert_capacity.py, 8 fake CPU devices)."""
+
+from __future__ import annotations
+
+import pytest
+
+RTOL = 1e-5  # float32
+
+
+@pytest.fixture(scope="module")
+def result(helpers):
+    return helpers.run_worker("expert_capacity.py", num_devices=8)
+
+
+def test_the_buffer_is_smaller_than_every_row_slot_and_only_the_skewed_routing_overflows_it(result):
+    rows = result["rows"]
+    assert rows is not None and rows < result["slots"], result
+    assert result["max_device_rows"]["spread"] <= rows < result["max_device_rows"]["skewed"], result
+
+
+@pytest.mark.parametrize("case", ["spread/2.0", "spread/0.0", "skewed/2.0", "skewed/0.0"])
+def test_expert_parallel_block_matches_one_device(result, case):
+    errs = result["cases"][case]
+    assert errs["finite"], errs
+    assert max(errs["y"], errs["loss"], errs["dx"], errs["dweights"], errs["dparams"]) <= RTOL, errs
+
+
+def test_only_a_capacity_builds_the_capped_program(result):
+    assert result["capped_buffer"] == {"2.0": True, "0.0": False}, result
+    assert result["cond"] == {"2.0": True, "0.0": False}, result

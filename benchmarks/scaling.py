@@ -58,7 +58,6 @@ On CPU (fake devices show the mechanism and the numerics, not speed):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import socket
@@ -141,8 +140,6 @@ def train(args) -> None:
     shape = dict(T.SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    if args.expert_capacity is not None:
-        shape["expert_capacity"] = args.expert_capacity
     count = jax.device_count()
     devices = [count] if multi else [int(d) for d in args.devices.split(",")]
     first = None
@@ -165,7 +162,7 @@ def train(args) -> None:
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
-                   micro_batches=args.micro_batches, expert_capacity=args.expert_capacity,
+                   micro_batches=args.micro_batches,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.active_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
                    first_update_s=round(first_update, 2), check_loss=checked["loss"],
@@ -275,8 +272,6 @@ def moe(args) -> None:
     from jrl.sharding import MeshConfig, batch_sharding, make_mesh, shard_model
 
     config = moe_config(args)
-    if args.expert_capacity is not None:
-        config = dataclasses.replace(config, expert_capacity=args.expert_capacity)
 
     @nnx.jit
     def forward_backward(m, x):
@@ -296,7 +291,6 @@ def moe(args) -> None:
             ms = C.bench(forward_backward, block, x)["ms"]
             single = ms if n == 1 else single
             row = dict(bench="scaling_moe", devices=n, expert=expert, fsdp=n // expert, experts=args.experts,
-                       expert_capacity=config.expert_capacity,
                        top_k=args.top_k, hidden=args.hidden, expert_size=args.expert_size,
                        tokens_per_device=args.tokens_per_device, fwd_bwd_ms=round(ms, 3),
                        efficiency=round(single / ms, 4) if single else None, device=jax.devices()[0].device_kind,
@@ -470,8 +464,6 @@ def main() -> None:
     ap.add_argument("what", choices=("train", "torch", "moe", "exchange", "torch-worker"))
     ap.add_argument("--devices", default="1,2,4,8", help="comma list of device counts (the first n devices)")
     ap.add_argument("--out", default=None, help="append one JSON line per layout here")
-    ap.add_argument("--expert-capacity", type=float, default=None,
-                    help="train/moe: ModelConfig.expert_capacity (default: ModelConfig's)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="train, moe: also trace one step per layout into DIR and report its GPU kernels (first "
                          "device): time by category, collectives' busy and exposed time, idle gaps")

@@ -169,12 +169,6 @@ class ModelConfig:
     gathered again in the backward), its gradient reduce-scattered as its backward ends, and the head's gradient
     reduced once per step. ``False`` leaves the collectives to XLA's partitioner (slower).
     Runtime only: not part of the HF config."""
-    expert_capacity: float = 2.0
-    """With expert parallelism (an ``expert`` mesh axis): the rows a device's experts run in one static buffer, as a
-    multiple of its even share of the routed (token, expert) rows. A layer whose routing sends a device more runs on
-    that device through the buffer of every row slot instead (the same result, slower: that branch's forward runs
-    again in the backward). 0 = always every row slot (``expert`` x tokens x top-k). Runtime only: not part of the
-    HF config."""
     grad_reduce_dtype: str | None = None
     """Dtype in which the per-device path (:attr:`fsdp_prefetch`) reduce-scatters weight gradients: ``None`` =
     ``param_dtype``, ``float32`` to sum bf16 weights' gradients in float32 (twice the bytes). Weights are always
@@ -212,9 +206,6 @@ class ModelConfig:
         if self.remat not in REMAT_NAMES:
             raise ValueError(f"ModelConfig.remat={self.remat!r} is not a remat policy; use one of "
                              f"{', '.join(REMAT_NAMES)}")
-        if not (self.expert_capacity == 0 or self.expert_capacity >= 1):
-            raise ValueError(f"ModelConfig.expert_capacity={self.expert_capacity} must be 0 (every row slot) or >= 1 "
-                             "(a multiple of a device's even share of the routed rows)")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")

@@ -71,10 +71,6 @@ class ModelSpec:
     FSDP collectives placed by hand: each layer's weights gathered inside its rematerialisation checkpoint (again in
     the backward), its gradient reduce-scattered as the backward leaves it (a dense model; measured in
     benchmarks/RESULTS.md "Scale-out"). ``False`` leaves the collectives to XLA's partitioner (slower)."""
-    expert_capacity: float = 2.0
-    """With expert parallelism (``mesh.expert`` > 1): the rows a device's experts run in one static buffer, as a
-    multiple of its even share; a layer whose routing sends a device more takes the exact, slower path through every
-    row slot. 0 = always every row slot."""
     grad_reduce_dtype: str | None = None
     """Dtype of the weight gradients' reduce-scatter on that path: ``None`` = the weights' storage dtype, ``float32``
     to sum bf16 weights' gradients in float32 (twice the bytes)."""
@@ -87,11 +83,6 @@ class ModelSpec:
         check_choice(self, "remat", REMAT_NAMES)
         if self.grad_reduce_dtype is not None:
             check_choice(self, "grad_reduce_dtype", DTYPES)
-        check_real(self, "expert_capacity", ge=0, fix="use 0 (every row slot) or a multiple >= 1 of a device's even "
-                   "share, e.g. 2.0")
-        if 0 < self.expert_capacity < 1:
-            raise invalid("ModelSpec", "expert_capacity", self.expert_capacity, "use 0 or a value >= 1",
-                          why="below 1 the buffer is smaller than an evenly routed device's rows")
 
 
 @dataclasses.dataclass(frozen=True)

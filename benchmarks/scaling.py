@@ -18,7 +18,8 @@ relative difference from the first layout's, are reported.
 
 ``torch``: the same model (transformers), batch shape and loss under PyTorch FSDP2 (``fully_shard`` per decoder
 layer and the root) and DDP, bf16, fused AdamW, one process per GPU under torchrun (``--wraps``; ``--torch-remat``
-turns on transformers' gradient checkpointing; ``--mode lora``: peft's LoRA on the modules jrl's side adapts, on a
+turns on transformers' gradient checkpointing, which the 30B-A3B peer needs: without, 8 x 1024 tokens per GPU run
+out of an H200's 140 GB; ``--mode lora``: peft's LoRA on the modules jrl's side adapts, on a
 MoE shape attention and every expert's ``gate_up_proj``/``down_proj`` as ``target_parameters``; a MoE shape's model
 is built on the meta device and given storage after ``fully_shard``, its experts on ``torch._grouped_mm``); tokens/s
 per device against FSDP2 on one GPU. Without a GPU the workers run on CPU with gloo (a check of the worker, not a
@@ -42,7 +43,7 @@ first).
 
     python benchmarks/scaling.py train --shape llama1b --devices 1,2,4,8 --layouts fsdp,data,hsdp:2 --out scaling.jsonl
     python benchmarks/scaling.py torch --shape llama1b --devices 1,2,4,8 --wraps fsdp2,ddp --out scaling.jsonl
-    python benchmarks/scaling.py torch --shape qwen3_30b_a3b --mode lora --devices 4 --wraps fsdp2
+    python benchmarks/scaling.py torch --shape qwen3_30b_a3b --mode lora --devices 4 --wraps fsdp2 --torch-remat
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 1,4 --micro-batches 8    # accumulate, then update
     python benchmarks/scaling.py train --shape qwen3_30b_a3b --mode lora --init device --devices 4 --layouts fsdp,expert:4
@@ -60,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -322,9 +324,7 @@ def torch_sides(args) -> None:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
-                log = (proc.stdout + proc.stderr).splitlines()
-                first = next((i for i, ln in enumerate(log) if "Traceback" in ln), max(0, len(log) - 30))
-                error = "\n".join(log[first:first + 40])[-3000:]
+                error = _first_error((proc.stdout + proc.stderr).splitlines())
                 C.report(dict(bench="scaling_torch", wrap=wrap, devices=n, error=error), args.out)
                 continue
             row = dict(json.loads(lines[-1][len("RESULT "):]), torch_remat=args.torch_remat)
@@ -332,6 +332,15 @@ def torch_sides(args) -> None:
             base = single.get(wrap) or single.get("fsdp2")
             row["efficiency"] = round(row["tokens_per_s_per_device"] / base, 4) if base else None
             C.report(row, args.out)
+
+
+def _first_error(log: list[str]) -> str:
+    """The first rank's exception line (torchrun interleaves every rank's traceback), or the log's last lines."""
+    for line in log:
+        text = line.split("]: ", 1)[1] if line.startswith("[rank") and "]: " in line else line
+        if re.match(r"[\w.]+(Error|Exception)\b.*:", text):
+            return text[:3000]
+    return "\n".join(log[-30:])[-3000:]
 
 
 def torch_worker(args) -> None:

@@ -190,6 +190,10 @@ class TrainConfig:
     multiple of ``algo.num_generations`` and of ``optim.micro_batch_size`` that divides the step's rows."""
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, TensorBoard events, checkpoints and the reward/loss plot go."""
+    compile_cache_dir: str | None = "~/.cache/jrl/jax"
+    """JAX's persistent compilation cache: programs compiled by one run are read back by the next (and, on GPUs,
+    shared by the devices of a data-parallel sampler); bounded, least recently used entries evicted. None leaves
+    JAX's own setting (``JAX_COMPILATION_CACHE_DIR``) alone."""
     seed: int = 0
     """Seed of LoRA init and sampling (each step's sampling seed is derived from it and the step)."""
     save_every: int = 50
@@ -229,6 +233,10 @@ class TrainConfig:
     def __post_init__(self):
         from jrl.train.algorithms import ALGORITHMS
 
+        if self.compile_cache_dir is not None and not (isinstance(self.compile_cache_dir, str)
+                                                       and self.compile_cache_dir.strip()):
+            raise invalid("TrainConfig", "compile_cache_dir", self.compile_cache_dir,
+                          "name a directory (e.g. '~/.cache/jrl/jax') or pass None to leave JAX's setting alone")
         if self.algorithm not in ALGORITHMS:
             raise invalid("TrainConfig", "algorithm", self.algorithm, f"use one of {ALGORITHMS.names()} "
                           "(ebft.mode='structured' / 'strided' is now algorithm='ebft_structured' / 'ebft_strided')")

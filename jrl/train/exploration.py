@@ -33,6 +33,7 @@ import numpy as np
 
 from jrl.data.pipeline import PromptLoader, build_prompt_dataset
 from jrl.rollout.base import RolloutBatch, concat_rollouts
+from jrl.train import compile_cache
 from jrl.train.algorithms import ALGORITHMS
 from jrl.sources.scored import ScoredRollout, rollout_metrics
 from jrl.sources.prefetch import ProducedRollout
@@ -213,6 +214,7 @@ class Explorer:
         if jax.process_count() > 1:
             raise ValueError("an explorer is one process (start several explorers instead of one multi-process one)")
         self.cfg = cfg
+        compile_cache.enable(cfg.compile_cache_dir)
         self.name = cfg.explore.explorer_name()
         out = Path(cfg.output_dir)
         self.root = cfg.explore.weights_path(out)

@@ -57,6 +57,7 @@ from jrl.train.checkpoint import TrainCheckpointer
 from jrl.train.config import TrainConfig
 from jrl.train.evaluation import split_eval_prompts
 from jrl.train.exploration import QueueSource
+from jrl.train import compile_cache
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
 from jrl.rewards.functions import best_total, load_reward_functions
@@ -75,6 +76,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, engine: RolloutEngine | None = None, progress: bool = True):
         self.cfg, self.progress = cfg, progress
         check_processes(cfg)
+        self.compile_cache = compile_cache.enable(cfg.compile_cache_dir)
         policy = load_policy(cfg)
         self.tokenizer, self.pad_id, self.mesh = policy.tokenizer, policy.pad_id, policy.mesh
         tools = prompt_tools(cfg.env)
@@ -254,6 +256,8 @@ class Trainer:
         self.source.close()
         self.algorithm.close()
         self.checkpointer.close()
+        if self.compile_cache is not None:
+            logger.info(self.compile_cache.summary())
 
 
 def check_processes(cfg: TrainConfig, processes: int | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -93,6 +94,24 @@ def test_a_run_without_learning_signal_warns_once(tiny_model_dir, tmp_path, capl
     assert all(r["skipped_zero_adv_batches"] > 0 for r in history)
     warnings = [r.getMessage() for r in caplog.records if "nothing is learned" in r.getMessage()]
     assert len(warnings) == 1 and f"steps 1-{FLAT_REWARD_STEPS}:" in warnings[0]
+
+
+@pytest.mark.parametrize("cache", ["on", None])
+def test_a_run_logs_what_the_compilation_cache_did(tiny_model_dir, tmp_path, caplog, cache):
+    from jrl.train.trainer import train
+
+    reward = write_reward_file(tmp_path, "reward_cache")
+    cfg = _cfg(tiny_model_dir, tmp_path / "run", reward, max_steps=1, save_every=0,
+               compile_cache_dir=None if cache is None else str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="jrl.train.trainer"):
+        train(cfg, progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compilation cache ")]
+    if cache is None:
+        assert lines == []
+    else:  # one line at the end; a pytest process keeps the first cache directory any test gave it
+        assert len(lines) == 1 and re.fullmatch(
+            r"compilation cache \S+: \d+ programs loaded \(\d+\.\d s of compiling saved\), \d+ compiled and "
+            r"written", lines[0]), lines
 
 
 def test_sampler_and_trainer_logprobs_agree(tiny_model_dir):

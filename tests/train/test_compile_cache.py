@@ -1,0 +1,48 @@
+"""``TrainConfig.compile_cache_dir``: a program compiled by one process is read back by the next from JAX's
+persistent compilation cache (real processes, real cache files), with the same result; a process keeps the first
+directory it was given; a run's log says what the cache did; an empty name is refused naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import child_processes as helpers
+from jrl.train.config import TrainConfig
+
+WORKER = Path(__file__).parent / "compile_cache_worker.py"
+
+
+def _run(cache: Path, other: Path) -> dict:
+    # Every compilation is cached here (JAX's default skips those under a second, as this small program's is).
+    env = helpers.worker_env(1, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    proc = subprocess.run([sys.executable, str(WORKER), str(cache), str(other)], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=helpers.REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return helpers.parse_json_tail(proc.stdout)
+
+
+def test_a_program_compiled_by_one_process_is_read_back_by_the_next(tmp_path):
+    cache, other = tmp_path / "cache", tmp_path / "other"
+    first = _run(cache, other)
+    assert first["loaded"] == 0 and first["written"] >= 1, first
+    assert any(p.name.endswith("-cache") for p in cache.iterdir())
+    second = _run(cache, other)
+    assert second["loaded"] >= 1 and second["written"] == 0, second
+    assert second["value"] == first["value"]
+
+
+def test_a_process_keeps_the_first_directory_and_says_so(tmp_path):
+    out = _run(tmp_path / "cache", tmp_path / "other")
+    assert out["same"] and out["jax_dir"] == str(tmp_path / "cache")
+    assert len(out["warnings"]) == 1 and str(tmp_path / "cache") in out["warnings"][0], out
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("bad", ["", "  "])
+def test_an_empty_directory_name_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="compile_cache_dir"):
+        TrainConfig(compile_cache_dir=bad)

@@ -46,8 +46,9 @@ _use: CacheUse | None = None
 
 def enable(directory: str | None) -> CacheUse | None:
     """Point JAX's persistent compilation cache at ``directory`` (``~`` expanded; created) unless it is None, and
-    count its use (:class:`CacheUse`). JAX reads the setting at its first compilation, so this must run before
-    anything is compiled; a second call in the same process keeps the first directory (and says so)."""
+    count its use (:class:`CacheUse`) from the next compilation on (JAX opens the directory at its first read or
+    write, so programs compiled before are no obstacle); a second call in the same process keeps the first directory
+    (and says so)."""
     global _use
     if directory is None:
         return None

@@ -1,6 +1,7 @@
-"""Worker: JAX's persistent compilation cache through jrl.train.compile_cache. Enables the cache in ``argv[1]``,
-compiles and runs one program, asks for a second directory (``argv[2]``; kept out), and prints one JSON line: what
-the cache did (:class:`CacheUse`), the program's result, JAX's cache directory after the second call, the warning."""
+"""Worker: JAX's persistent compilation cache through jrl.train.compile_cache. Compiles a program, enables the cache
+in ``argv[1]``, compiles and runs another, asks for a second directory (``argv[2]``; kept out), and prints one JSON
+line: what the cache did (:class:`CacheUse`), the program's result, JAX's cache directory after the second call,
+the warning."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Warnings(logging.Handler):
 def main() -> None:
     warned = Warnings()
     logging.getLogger("jrl.train.compile_cache").addHandler(warned)
+    jax.jit(jnp.sin)(1.0)  # something compiled before the cache is enabled (JAX has decided: no cache)
     use = compile_cache.enable(sys.argv[1])
     value = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T) ** 2))(jnp.arange(64.0).reshape(8, 8) / 64)
     again = compile_cache.enable(sys.argv[2])

@@ -7,12 +7,19 @@ if [ "${WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# PYTHONFAULTHANDLER: a crashing process prints every thread's Python stack (a 4-GPU paged run once died of SIGSEGV
+# with nothing in its log).
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONFAULTHANDLER=1
 
-fold_logs() {  # DIR FILE: the last 40 lines of every DIR/*.log into FILE (a device call returns only a few files)
+fold_logs() {  # DIR FILE: the last 40 lines of every DIR/*.log into FILE (a device call returns only a few files);
+  # of a log with a fault handler's dump, everything from the dump on (up to 400 lines)
   for f in "$1"/*.log; do
     [ -f "$f" ] || continue
     echo "##### $(basename "$f")"
-    tail -n 40 "$f" | cut -c1-600
+    if grep -q "^Fatal Python error" "$f"; then
+      sed -n '/^Fatal Python error/,$p' "$f" | head -n 400 | cut -c1-600
+    else
+      tail -n 40 "$f" | cut -c1-600
+    fi
   done > "$2"
 }

@@ -133,7 +133,8 @@ def _overrides(args, meta: dict, devices: int) -> list[str]:
            "--optim.learning-rate", "1e-6", "--optim.micro-batch-size",
            str(min(rows, args.micro_rows_per_device * learner)),
            "--max-steps", str(args.steps + bool(args.profile)), "--save-every", "0", "--log-every", "1",
-           "--output-dir", str(work / f"run-{args.layout}-{devices}"), "--overwrite", "--seed", "0"]
+           "--output-dir", str(work / f"run-{args.layout}-{devices}"), "--overwrite", "--seed", "0",
+           "--compile-cache-dir", args.compile_cache or "None"]
     if args.layout == "split":
         out += ["--rollout.devices", str(args.rollout_devices), "--rollout.prefetch-depth", "1"]
     if args.rollout_mesh:
@@ -321,6 +322,8 @@ def main() -> None:
     r.add_argument("--generations", type=int, default=8)
     r.add_argument("--steps", type=int, default=4)
     r.add_argument("--micro-rows-per-device", type=int, default=8, help="rows per learner device per micro-batch")
+    r.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="TrainConfig.compile_cache_dir (default: off, so every case compiles as a first run would)")
     r.add_argument("--lora", action="store_true")
     r.add_argument("--lora-rank", type=int, default=16)
     r.add_argument("--profile", default=None, metavar="DIR")

@@ -45,10 +45,10 @@ _use: CacheUse | None = None
 
 
 def enable(directory: str | None) -> CacheUse | None:
-    """Point JAX's persistent compilation cache at ``directory`` (``~`` expanded; created) unless it is None, and
+    """Point JAX's persistent compilation cache at ``directory`` (``~`` expanded, created) unless it is None, and
     count its use (:class:`CacheUse`) from the next compilation on (JAX opens the directory at its first read or
-    write, so programs compiled before are no obstacle); a second call in the same process keeps the first directory
-    (and says so)."""
+    write, so programs compiled before are no obstacle). A directory that cannot be created is a warning and None; a
+    second call in the same process keeps the first directory (and says so)."""
     global _use
     if directory is None:
         return None
@@ -62,7 +62,12 @@ def enable(directory: str | None) -> CacheUse | None:
                 logger.warning("compile_cache_dir=%r: this process already uses the compilation cache in %s, which "
                                "it keeps", directory, _use.directory)
             return _use
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            logger.warning("compile_cache_dir=%r cannot be created (%s), so this run compiles every program: point "
+                           "--compile-cache-dir at a writable directory, or pass None", directory, e)
+            return None
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
         use = _use = CacheUse(path)

@@ -1,6 +1,7 @@
 """``TrainConfig.compile_cache_dir``: a program compiled by one process is read back by the next from JAX's
 persistent compilation cache (real processes, real cache files), with the same result; a process keeps the first
-directory it was given; a run's log says what the cache did; an empty name is refused naming the field."""
+directory it was given; a directory that cannot be created is a warning, not an error; a run's log says what the
+cache did; an empty name is refused naming the field."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_a_process_keeps_the_first_directory_and_says_so(tmp_path):
 def test_an_empty_directory_name_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match="compile_cache_dir"):
         TrainConfig(compile_cache_dir=bad)
+
+
+def test_a_directory_that_cannot_be_created_leaves_the_cache_off_with_a_warning(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = ("import logging; from jrl.train import compile_cache; logging.basicConfig(); "
+            f"print('result', compile_cache.enable({str(blocker / 'cache')!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], env=helpers.worker_env(1), capture_output=True, text=True,
+                          timeout=120, cwd=helpers.REPO)
+    assert proc.returncode == 0 and "result None" in proc.stdout, proc.stderr[-3000:]
+    assert "cannot be created" in proc.stderr and "--compile-cache-dir" in proc.stderr, proc.stderr

@@ -12,18 +12,13 @@ from pathlib import Path
 import pytest
 
 import child_processes as helpers
-from jrl.train.config import TrainConfig
+from train_testlib import run_worker
 
-WORKER = Path(__file__).parent / "compile_cache_worker.py"
+from jrl.train.config import TrainConfig
 
 
 def _run(cache: Path, other: Path) -> dict:
-    # Every compilation is cached here (JAX's default skips those under a second, as this small program's is).
-    env = helpers.worker_env(1, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    proc = subprocess.run([sys.executable, str(WORKER), str(cache), str(other)], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=helpers.REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return helpers.parse_json_tail(proc.stdout)
+    return run_worker("compile_cache_worker.py", str(cache), str(other), num_devices=1, timeout=120)
 
 
 def test_a_program_compiled_by_one_process_is_read_back_by_the_next(tmp_path):

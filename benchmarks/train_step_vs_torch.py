@@ -139,7 +139,7 @@ def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int |
     from jrl.models.lora import LoraConfig, apply_lora
     from jrl.models.transformer import create_model
     from jrl.sharding import shard_model
-    from jrl.train.algorithms.grpo import PolicyUpdate
+    from jrl.train.algorithms.grpo_update import PolicyUpdate
     from jrl.train.config import OptimConfig
     from jrl.train.learner import Learner
 
@@ -167,7 +167,7 @@ def step_batch(rows: int, seq: int, vocab: int, seed: int = 0):
     """:func:`make_batch` as a GRPO :class:`~jrl.train.algorithms.grpo.StepBatch`."""
     import numpy as np
 
-    from jrl.train.algorithms.grpo import StepBatch
+    from jrl.train.algorithms.grpo_update import StepBatch
 
     ids, mask, c_ids, c_mask, adv = make_batch(rows, seq, vocab, seed)
     return StepBatch(input_ids=ids, attention_mask=mask, completion_ids=c_ids, completion_mask=c_mask,

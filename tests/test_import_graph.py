@@ -112,9 +112,9 @@ def test_no_import_circle_in_jrl():
 
 def test_the_check_finds_a_circle():
     graph = import_graph()
-    assert "jrl.train.learner" in graph["jrl.train.algorithms.grpo"]  # the graph is read from the source
-    graph["jrl.train.learner"].add("jrl.train.algorithms.grpo")
-    assert ["jrl.train.algorithms.grpo", "jrl.train.learner"] in circles(graph)
+    assert "jrl.train.learner" in graph["jrl.train.algorithms.grpo_update"]  # the graph is read from the source
+    graph["jrl.train.learner"].add("jrl.train.algorithms.grpo_update")
+    assert ["jrl.train.algorithms.grpo_update", "jrl.train.learner"] in circles(graph)
 
 
 def _module_level_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:

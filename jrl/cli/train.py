@@ -16,26 +16,47 @@ picks the training method (``grpo``, ``ebft_structured``, ``ebft_strided``).
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 def parse_config(argv: list[str]):
-    """(TrainConfig) from ``--config FILE`` plus tyro overrides in ``argv``."""
+    """(TrainConfig) from ``--config FILE`` plus tyro overrides in ``argv``; ``--algorithm`` (or the file's) picks the
+    type of the ``algo`` section, so its flags are that algorithm's."""
     import tyro
 
+    from jrl.train.algorithms import ALGORITHMS
     from jrl.train.config import TrainConfig, load_config_file
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
-    default = load_config_file(known.config) if known.config else None
+    picked = argparse.ArgumentParser(add_help=False)
+    picked.add_argument("--algorithm", default=None)
+    algorithm = picked.parse_known_args(rest)[0].algorithm
+    default = load_config_file(known.config) if known.config else TrainConfig()
+    if algorithm in ALGORITHMS and algorithm != default.algorithm:
+        default = _switched(default, algorithm, ALGORITHMS.get(algorithm).config_type)
+    own = ALGORITHMS.get(default.algorithm).config_type
+    section = own if own is not None else Annotated[type(None), tyro.conf.Suppress]
     name = Path(sys.argv[0]).name  # train.py, explore.py, or "jrl train" / "jrl explore" (jrl.cli)
     prog = f"{name} --config {known.config}" if known.config else name
-    return tyro.cli(TrainConfig, default=default, args=rest, prog=prog,
-                    description="GRPO or EBFT training (--algorithm grpo | ebft_structured | ebft_strided). "
+    return tyro.cli(TrainConfig[section], default=default, args=rest, prog=prog,
+                    description=f"GRPO or EBFT training (--algorithm {' | '.join(ALGORITHMS.names())}). "
                                 "Pass --config FILE (a Python file with config()) first.")
+
+
+def _switched(cfg, algorithm: str, own: type | None):
+    """``cfg`` with ``algorithm`` and an ``algo`` section of that algorithm's type (its defaults unless ``cfg``'s is
+    one): the unchecked starting point of the overrides; tyro builds (and checks) the final config from it."""
+    draft = copy.copy(cfg)
+    object.__setattr__(draft, "algorithm", algorithm)
+    if own is None or not isinstance(cfg.algo, own):
+        object.__setattr__(draft, "algo", None if own is None else own())
+    return draft
 
 
 def summary(cfg, history: list[dict]) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 
-from jrl.kernels._dispatch import backend as kernel_backend
+from jrl.kernels import backend as kernel_backend
 
 #: Primitives whose outputs are a fused attention forward's results (cuDNN flash attention through
 #: ``jax.nn.dot_product_attention``): its output and softmax statistics, the residuals its backward reads.

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 from tyro.constructors import PrimitiveConstructorSpec
 
 from jrl.data.config import DataConfig
 from jrl.kernels.attention import available_impls
-from jrl.losses.config import GRPOConfig
 from jrl.models.lora_config import LoraConfig
 from jrl.models.remat import REMAT_NAMES
 from jrl.rollout.config import RolloutConfig
@@ -126,11 +125,20 @@ RewardArg = Annotated[RewardSpec, PrimitiveConstructorSpec(
     is_instance=lambda x: isinstance(x, RewardSpec), str_from_instance=lambda spec: [spec.format()])]
 
 
+#: The sections of :class:`TrainConfig` that belong to algorithms besides each one's own ``algo``: shared by the
+#: algorithms that name them in ``sections`` and unset (at their defaults) for the others.
+ALGORITHM_SECTIONS = ("ebft",)
+
+#: The type of the ``algo`` section: the selected algorithm's ``config_type``.
+AlgoConfigT = TypeVar("AlgoConfigT")
+
+
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Generic[AlgoConfigT]):
     """A training run: algorithm, model, adapters, devices, prompts, rollouts, rewards, objective, optimizer,
     bookkeeping. Fields an algorithm or rollout backend does not read must keep their defaults (a set
-    value there is an error naming the field), so every flag of ``--help`` has an effect."""
+    value there is an error naming the field), so every flag of ``--help`` has an effect. ``algo`` is the
+    algorithm's own section, of the type it registers; the command line offers that type's flags."""
 
     algorithm: str = "grpo"
     """Training algorithm (an ``ALGORITHMS`` name): ``grpo`` (reward functions, GRPO-family loss of
@@ -164,9 +172,11 @@ class TrainConfig:
     """Deferred re-roll of prompts whose completions all failed (off by default)."""
     ebft: EBFTConfig = dataclasses.field(default_factory=EBFTConfig)
     """Feature network, reward and loss knobs of the ``ebft_structured`` / ``ebft_strided`` algorithms."""
-    algo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
-    """Objective, advantages and sampler correction (``num_generations`` completions per prompt) of the
-    GRPO-family update (``grpo`` and ``ebft_structured``); log-probs are taken at ``rollout.temperature``."""
+    algo: AlgoConfigT = None
+    """The algorithm's own section, of the type it registers (``config_type``); None = that type's defaults. For
+    ``grpo`` and ``ebft_structured`` a :class:`~jrl.losses.GRPOConfig`: objective, advantages and sampler correction
+    (``num_generations`` completions per prompt) of the GRPO-family update, log-probs taken at
+    ``rollout.temperature``; ``ebft_strided`` has none (its knobs are in ``ebft``)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """Optimizer, schedule and gradient accumulation."""
     logprobs_impl: Literal["auto", "reference", "xla", "triton", "pallas_tpu", "triton_saveprobs"] = "auto"
@@ -241,6 +251,7 @@ class TrainConfig:
             raise invalid("TrainConfig", "algorithm", self.algorithm, f"use one of {ALGORITHMS.names()} "
                           "(ebft.mode='structured' / 'strided' is now algorithm='ebft_structured' / 'ebft_strided')")
         algorithm = ALGORITHMS.get(self.algorithm)
+        self._check_algorithm_sections(algorithm)
         reject_unused(self, algorithm.ignores, f"algorithm={self.algorithm!r}")
         from jrl.rollout import ROLLOUT_ENGINES
 
@@ -254,22 +265,6 @@ class TrainConfig:
         if missing:
             raise invalid("TrainConfig", "rollout.backend", self.rollout.backend,
                           f"use a backend that has {missing} (algorithm={self.algorithm!r} needs it)")
-        if "algo" not in algorithm.ignores:
-            g = self.algo.num_generations
-            if g < 2:
-                raise invalid("TrainConfig", "algo.num_generations", g,
-                              "GRPO compares completions of the same prompt; use >= 2 (e.g. 8)")
-            m = self.algo.max_completion_length
-            if m is not None and m < self.rollout.max_new_tokens:
-                raise invalid("TrainConfig", "algo.max_completion_length", m,
-                              f"it must be >= rollout.max_new_tokens={self.rollout.max_new_tokens}, or None")
-            if self.loss_head == "fused" and self.algo.top_entropy_quantile < 1.0:
-                raise invalid("TrainConfig", "loss_head", self.loss_head,
-                              f"algo.top_entropy_quantile={self.algo.top_entropy_quantile} thresholds entropies "
-                              "over the whole batch, which a row-chunked head cannot; use loss_head='auto'")
-        if self.algo.reward_weights is not None:
-            raise invalid("TrainConfig", "algo.reward_weights", self.algo.reward_weights,
-                          "set the weights on the reward specs (TrainConfig.rewards[i].weight) and leave it None")
         self._check_env()
         self._check_partial(algorithm)
         if "rewards" not in algorithm.ignores and not self.rewards and self.env.name is None:
@@ -307,6 +302,20 @@ class TrainConfig:
         check_int(self, "seed", lo=-2**63, fix="use an int")
         check_int(self, "resume_from", lo=1, optional=True,
                   fix="use the step of a checkpoint in output_dir/checkpoints, or None")
+        algorithm.check_config(self)
+
+    def _check_algorithm_sections(self, algorithm) -> None:
+        """``algo`` of the algorithm's ``config_type`` (None becomes that type's defaults; unset when it has none),
+        and the shared algorithm sections it does not read left unset."""
+        own, user = algorithm.config_type, f"algorithm={self.algorithm!r}"
+        if own is None:
+            reject_unused(self, ("algo",), user)
+        elif self.algo is None:
+            object.__setattr__(self, "algo", own())  # frozen: the one normalisation a constructed config gets
+        elif not isinstance(self.algo, own):
+            raise invalid("TrainConfig", "algo", self.algo, f"{user} reads an algo section of type {own.__name__}; "
+                          f"pass algo={own.__name__}(...) or None (its defaults)")
+        reject_unused(self, tuple(s for s in ALGORITHM_SECTIONS if s not in algorithm.sections), user)
 
     def _check_partial(self, algorithm) -> None:
         """``rollout.partial``: an algorithm that trains on it, the paged sampler, and none of the parts that hand
@@ -343,10 +352,6 @@ class TrainConfig:
             raise invalid("TrainConfig", "env.reuse_kv_cache", True, "the paged KV cache keeps no sessions across "
                           "turns; set env.reuse_kv_cache=False (each turn prefills the conversation) or "
                           "rollout.kv.layout='dense'")
-        m = self.algo.max_completion_length
-        if m is not None and m < self.env.max_episode_tokens:
-            raise invalid("TrainConfig", "algo.max_completion_length", m,
-                          f"it must be >= env.max_episode_tokens={self.env.max_episode_tokens}, or None")
 
     def _check_mode(self, algorithm) -> None:
         check_choice(self, "mode", ("both", "train", "explore"))

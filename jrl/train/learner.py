@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jrl.kernels._dispatch import backend as kernel_backend
+from jrl.kernels import backend as kernel_backend
 from jrl.models import router_stats
 from jrl.models.lora import has_lora, lora_disabled, trainable_params
 from jrl.models.scan_outputs import uninitialized_scan_outputs

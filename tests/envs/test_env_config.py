@@ -115,7 +115,7 @@ def test_streamed_episodes_are_scored_chunk_by_chunk_like_the_whole_batch():
 
     from jrl.data.pipeline import PromptLoader, build_prompt_dataset
     from jrl.rollout.jax_engine import JaxRolloutEngine
-    from jrl.train.algorithms.grpo import GroupSampler, StreamedRollout
+    from jrl.train.algorithms.group_sampler import GroupSampler, StreamedRollout
     from jrl.train.policy import load_policy
 
     base = runpy.run_path(str(ROOT / "configs" / "grpo_multiturn.py"))["config"]()

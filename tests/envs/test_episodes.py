@@ -110,7 +110,7 @@ def test_rows_hold_model_turns_and_observations_with_the_loss_on_the_model_token
 
 
 def test_sampler_logprobs_of_every_turn_equal_the_trainers(engine):
-    from jrl.train.algorithms.grpo import build_step_batch, completion_logprobs
+    from jrl.train.algorithms.grpo_update import build_step_batch, completion_logprobs
 
     model, eng = engine
     out = play(eng, Scripted([StepResult(observation=OBS), StepResult(observation=OBS), StepResult(done=True)]))

@@ -34,7 +34,7 @@ def test_sampler_logprobs_match_full_forward(kind):
 
 
 def test_sampler_logprobs_match_train_step_scoring():
-    from jrl.train.algorithms.grpo import build_step_batch, completion_logprobs
+    from jrl.train.algorithms.grpo_update import build_step_batch, completion_logprobs
 
     model, batch, mask = _rollout("llama")
     step_batch = build_step_batch(batch, np.zeros(len(mask), np.float32), pad_id=0,

@@ -60,7 +60,7 @@ def make_server(cfg: VLLMConfig, log_file: Path) -> VLLMServer:
 
 def trainer_logprobs(model, batch, temperature: float) -> np.ndarray:
     """The train step's own scoring (:func:`jrl.train.algorithms.grpo.completion_logprobs`) of a rollout's tokens."""
-    from jrl.train.algorithms.grpo import build_step_batch, completion_logprobs
+    from jrl.train.algorithms.grpo_update import build_step_batch, completion_logprobs
 
     t = batch.completion_ids.shape[1]
     step_batch = build_step_batch(batch, np.zeros(len(batch.completion_ids), np.float32), pad_id=PAD_ID,

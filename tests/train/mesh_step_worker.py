@@ -22,7 +22,7 @@ from jrl.losses import GRPOConfig  # noqa: E402
 from jrl.models import create_model  # noqa: E402
 from jrl.sharding import MeshConfig, make_mesh  # noqa: E402
 from jrl.train.config import OptimConfig  # noqa: E402
-from jrl.train.algorithms.grpo import PolicyUpdate  # noqa: E402
+from jrl.train.algorithms.grpo_update import PolicyUpdate  # noqa: E402
 from jrl.train import learner as learner_module  # noqa: E402
 from jrl.train.learner import Learner  # noqa: E402
 

@@ -150,7 +150,8 @@ def test_producer_respects_depth_and_versions():
 def _reference_synchronous_run(cfg: TrainConfig) -> list[dict]:
     """The synchronous loop written out from the public pieces: generate batch k with version k, train, sync."""
     from jrl.losses import advantages_from_config, group_has_signal, sequence_has_signal
-    from jrl.train.algorithms.grpo import build_step_batch, completion_token_lists
+    from jrl.train.algorithms.group_sampler import completion_token_lists
+    from jrl.train.algorithms.grpo_update import build_step_batch
     from jrl.rewards.functions import compute_rewards
     from jrl.sources.rollout import step_seed
     from jrl.train.trainer import Trainer

@@ -6,7 +6,7 @@ import numpy as np
 
 from jrl.data.tokenizer import load_byte_tokenizer
 from jrl.rollout.base import RolloutBatch
-from jrl.train.algorithms.grpo import completion_token_lists, decoded_completions
+from jrl.train.algorithms.group_sampler import completion_token_lists, decoded_completions
 
 
 def _rollout(rng, rows: int, width: int) -> RolloutBatch:

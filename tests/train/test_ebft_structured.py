@@ -23,7 +23,8 @@ from jrl.models.lora import LoraConfig, LoRAParam, lora_layers
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig, load_config_file
 from jrl.train.algorithms import ALGORITHMS
 from jrl.train.algorithms.ebft_structured import EBFTExperience, EBFTStructured, adaptive_max_new_tokens, pack_rows
-from jrl.train.algorithms.grpo import GRPO, completion_logprobs
+from jrl.train.algorithms.grpo import GRPO
+from jrl.train.algorithms.grpo_update import completion_logprobs
 from jrl.train.ebft_config import EBFTConfig
 from jrl.rewards.functions import RewardSpec
 from jrl.train.trainer import Trainer

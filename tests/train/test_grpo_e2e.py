@@ -119,7 +119,7 @@ def test_sampler_and_trainer_logprobs_agree(tiny_model_dir):
 
     from jrl.models import from_pretrained
     from jrl.rollout.jax_engine import JaxRolloutEngine
-    from jrl.train.algorithms.grpo import build_step_batch
+    from jrl.train.algorithms.grpo_update import build_step_batch
     from jrl.train.config import RolloutConfig
     from train_testlib import grpo_learner
 

@@ -29,7 +29,7 @@ from jrl.rollout.config import RolloutConfig
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.vllm_config import VLLMConfig
 from jrl.train.algorithms import ALGORITHMS
-from jrl.train.config import ModelSpec, OptimConfig, ScoringConfig, TrainConfig
+from jrl.train.config import ALGORITHM_SECTIONS, ModelSpec, OptimConfig, ScoringConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.evaluation import EvalConfig
 from jrl.train.observability import WandbConfig
@@ -117,7 +117,7 @@ def _runs(model_dir: Path, tmp: Path) -> list[TrainConfig]:
         ebft=EBFTConfig(feature_layers=(0.5, 1.0), ce_coef=0.1, adaptive_min_tokens=4, embed_method="concat"),
         rollout=RolloutConfig(max_new_tokens=6))
     strided = dataclasses.replace(
-        base, algorithm="ebft_strided", output_dir=str(tmp / "strided"),
+        base, algorithm="ebft_strided", output_dir=str(tmp / "strided"), algo=None,
         ebft=EBFTConfig(context_length=4, stride=4, generate_max_len=2, n_samples_per_prompt=2, ce_coef=0.1,
                         feature_layers=(0.5, 1.0)), rollout=RolloutConfig(temperature=0.9, top_p=0.9, top_k=5))
     return [grpo, structured, strided]
@@ -268,16 +268,20 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
     with pytest.raises(ValueError, match=r"DataConfig\.hub_config='main'.*is not one"):
         DataConfig(hub_config="main")
 
-    # Each algorithm and backend refuses a set value in a field it ignores, naming the field.
+    # Each algorithm and backend refuses a set value in a field it ignores or an algorithm section it does not read
+    # (an algo section where it has none), naming the field.
     base = {cfg.algorithm: cfg for cfg in runs}
     built_in = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).__module__.startswith("jrl.")]  # not tests' toys
     for name, cls in ((n, ALGORITHMS.get(n)) for n in built_in):
-        for path in cls.ignores:
-            cfg = dataclasses.replace(base[name], rollout=RolloutConfig(), algo=GRPOConfig(), rewards=base["grpo"].rewards
+        unread = tuple(s for s in ALGORITHM_SECTIONS if s not in cls.sections)
+        for path in cls.ignores + unread:
+            cfg = dataclasses.replace(base[name], rollout=RolloutConfig(), algo=None, rewards=base["grpo"].rewards
                                       if name == "grpo" else TrainConfig().rewards, ebft=EBFTConfig()
                                       if name == "grpo" else base[name].ebft)
             with pytest.raises(ValueError, match=rf"TrainConfig\.{path}.*algorithm='{name}' does not use it"):
                 _mutate(cfg, path)
+    with pytest.raises(ValueError, match=r"TrainConfig\.algo=GRPOConfig.*algorithm='ebft_strided' does not use it"):
+        dataclasses.replace(base["ebft_strided"], algo=GRPOConfig())
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.sync=.*rollout\.backend='jax' does not use it"):
         dataclasses.replace(runs[0], rollout=RolloutConfig(sync="filesystem"))
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.vllm=.*rollout\.backend='jax' does not use it"):

@@ -35,7 +35,7 @@ def _prompts(step: int, rng) -> PromptBatch:
 
 
 def _full_forward_logprobs(model, rollout, temperature: float) -> np.ndarray:
-    from jrl.train.algorithms.grpo import build_step_batch, completion_logprobs
+    from jrl.train.algorithms.grpo_update import build_step_batch, completion_logprobs
 
     batch = build_step_batch(rollout, np.zeros(len(rollout.truncated), np.float32), pad_id=0,
                              completion_length=rollout.completion_ids.shape[1])

@@ -12,7 +12,7 @@ import pytest
 
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
-from jrl.train.algorithms.grpo import StreamedRollout
+from jrl.train.algorithms.group_sampler import StreamedRollout
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, ScoringConfig, TrainConfig
 from jrl.rewards.functions import RewardSpec
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 from jrl.models import ModelConfig, create_model, save_pretrained
-from jrl.train.algorithms.grpo import PolicyUpdate, StepBatch
+from jrl.train.algorithms.grpo_update import PolicyUpdate, StepBatch
 from jrl.train.config import OptimConfig
 from jrl.train.learner import Learner
 

@@ -8,9 +8,13 @@ loop owns the data, the rollout source, the weight syncs, checkpoints and logs; 
 parameters and the optimizer. An algorithm is built as ``cls(cfg, policy, learner)`` and registered by
 name in :data:`ALGORITHMS` (``TrainConfig.algorithm``).
 
-``ignores`` lists the config fields (dotted paths from :class:`~jrl.train.TrainConfig`, a whole section or
-one field) that the algorithm does not read; :class:`~jrl.train.TrainConfig` rejects a non-default value
-there, so no flag is silently without effect. An algorithm that reads ``eval_every`` / ``eval`` (the others list
+An algorithm owns its knobs: ``config_type`` is the type of the ``algo`` section it reads (``--algorithm`` picks
+the algorithm and with it that section's type and flags; None for an algorithm without one), ``sections`` names the
+shared algorithm sections it reads besides (:data:`~jrl.train.config.ALGORITHM_SECTIONS`: EBFT's feature network),
+and ``check_config(cfg)`` checks its section against the rest of the run. ``ignores`` lists the other config fields
+(dotted paths from :class:`~jrl.train.TrainConfig`, a whole section or one field) that the algorithm does not
+read; :class:`~jrl.train.TrainConfig` rejects a non-default value in those and in the algorithm sections it does
+not read, so no flag is silently without effect. An algorithm that reads ``eval_every`` / ``eval`` (the others list
 them in ``ignores``) also has ``evaluator(eval_cfg, prompts, *, output_dir, seed)`` returning a
 :class:`~jrl.train.evaluation.Evaluator`. Optional too: ``state(step) -> dict`` and ``load_state(dict)`` (what the
 algorithm carries across steps, JSON-safe, saved in the checkpoint at ``step``) and ``rerolled_prompts(k) ->
@@ -31,8 +35,12 @@ from jrl.registry import Registry
 class Algorithm(Protocol):
     """What the loop asks of a training method (see the module docstring)."""
 
+    config_type: ClassVar[type | None]
+    """The type of the ``algo`` section it reads (a frozen dataclass of its own knobs), or None (``algo`` unset)."""
+    sections: ClassVar[tuple[str, ...]]
+    """The shared algorithm sections (names in :data:`~jrl.train.config.ALGORITHM_SECTIONS`) it reads."""
     ignores: ClassVar[tuple[str, ...]]
-    """Config fields this algorithm does not read (rejected when set)."""
+    """Other config fields this algorithm does not read (rejected when set)."""
     progress_desc: ClassVar[str]
     """Label of the progress bar."""
     plot_keys: ClassVar[tuple[str, ...]]
@@ -46,6 +54,12 @@ class Algorithm(Protocol):
     samples_field: ClassVar[str]
     """The config field (dotted path) holding the samples per prompt: a step has ``prompts_per_batch`` x that
     rows."""
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """Raise a ``ValueError`` naming the field when its ``algo`` section (or a field it reads) does not fit the
+        rest of ``cfg`` (a :class:`~jrl.train.TrainConfig` whose own checks passed); called at construction."""
+        ...
 
     def generate(self, engine, prompt_batch, *, seed: int) -> Any:
         """Sample the rollout of ``prompt_batch`` from ``engine`` (may run in the rollout producer thread).

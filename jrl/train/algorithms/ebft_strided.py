@@ -255,7 +255,10 @@ PROGRESS = (("align↑", "ebft/alignment"), ("cfm↓", "ebft/cfm_loss"), ("rewar
 class EBFTStrided:
     """Strided EBFT (see the module docstring)."""
 
-    ignores = ("rewards", "env", "scoring", "replay", "reroll", "eval_every", "eval", "algo", "num_iterations",
+    config_type = None
+    sections = ("ebft",)
+
+    ignores = ("rewards", "env", "scoring", "replay", "reroll", "eval_every", "eval", "num_iterations",
                "docs_per_step", "loss_head", "rollout.backend", "rollout.sync", "rollout.vllm", "rollout.max_new_tokens",
                "rollout.stop_token_ids",
                "rollout.sync_interval", "rollout.prefetch_depth", "rollout.max_staleness", "ebft.adaptive_max_tokens",
@@ -266,6 +269,10 @@ class EBFTStrided:
     capabilities = frozenset()
     engine_needs = frozenset({"blocks"})  # block-parallel sampling: engine.generate_blocks
     samples_field = "ebft.n_samples_per_prompt"
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """Nothing beyond the ``ebft`` section's own checks: strided EBFT has no ``algo`` section."""
 
     def __init__(self, cfg, policy, learner):
         e = self.ebft = cfg.ebft

@@ -31,12 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.data.pipeline import left_pad
-from jrl.losses import ebft_advantages, embed_layers, feature_rewards, metric_reduction
+from jrl.losses import GRPOConfig, ebft_advantages, embed_layers, feature_rewards, metric_reduction
 from jrl.models.features import feature_layer_indices, feature_layers
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.train.algorithms.base import ALGORITHMS
-from jrl.train.algorithms.grpo import PROMPT_PAD_MULTIPLE, StepBatch, build_step_batch, completion_logprobs, \
-    completion_token_lists, grpo_pipeline, rollout_metrics, row_has_signal
+from jrl.sources.scored import rollout_metrics
+from jrl.train.algorithms.grpo import check_grpo_config, grpo_pipeline
+from jrl.train.algorithms.group_sampler import completion_token_lists
+from jrl.train.algorithms.grpo_update import PROMPT_PAD_MULTIPLE, StepBatch, build_step_batch, completion_logprobs, \
+    row_has_signal
 from jrl.train.learner import LossTerm
 
 
@@ -112,6 +115,9 @@ def _reduction(name: str) -> str:
 class EBFTStructured:
     """GRPO with EBFT's feature-matching reward (see the module docstring)."""
 
+    config_type = GRPOConfig
+    sections = ("ebft",)
+    check_config = staticmethod(check_grpo_config)
     ignores = ("rewards", "env", "scoring", "replay", "reroll", "eval_every", "eval", "docs_per_step", "ebft.stride",
                "ebft.context_length", "ebft.generate_max_len", "ebft.n_samples_per_prompt", "ebft.rl_coef",
                "ebft.min_completion_prefix")

@@ -46,7 +46,8 @@ def build_checkpoint(out: Path, *, layers: int, hidden: int, intermediate: int, 
     import ml_dtypes
 
     from jrl.models import ModelConfig, Transformer
-    from jrl.models.checkpoint import SAFE_INDEX, export_entries, parse_size, write_safetensors
+    from jrl.models.checkpoint import SAFE_INDEX, export_entries
+    from jrl.models.checkpoint_writer import parse_size, write_safetensors
 
     cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -47,7 +47,7 @@ from jrl.data.pipeline import DataConfig, build_prompt_dataset, left_pad
 from jrl.data.tasks.arithmetic import ArithmeticConfig, exact_match, format_answer, format_reward
 from jrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_byte_tokenizer, save_byte_tokenizer
 from jrl.models import ModelConfig, create_model, from_pretrained, save_pretrained
-from jrl.models.checkpoint import atomic_replace as replace_dir
+from jrl.models.checkpoint_writer import atomic_replace as replace_dir
 
 #: Where the shipped model lives, relative to the repository root.
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "tiny-arithmetic"

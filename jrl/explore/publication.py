@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jrl.models.checkpoint import atomic_replace
+from jrl.models.checkpoint_writer import atomic_replace
 from jrl.models.lora import trainable_params
 from jrl.sharding import is_main_process
 from jrl.sharding.placement import iter_to_host, path_str

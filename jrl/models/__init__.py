@@ -8,8 +8,8 @@ from jrl.models.checkpoint import (
     UnexpectedTensorError,
     from_pretrained,
     read_config,
-    save_pretrained,
 )
+from jrl.models.checkpoint_writer import save_pretrained
 from jrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from jrl.models.features import feature_layer_indices, feature_layers
 from jrl.models.layers import positions_from_mask, positions_from_segments

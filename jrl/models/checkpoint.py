@@ -7,28 +7,22 @@ each parameter, sharded by its logical axes when a mesh is given. A stacked-laye
 (``ModelConfig.stacked_layers``) is placed layer by layer and stacked on the devices, and exported layer by
 layer, so the host never holds more than one layer of it.
 
-``save_pretrained`` writes config.json, safetensors shards (+ ``model.safetensors.index.json``) and the
-tokenizer files of the source checkpoint into a temp directory that is renamed into place at the end. The
-safetensors files are written by a small streaming writer, so at most one parameter is on the host at a time.
+Writing is :mod:`jrl.models.checkpoint_writer`; the tensor entries of the family's table
+(:func:`export_entries`), the dtype names and the progress bar here serve both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
-import shutil
-import time
-import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -36,9 +30,8 @@ from flax import nnx
 from jrl.models import hf_mapping
 from jrl.models.config import ModelConfig
 from jrl.models.hf_mapping import Rule
-from jrl.models.lora import has_lora
 from jrl.models.transformer import Transformer, named_params, param_units, unit_placer
-from jrl.sharding.placement import check_placement, to_host
+from jrl.sharding.placement import check_placement
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -80,12 +73,13 @@ class ShapeMismatchError(CheckpointError):
 
 
 # --------------------------------------------------------------------------- helpers
-def _np_dtype(name: str) -> np.dtype:
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name (``bfloat16`` included, through JAX's)."""
     return np.dtype(jnp.dtype(name))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class TensorEntry:
     """One HF tensor <-> (part of) one jrl parameter: layer ``layer`` of a stacked-layer parameter (``None`` for
     an unstacked one), expert ``expert`` of a stacked-expert one."""
 
@@ -117,10 +111,10 @@ def _param_of(rule: Rule, layer: int | None, stacked: bool) -> tuple[str, int | 
     return rule.jrl.replace("layers.{layer}.", "layers.", 1), layer
 
 
-def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[_Entry]:
+def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[TensorEntry]:
     """The canonical HF tensors of a model (the layout transformers writes), grouped by jrl parameter and layer."""
     rules = [r for r in config.family.table if r.export]
-    out: list[_Entry] = []
+    out: list[TensorEntry] = []
 
     def add(layer):
         for rule in rules:
@@ -131,10 +125,10 @@ def export_entries(config: ModelConfig, params: Mapping[str, Any]) -> list[_Entr
             if path not in params:
                 continue
             if rule.per_expert:
-                out.extend(_Entry(rule.hf.format(expert=e, **fmt), path, rule, e, index)
+                out.extend(TensorEntry(rule.hf.format(expert=e, **fmt), path, rule, e, index)
                            for e in range(config.num_experts))
             else:
-                out.append(_Entry(rule.hf.format(**fmt), path, rule, layer=index))
+                out.append(TensorEntry(rule.hf.format(**fmt), path, rule, layer=index))
 
     add(None)
     for layer in range(config.num_hidden_layers):
@@ -194,7 +188,7 @@ def _tensor_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...],
 
 @dataclasses.dataclass
 class _Task:
-    entry: _Entry
+    entry: TensorEntry
     file: Path
     nbytes: int
 
@@ -226,7 +220,7 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
             expert = int(groups["expert"]) if rule.per_expert else None
             if expert is not None and expert >= config.num_experts:
                 continue
-            entry = _Entry(key, path, rule, expert, index)
+            entry = TensorEntry(key, path, rule, expert, index)
             expected = entry.hf_shape(params[path].shape)
             if tuple(shape) != expected:
                 raise ShapeMismatchError(
@@ -242,7 +236,7 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
             raise UnexpectedTensorError(
                 f"unexpected tensor {key!r} in the checkpoint: no {config.model_type} parameter takes it{why}")
     # Coverage: every parameter (every layer of a stacked one) exactly once (whole) or every expert exactly once.
-    canonical: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
+    canonical: dict[tuple[str, int | None], list[TensorEntry]] = defaultdict(list)
     for e in export_entries(config, params):
         canonical[e.unit].append(e)
     missing: list[str] = []
@@ -266,7 +260,9 @@ def _plan(config: ModelConfig, params: Mapping[str, nnx.Variable], headers) -> l
     return tasks
 
 
-def _progress(total_bytes: int, n: int, enabled: bool | None, desc: str):
+def progress_bar(total_bytes: int, n: int, enabled: bool | None, desc: str):
+    """A bar over ``n`` tensors (loading or saving), shown when ``enabled`` or, for None, when the checkpoint has at
+    least 256 MiB; otherwise a context giving None."""
     if enabled is None:
         enabled = total_bytes >= _PROGRESS_MIN_BYTES
     if not enabled:
@@ -335,7 +331,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     model.source_dir = str(path.resolve())
     params = named_params(model)
     tasks = _plan(config, params, _tensor_headers(files))
-    target = _np_dtype(config.param_dtype)
+    target = np_dtype(config.param_dtype)
     units = param_units(config, params)
     pending = defaultdict(int)
     for t in tasks:
@@ -350,7 +346,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     def put(unit: tuple[str, int | None], value: np.ndarray):
         place_unit(unit, np.asarray(value).astype(target, order="K", copy=False))
 
-    with _progress(total, len(tasks), progress, f"loading {path.name}") as bar:
+    with progress_bar(total, len(tasks), progress, f"loading {path.name}") as bar:
         for file, file_tasks in by_file.items():
             reader = _ShardReader(file)
             try:  # in on-disk order: sequential reads of the mapped file
@@ -377,165 +373,3 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
             finally:
                 reader.close()
     return model
-
-
-# --------------------------------------------------------------------------- writing
-def parse_size(size: int | str) -> int:
-    """Bytes from ``5GB`` (10^9), ``500MiB`` (2^20), ``"123"`` or an int."""
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
-
-
-@functools.cache
-def _hf_layout_fn(transform, experts: bool, layer: bool, dtype: str):
-    """Jitted jrl -> HF layout + cast, run where the parameter lives (transposes are fast on device):
-    ``fn(value, index)`` takes layer ``index`` of a stacked-layer value first (``layer``), and maps the
-    transform over the experts of a stacked-expert one (``experts``)."""
-    fn = jax.vmap(transform.to_hf) if experts else transform.to_hf
-
-    def run(x, index):
-        if layer:
-            x = jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
-        return fn(x).astype(dtype)
-
-    return jax.jit(run)
-
-
-def write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...], str]], arrays: Iterator[np.ndarray],
-                      metadata: Mapping[str, str] | None = None) -> None:
-    """Stream a safetensors file: header from (name, shape, dtype name) first, then each array in order.
-
-    ``arrays`` yields C-contiguous numpy arrays matching ``tensors`` one at a time.
-    """
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    for name, shape, dtype in tensors:
-        n = math.prod(shape) * _np_dtype(dtype).itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(file, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for (name, shape, dtype), arr in zip(tensors, arrays, strict=True):
-            if arr.shape != tuple(shape) or arr.dtype != _np_dtype(dtype):
-                raise ValueError(f"{name}: got {arr.shape} {arr.dtype}, header says {shape} {dtype}")
-            np.ascontiguousarray(arr).tofile(f)
-
-
-def _hf_config_dict(model: Transformer, save_dtype: str, source_dir: Path | None) -> dict:
-    out = model.config.to_hf(dtype=save_dtype)
-    if source_dir is not None and (source_dir / "config.json").is_file():
-        src = json.loads((source_dir / "config.json").read_text())
-        if src.get("model_type") == out["model_type"]:
-            # Keep fields jrl does not model (initializer ranges, window sizes, ...); jrl's own fields win.
-            src.pop("torch_dtype", None)
-            out = {**src, **out}
-    return out
-
-
-def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                    dtype=None, source_dir: str | os.PathLike | None = None, progress: bool | None = None) -> Path:
-    """Write ``model`` as a Hugging Face checkpoint directory that ``AutoModelForCausalLM.from_pretrained`` loads.
-
-    Writes config.json, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards plus
-    ``model.safetensors.index.json`` when larger than ``max_shard_size``) in ``dtype`` (default: the parameter
-    dtype) and copies the tokenizer files of ``source_dir`` (default: the directory the model was loaded
-    from). Everything is written to a temp directory beside ``out_dir`` and renamed into place, so a crash
-    never leaves a half-written ``out_dir``. Only process 0 writes in a multi-host run. Returns ``out_dir``.
-    """
-    if has_lora(model):
-        raise ValueError("save_pretrained: the model has LoRA adapters, which a Hugging Face checkpoint does not hold; "
-                         "merge them first (jrl.models.merge_lora) or write them as a PEFT adapter "
-                         "(jrl.models.save_peft_adapter)")
-    out_dir = Path(out_dir)
-    cfg = model.config
-    save_dtype = save_dtype_name(dtype or cfg.param_dtype, "save_pretrained")
-    target = _np_dtype(save_dtype)
-    src = source_dir if source_dir is not None else getattr(model, "source_dir", None)
-    src = Path(src) if src else None
-    params = named_params(model)
-    entries = export_entries(cfg, params)
-    specs = [(e.hf_key, e.hf_shape(params[e.jrl_path].shape)) for e in entries]
-    sizes = [math.prod(s) * target.itemsize for _, s in specs]
-    # Greedy sharding, as transformers: start a new shard when the next tensor would overflow.
-    limit = parse_size(max_shard_size)
-    shards: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(sizes):
-        if shards[-1] and used + n > limit:
-            shards.append([])
-            used = 0
-        shards[-1].append(i)
-        used += n
-    names = ([SAFE_WEIGHTS] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    writer = jax.process_index() == 0
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    if writer:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    cache: dict[tuple, np.ndarray] = {}
-
-    def host_value(e: _Entry) -> np.ndarray:
-        """The parameter of ``e`` in HF layout and the save dtype, on the host (one parameter cached)."""
-        key = (e.unit, e.rule)
-        if key not in cache:
-            cache.clear()  # entries are grouped by parameter and layer: keep one gathered unit at a time
-            fn = _hf_layout_fn(e.rule.transform, e.expert is not None, e.layer is not None, save_dtype)
-            cache[key] = to_host(fn(params[e.jrl_path].get_value(), e.layer or 0))
-        return cache[key]
-
-    def arrays(idx: list[int], bar) -> Iterator[np.ndarray]:
-        for i in idx:
-            e = entries[i]
-            value = host_value(e)
-            yield value if e.expert is None else value[e.expert]
-            if bar is not None:
-                bar.update(1)
-
-    try:
-        with _progress(sum(sizes), len(entries), progress, f"saving {out_dir.name}") as bar:
-            for name, idx in zip(names, shards, strict=True):
-                tensors = [(specs[i][0], specs[i][1], save_dtype) for i in idx]
-                if writer:
-                    write_safetensors(tmp / name, tensors, arrays(idx, bar))
-                else:  # still take part in the gathers
-                    for _ in arrays(idx, bar):
-                        pass
-        cache.clear()
-        if writer:
-            if len(shards) > 1:
-                index = {"metadata": {"total_size": sum(sizes)},
-                         "weight_map": {specs[i][0]: names[s] for s, idx in enumerate(shards) for i in idx}}
-                (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            (tmp / "config.json").write_text(json.dumps(_hf_config_dict(model, save_dtype, src), indent=2) + "\n")
-            if src is not None:
-                for fname in TOKENIZER_FILES:
-                    if (src / fname).is_file():
-                        shutil.copy2(src / fname, tmp / fname)
-            atomic_replace(tmp, out_dir)
-    except BaseException:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def atomic_replace(tmp: Path, out_dir: Path) -> None:
-    """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first and removed after."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{time.time_ns()}"
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jrl.models import hf_mapping
-from jrl.models.checkpoint import atomic_replace, export_entries, save_dtype_name, write_safetensors
+from jrl.models.checkpoint import export_entries, save_dtype_name
+from jrl.models.checkpoint_writer import atomic_replace, write_safetensors
 from jrl.models.lora import MOE_LORA_TARGETS, ExpertsLoRA, LoraConfig, LoRALinear, lora_layers
 from jrl.models.transformer import Transformer, named_params, unit_layer, unit_name
 from jrl.sharding.placement import to_host

@@ -12,7 +12,8 @@
 # env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), MEAN_FRACTION (0.4: mean
 #      completion length over MAX_NEW), PROMPTS (32 prompts per device and step), MICRO (8 rows per device and
 #      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
-#      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12)
+#      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12),
+#      CACHE (a directory: JAX's compilation cache for every case, shared between them; default off)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
@@ -25,7 +26,7 @@ INIT=$([ "${SHAPE:-llama1b}" = llama8b ] && echo torch || echo jrl)
 [ -f "$WORK/meta.json" ] || timeout 300 $B prepare --work "$WORK" --shape "${SHAPE:-llama1b}" \
   --max-new-tokens "${MAX_NEW:-1024}" --mean-fraction "${MEAN_FRACTION:-0.4}" --init "$INIT" > "$LOGS/prepare.log" 2>&1 || { tail -5 "$LOGS/prepare.log"; exit 1; }
 R="run --work $WORK --steps ${STEPS:-3} --prompts-per-device ${PROMPTS:-32} --micro-rows-per-device ${MICRO:-8}"
-R="$R --out $OUT/e2e.jsonl"
+R="$R --out $OUT/e2e.jsonl${CACHE:+ --compile-cache $CACHE}"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 for case in "$@"; do
   start=$(date +%s)

@@ -13,7 +13,8 @@
 #      completion length over MAX_NEW), PROMPTS (32 prompts per device and step), MICRO (8 rows per device and
 #      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
 #      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12),
-#      CACHE (a directory: JAX's compilation cache for every case, shared between them; default off)
+#      CACHE (a directory: JAX's compilation cache for every case, shared between them; default off),
+#      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
@@ -38,11 +39,11 @@ for case in "$@"; do
       --logprobs-impl triton_saveprobs ;;
     paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --optim.packing ;;
     partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
-      --rollout.partial --optim.packing ;;
+      --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ;;
     partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
-      --rollout.partial ;;
+      --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;

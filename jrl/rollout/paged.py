@@ -357,14 +357,19 @@ class _Generation:
         self.rows = len(row_prompt)
         self.lengths = [len(x) for x in sequences]
         # Widths padded to a power of two (at least a page and a prompt bucket): with the bucketed sequence and slot
-        # counts, the few shapes a run's programs compile for. Prefilled sequences: a partial rollout's carry tokens
-        # of every length. A row's slots never pass its prompt plus max_new_tokens (a continued row's prefix counts
-        # in both), so the page table's width follows the prompts alone: continued rows do not change the round.
+        # counts, the few shapes a run's programs compile for. Prefilled sequences: the prompts at the prompts' width,
+        # a partial rollout's carried rows (prompt and tokens so far, of every length) each in the power-of-two width
+        # that holds it, so a long carried row does not widen every prompt's prefill. A row's slots never pass its
+        # prompt plus max_new_tokens (a continued row's prefix counts in both), so the page table's width follows the
+        # prompts alone: continued rows do not change the round.
         def padded(tokens: int) -> int:
             return max(math.lcm(page, prompt_bucket), 1 << (tokens - 1).bit_length())
 
-        width, prompt_span = padded(max(self.lengths)), padded(max(len(g.prompt) for g in groups))
-        prompts = slot_bucket(len(sequences))
+        prompt_span = padded(max(len(g.prompt) for g in groups))
+        by_width = collections.defaultdict(list)  # width -> the sequences prefilled at it
+        for i, n in enumerate(self.lengths):
+            by_width[max(prompt_span, padded(n))].append(i)
+        buckets = sorted((w, idx, slot_bucket(len(idx))) for w, idx in by_width.items())
         self.slots = slot_bucket(min(kv.slots, self.rows) if kv.slots else (slots or self.rows))
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
         # made once for the whole generation.
@@ -373,25 +378,35 @@ class _Generation:
         self.device = _device(self.state)
         page_bytes = view.config.kv_bytes_per_token() * page
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
-                               prompt_bucket_pages=prompts * (width // page), max_new_tokens=params.max_new_tokens,
-                               page_bytes=page_bytes, free_bytes=_free_bytes(self.device))
+                               prompt_bucket_pages=sum(count * (w // page) for w, _, count in buckets),
+                               max_new_tokens=params.max_new_tokens, page_bytes=page_bytes,
+                               free_bytes=_free_bytes(self.device))
         starts = np.cumsum([1] + [pages_for(n, page) for n in self.lengths])  # prompt pages from page 1 on, in order
         self.prompt_pages = [list(range(a, b)) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
         free = list(range(int(starts[-1]), self.pool))
-        page_ids = np.full((prompts, width // page), SCRATCH_PAGE, np.int32)
-        ids, mask = np.full((prompts, width), pad_id, np.int32), np.zeros((prompts, width), np.int32)
-        for i, (tokens, own) in enumerate(zip(sequences, self.prompt_pages)):
-            ids[i, :len(tokens)], mask[i, :len(tokens)], page_ids[i, :len(own)] = tokens, 1, own
-        mask[len(sequences):, 0] = 1  # bucket prompts read one token (their pages are the scratch page)
-        # Prefilled a power-of-two number of sequences at a time (dividing the bucket), at most prefill_tokens.
-        per_call = min(prompts, 1 << (max(prefill_tokens // width, 1).bit_length() - 1))
-        self.cache, logits = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page), []
-        for first in range(0, prompts, per_call):
-            rows = slice(first, first + per_call)
-            self.cache, part = _prefill(self.graphdef, self.state, self.cache, ids[rows], mask[rows], page_ids[rows],
-                                        page_size=page)
-            logits.append(part)
-        self.prompt_logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
+        self.cache = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page)
+        logits, order = [], []
+        for width, idx, count in buckets:
+            page_ids = np.full((count, width // page), SCRATCH_PAGE, np.int32)
+            ids, mask = np.full((count, width), pad_id, np.int32), np.zeros((count, width), np.int32)
+            for j, i in enumerate(idx):
+                tokens, own = sequences[i], self.prompt_pages[i]
+                ids[j, :len(tokens)], mask[j, :len(tokens)], page_ids[j, :len(own)] = tokens, 1, own
+            mask[len(idx):, 0] = 1  # bucket rows read one token (their pages are the scratch page)
+            # Prefilled a power-of-two number of sequences at a time (dividing the bucket), at most prefill_tokens.
+            per_call = min(count, 1 << (max(prefill_tokens // width, 1).bit_length() - 1))
+            for first in range(0, count, per_call):
+                rows = slice(first, first + per_call)
+                self.cache, part = _prefill(self.graphdef, self.state, self.cache, ids[rows], mask[rows],
+                                            page_ids[rows], page_size=page)
+                logits.append(part)
+            order += idx + [-1] * (count - len(idx))
+        logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
+        if len(buckets) > 1:  # each sequence's logits at its index, in a bucketed count of rows
+            at = np.zeros(slot_bucket(len(sequences)), np.int32)
+            at[[i for i in order if i >= 0]] = [k for k, i in enumerate(order) if i >= 0]
+            logits = logits[at]
+        self.prompt_logits = logits
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
                                    prompt_lengths=self.lengths, row_prompt=row_prompt,
                                    row_slots=[self.lengths[p] + params.max_new_tokens - start

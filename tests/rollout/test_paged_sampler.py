@@ -228,3 +228,37 @@ def test_the_default_pool_fits_the_free_memory_and_a_set_one_is_kept():
     tiny = pool_pages(kv, **args, page_bytes=1 << 20, free_bytes=10 << 20)  # less than a row: one row all the same
     assert tiny == 1 + 64 + 1024 // 16 + 1
     assert pool_pages(dataclasses.replace(kv, pages=500), **args, page_bytes=1 << 20, free_bytes=10 << 20) == 500
+
+
+def test_carried_rows_are_prefilled_in_their_own_width_and_continue_as_they_would_have(monkeypatch):
+    """A partial rollout's carried row much longer than the prompts is prefilled in a width of its own (the prompts
+    keep theirs, so one long row does not widen every prompt's prefill), and still continues exactly as the
+    uninterrupted generation."""
+    from jrl.rollout import paged
+
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(6), LENGTHS)
+    params = SamplingParams(max_new_tokens=120, temperature=1.0, stop_token_ids=())
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=4)
+    graphdef, state = nnx.split(model)
+    widths = []
+    prefill = paged._prefill
+
+    def recording(graphdef, state, cache, ids, mask, page_ids, *, page_size):
+        widths.append(ids.shape)
+        return prefill(graphdef, state, cache, ids, mask, page_ids, page_size=page_size)
+
+    monkeypatch.setattr(paged, "_prefill", recording)
+
+    def run(groups):
+        return generate_paged(graphdef, [state], groups, params, seed=7, kv=kv, pad_id=PAD, prompt_bucket=8,
+                              slot_bucket=row_bucket)
+
+    whole = run(new_groups(prompts[:1], 1))  # row 0 of prompt 0: 120 tokens (no stop ids)
+    assert int(whole["mask"][0].sum()) == 120
+    carried = whole["tokens"][0, :100].tolist()  # 100 of them carried: prompt + prefix > 100 tokens
+    widths.clear()
+    more = run([RowGroup(prompts[0], [carried], [0])] + new_groups(prompts[1:], 2))
+    assert sorted(w for _, w in widths) == [32, 128], widths  # the prompts at their 32, the carried row at 128
+    assert more["tokens"][0, :20].tolist() == whole["tokens"][0, 100:120].tolist()
+    np.testing.assert_allclose(more["logprobs"][0, :20], whole["logprobs"][0, 100:120], atol=1e-4)

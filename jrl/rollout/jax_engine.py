@@ -261,7 +261,7 @@ class JaxRolloutEngine:
     :func:`jrl.sharding.split_devices`) the copy is made at each :meth:`sync_weights`, device to device
     (:func:`jrl.sharding.reshard`), so generation and training can run at the same time.
     ``pad_id``: the id filling prompt padding and completion slots after a stop (the policy's, see
-    :func:`jrl.train.policy.load_policy`). ``prompt_bucket``: prompts are left-padded to
+    :func:`jrl.train.policy_loading.load_policy`). ``prompt_bucket``: prompts are left-padded to
     a multiple of this many tokens, so the program compiles once per bucket. ``kv``: the KV cache's layout; a
     ``paged`` one (:mod:`jrl.rollout.paged`; one part of the prompts per device of a data-parallel layout) generates,
     but keeps no sessions.

@@ -39,7 +39,7 @@ from jrl.sources.scored import ScoredRollout, rollout_metrics
 from jrl.sources.prefetch import ProducedRollout
 from jrl.explore.queue import ExperienceGroup, open_queue
 from jrl.train.observability import MetricsWriter, truncate_jsonl_after
-from jrl.train.policy import load_policy
+from jrl.train.policy_loading import load_policy
 from jrl.train.preemption import stop_requests
 from jrl.train.watchdog import StepWatchdog
 from jrl.explore.publication import (

@@ -61,7 +61,7 @@ from jrl.train import compile_cache
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
 from jrl.rewards.functions import best_total, load_reward_functions
-from jrl.train.policy import load_policy
+from jrl.train.policy_loading import load_policy
 from jrl.train.preemption import stop_requests
 from jrl.train.watchdog import StepWatchdog
 from jrl.sources.rollout import RolloutSource, make_rollout_engine

@@ -82,7 +82,7 @@ def test_an_explorer_plays_episodes_into_the_queue(tmp_path):
     from jrl.explore.queue import open_queue
     from jrl.train.config import ScoringConfig
     from jrl.train.exploration import Explorer, scored_rollout
-    from jrl.train.policy import load_policy
+    from jrl.train.policy_loading import load_policy
 
     base = runpy.run_path(str(ROOT / "configs" / "grpo_multiturn.py"))["config"]()
     cfg = dataclasses.replace(base, mode="explore", output_dir=str(tmp_path),
@@ -116,7 +116,7 @@ def test_streamed_episodes_are_scored_chunk_by_chunk_like_the_whole_batch():
     from jrl.data.pipeline import PromptLoader, build_prompt_dataset
     from jrl.rollout.jax_engine import JaxRolloutEngine
     from jrl.train.algorithms.group_sampler import GroupSampler, StreamedRollout
-    from jrl.train.policy import load_policy
+    from jrl.train.policy_loading import load_policy
 
     base = runpy.run_path(str(ROOT / "configs" / "grpo_multiturn.py"))["config"]()
     cfg = dataclasses.replace(base, rewards=ARITHMETIC_REWARDS, scoring=ScoringConfig(num_workers=1, stream_groups=2),

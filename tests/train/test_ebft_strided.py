@@ -31,7 +31,7 @@ from jrl.train.algorithms.ebft_strided import (
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.learner import Learner
-from jrl.train.policy import Policy
+from jrl.train.policy_loading import Policy
 
 EBFT = EBFTConfig(context_length=3, stride=2, generate_max_len=3, n_samples_per_prompt=3, feature_layers=(0.0, 1.0))
 TEMPERATURE = 0.8

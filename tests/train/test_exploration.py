@@ -290,7 +290,7 @@ def test_an_explorer_follows_withdrawn_versions_and_stops_for_a_new_run(tiny_mod
     from jrl.losses import GRPOConfig
     from jrl.train.config import ModelSpec, ScoringConfig
     from jrl.train.exploration import Explorer
-    from jrl.train.policy import load_policy
+    from jrl.train.policy_loading import load_policy
 
     cfg = TrainConfig(mode="explore", model=ModelSpec(path=str(tiny_model_dir)), output_dir=str(tmp_path),
                       data=DataConfig(prompts_per_batch=2, max_prompt_length=64), algo=GRPOConfig(num_generations=2),

@@ -18,10 +18,13 @@ run does.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jrl.data.pipeline import PromptBatch
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.rollout.paged import RowGroup, rollout_of, row_arrays
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class PartialRollouts:
         self.g, self.per_step, self.max_staleness = num_generations, groups_per_step, max_staleness
         self.pad_id, self.prompt_bucket = pad_id, prompt_bucket
         self.carry: list[_Group] = []
+        self._warned = False  # about restarted rows, once
 
     def generate(self, engine, prompt_batch: PromptBatch, params: SamplingParams, *, seed: int) -> PartialRollout:
         version = int(engine.version)
@@ -77,6 +81,13 @@ class PartialRollouts:
             for k, row in enumerate(group.rows):
                 if row.versions and version - min(row.versions) > self.max_staleness:
                     group.rows[k], restarted = _Row(), restarted + 1
+        if restarted and not self._warned:
+            self._warned = True
+            logger.warning("partial rollouts: %d carried rows started again, their first tokens being more than "
+                           "rollout.max_staleness=%d versions old; a row that needs more than max_staleness + 1 steps' "
+                           "generations never finishes, so the trained completions lean short. Raise "
+                           "rollout.max_staleness (e.g. 4) for completions longer than a step's generation "
+                           "(partial/restarted_rows counts them)", restarted, self.max_staleness)
         carried_tokens = sum(len(r.tokens) for g in groups for r in g.rows)
         ready = sum(g.finished for g in groups)
         if ready < self.per_step:

@@ -1,7 +1,7 @@
 """Partial rollouts (``rollout.partial``, :mod:`jrl.sources.partial`) on the paged sampler: each step trains on whole
 finished groups, the rows still running are carried and continued in later steps (no group lost or given twice),
 the log-probs of carried tokens stay those they were sampled with (equal to a full forward while the weights do not
-change), rows with tokens older than ``max_staleness`` start again, the carry survives a checkpoint exactly, and a
+change), rows with tokens older than ``max_staleness`` start again (with one warning naming the knob), the carry survives a checkpoint exactly, and a
 run trains and resumes to the same metrics."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -75,7 +76,7 @@ def test_steps_train_on_whole_groups_and_carry_the_rest():
     assert continued > 0, "some rows should have been continued from an earlier step"
 
 
-def test_the_carry_survives_a_checkpoint_and_stale_rows_start_again():
+def test_the_carry_survives_a_checkpoint_and_stale_rows_start_again(caplog):
     model, engine, params, partial, rng = _setup(3)
     for step in range(3):
         partial.generate(engine, _prompts(step, rng), params, seed=step)
@@ -91,9 +92,12 @@ def test_the_carry_survives_a_checkpoint_and_stale_rows_start_again():
     # Weights two versions newer than the carried tokens (max_staleness 1): those rows start again.
     running = sum(bool(r.tokens) for g in partial.carry for r in g.rows)
     engine.sync_weights(model, 2)
-    out = partial.generate(engine, batch, params, seed=3)
+    with caplog.at_level(logging.WARNING, logger="jrl.sources.partial"):
+        out = partial.generate(engine, batch, params, seed=3)
     assert out.metrics["partial/restarted_rows"] == running > 0
     assert out.metrics["partial/oldest_token_lag"] == 0
+    warned = [r.getMessage() for r in caplog.records if "started again" in r.getMessage()]
+    assert len(warned) == 1 and f"{running} carried rows" in warned[0] and "rollout.max_staleness=1" in warned[0]
 
 
 def test_a_partial_run_trains_resumes_exactly_and_is_refused_where_it_cannot_run(tiny_model_dir, tmp_path):

@@ -385,7 +385,8 @@ class _Generation:
         self.prompt_pages = [list(range(a, b)) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
         free = list(range(int(starts[-1]), self.pool))
         self.cache = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page)
-        logits, order = [], []
+        logits, offset = [], 0
+        at = np.zeros(slot_bucket(len(sequences)), np.int32)  # sequence -> its row of the buckets' logits
         for width, idx, count in buckets:
             page_ids = np.full((count, width // page), SCRATCH_PAGE, np.int32)
             ids, mask = np.full((count, width), pad_id, np.int32), np.zeros((count, width), np.int32)
@@ -400,13 +401,10 @@ class _Generation:
                 self.cache, part = _prefill(self.graphdef, self.state, self.cache, ids[rows], mask[rows],
                                             page_ids[rows], page_size=page)
                 logits.append(part)
-            order += idx + [-1] * (count - len(idx))
+            at[idx], offset = offset + np.arange(len(idx)), offset + count
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
-        if len(buckets) > 1:  # each sequence's logits at its index, in a bucketed count of rows
-            at = np.zeros(slot_bucket(len(sequences)), np.int32)
-            at[[i for i in order if i >= 0]] = [k for k, i in enumerate(order) if i >= 0]
-            logits = logits[at]
-        self.prompt_logits = logits
+        # Each sequence's logits at its index, in a bucketed count of rows (one bucket's are in order already).
+        self.prompt_logits = logits if len(buckets) == 1 else logits[at]
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
                                    prompt_lengths=self.lengths, row_prompt=row_prompt,
                                    row_slots=[self.lengths[p] + params.max_new_tokens - start

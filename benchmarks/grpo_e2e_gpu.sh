@@ -8,7 +8,8 @@
 #        packed_saveprobs (packed, the log-prob kernel keeping probabilities for its backward),
 #        paged_packed / partial_packed (paged / partial with --optim.packing),
 #        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
-#        shared_packed / shared_paged (all GPUs, --optim.packing / paged), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
+#        shared_packed / shared_paged (all GPUs, --optim.packing / paged), shared_micro_sync (shared, gradients reduced every
+#        micro-batch: --optim.grad-sync micro_batch), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
 # env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), MEAN_FRACTION (0.4: mean
 #      completion length over MAX_NEW), PROMPTS (32 prompts per device and step), MICRO (8 rows per device and
 #      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
@@ -47,6 +48,7 @@ for case in "$@"; do
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
+    shared_micro_sync) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.grad-sync micro_batch ;;
     shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.packing ;;
     shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;

@@ -5,8 +5,8 @@ Phases, medians of updates 4-10: the step's loss mask and normalisers (``PolicyU
 the micro-batches, placing the rows and aux values, flattening the program's arguments, the jitted call's
 return (it launches the program's kernels), waiting for the program, and fetching its packed metrics.
 
-It drives the learner's internals (``Learner._plan``, ``_put_micro_batch`` and the ``_micro_and_apply``
-program) to time them apart, so it follows their changes.
+It drives the learner's internals (``Learner._plan``, ``_put_micro_batch`` and the ``micro_step_and_apply``
+program of :mod:`jrl.train.update_programs`) to time them apart, so it follows their changes.
 
     python benchmarks/step_host_phases.py --shape llama1b
 """
@@ -22,6 +22,7 @@ import jax  # noqa: E402
 from train_step_vs_torch import SHAPES, jrl_update, step_batch  # noqa: E402
 
 from jrl.train import learner as L  # noqa: E402
+from jrl.train import update_programs as P  # noqa: E402
 
 PHASES = ("loss mask and normalisers", "plan", "place rows and aux", "flatten arguments", "jitted call returns",
           "wait for the program", "fetch metrics")
@@ -44,13 +45,13 @@ def main():
         t.append(time.perf_counter())
         (_, term, rows_slice), = learner._plan([term])[0]
         t.append(time.perf_counter())
-        rows, aux = learner._put_micro_batch(L.take_rows(term.rows, rows_slice), term.aux)
+        placed = learner._put_micro_batch(L.take_rows(term.rows, rows_slice), term.aux)
         t.append(time.perf_counter())
-        jax.tree.leaves((learner._params, learner._opt_state, learner._frozen, rows, aux))
+        jax.tree.leaves((learner._params, learner._opt_state, learner._frozen, placed))
         t.append(time.perf_counter())
-        learner._params, learner._opt_state, part = L._micro_and_apply(
-            learner._params, learner._opt_state, learner._frozen, rows, aux, graphdef=learner._static_graphdef,
-            loss=term.loss, tx=learner.tx, router=learner._router(1))
+        learner._params, learner._opt_state, part = P.micro_step_and_apply(
+            learner._params, learner._opt_state, learner._frozen, placed, graphdef=learner._static_graphdef,
+            loss=term.loss, tx=learner.tx, router=learner._router)
         part.values.copy_to_host_async()
         t.append(time.perf_counter())
         learner.block_until_ready()

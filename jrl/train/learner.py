@@ -7,8 +7,9 @@ host arrays with a leading row axis, split into micro-batches of ``OptimConfig.m
 the last one shorter when they do not divide)
 and ``aux``, a pytree given whole to every micro-batch (the step-global normalisers that make the sum of
 the micro-batch losses the step loss, so the update does not depend on the split). The gradients of
-every micro-batch of every term are summed into one donated accumulator, then one optimizer update
-(global-norm clip + AdamW, donated params and optimizer state) applies them. A micro-batch none of whose
+every micro-batch of every term are summed into one donated accumulator (on a mesh, each device's own sum until
+the update's end where ``OptimConfig.grad_sync`` says so: :mod:`jrl.train.update_programs`, which holds the
+programs), then one optimizer update (global-norm clip + AdamW, donated params and optimizer state) applies them. A micro-batch none of whose
 rows is in the term's ``keep`` mask is skipped on the host and counted.
 
 Each program hands its loss and metrics back as one packed vector (:class:`Scalars`) and an update's metrics
@@ -22,24 +23,26 @@ The model is split into ``(graphdef, params, frozen)``: with LoRA the trainable 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl.kernels import backend as kernel_backend
-from jrl.models import router_stats
-from jrl.models.lora import has_lora, lora_disabled, trainable_params
+from jrl.models.lora import has_lora, trainable_params
+from jrl.models.transformer import on_mesh
 from jrl.models.scan_outputs import uninitialized_scan_outputs
-from jrl.sharding import HostPack, batch_sharding, from_host, on_host, opt_state_shardings, to_host, unpack
+from jrl.sharding import DEFAULT_RULES, HostPack, batch_sharding, from_host, on_host, opt_state_shardings, to_host
+from jrl.train.grad_sync import local_axes
 from jrl.train.optim_config import OptimConfig
+from jrl.train.update_programs import (Flat, Scalars, Static, apply_update, copy_tree, evaluate, gathered,
+                                       local_accumulator, local_micro_step, micro_step, micro_step_and_apply,
+                                       reduce_and_apply, respelled, zeros_like)
 
 
 class LossTerm(NamedTuple):
@@ -74,81 +77,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     return optax.chain(*parts), schedule
 
 
-class Static:
-    """A static argument of the step's programs whose hash is computed once: ``jax.jit`` hashes its static
-    arguments on every call, and hashing the graph definition of a model with unrolled layers walks every
-    node (milliseconds per call with the accelerator idle)."""
-
-    __slots__ = ("value", "_hash")
-
-    def __init__(self, value):
-        self.value, self._hash = value, hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Static) and self._hash == other._hash and self.value == other.value)
-
-
-@jax.tree_util.register_pytree_node_class
-class Flat:
-    """A pytree held as its leaves and its structure (hashed once). The step's programs take and return the
-    learner's parameters, frozen weights and optimizer state in this form: ``jax.jit`` then flattens each with
-    one call instead of walking every nested module state, on the host's clock with the accelerator waiting
-    (a 1B model's parameters and optimizer state, on a CPU: 0.1 ms to flatten and 0.13 ms to rebuild with scanned
-    layers, 0.6 and 1.5 ms unrolled)."""
-
-    __slots__ = ("structure", "leaves")
-
-    def __init__(self, structure: Static, leaves: tuple):
-        self.structure, self.leaves = structure, tuple(leaves)
-
-    @classmethod
-    def of(cls, tree) -> Flat:
-        leaves, treedef = jax.tree.flatten(tree)
-        return cls(Static(treedef), leaves)
-
-    @property
-    def tree(self):
-        """The pytree itself."""
-        return jax.tree.unflatten(self.structure.value, self.leaves)
-
-    def like(self, tree) -> Flat:
-        """``tree`` (of this structure, e.g. its gradient or its update) in this form."""
-        return Flat(self.structure, jax.tree.leaves(tree))
-
-    def tree_flatten(self):
-        return self.leaves, self.structure
-
-    @classmethod
-    def tree_unflatten(cls, structure, leaves):
-        return cls(structure, leaves)
-
-
-@jax.tree_util.register_pytree_node_class
-class Scalars:
-    """Named scalars of one program as one float32 vector, so the host fetches them in one copy. The names are
-    static pytree data: they leave the program with the vector."""
-
-    __slots__ = ("names", "values")
-
-    def __init__(self, names: tuple[str, ...], values):
-        self.names, self.values = names, values
-
-    @classmethod
-    def of(cls, named: dict) -> Scalars:
-        """Pack ``{name: scalar}`` (inside a traced program: one stack, no extra dispatch)."""
-        return cls(tuple(named), jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in named.values()]))
-
-    def tree_flatten(self):
-        return (self.values,), self.names
-
-    @classmethod
-    def tree_unflatten(cls, names, children):
-        return cls(names, *children)
-
-
 class UpdateMetrics(Mapping):
     """One optimizer update's metrics, each a list: ``loss`` and the loss's metrics per micro-batch, ``grad_norm``
     and ``learning_rate``. The device values are fetched on first read, all in one go (:func:`fetch_metrics`)."""
@@ -170,8 +98,9 @@ class UpdateMetrics(Mapping):
         """Set the values from host copies of :attr:`parts`."""
         values: dict[str, list[float]] = {}
         for part in parts:
-            for name, v in zip(part.names, np.asarray(part.values).tolist()):
-                values.setdefault(name, []).append(v)
+            for row in np.atleast_2d(np.asarray(part.values)).tolist():  # [k], or [devices, k] (one row per device)
+                for name, v in zip(part.names, row):
+                    values.setdefault(name, []).append(v)
         for name, vs in self._host.items():
             values.setdefault(name, []).extend(float(v) for v in vs)
         self._values = values
@@ -198,103 +127,6 @@ def fetch_metrics(updates: list[UpdateMetrics]) -> None:
     for update, parts in zip(pending, jax.device_get([u.parts for u in pending])):
         update.fill(parts)
 
-
-def _grads(params, frozen, rows, aux, graphdef, loss, router, micro_batches):
-    """(loss, metrics), ∇ loss of one micro-batch. A MoE model's router statistics join the metrics
-    (:func:`jrl.models.router_stats.summary`) and, weighted by ``router`` = (aux-loss coefficient, z-loss
-    coefficient) over ``micro_batches`` (the update's count: a traced value, so that an update skipping a different
-    number of micro-batches runs the same program), its loss."""
-    aux_coef, z_coef = router
-
-    def f(p):
-        with router_stats.collecting() as stats:
-            value, metrics = loss(nnx.merge(graphdef.value, p, frozen), rows, aux)
-        if not stats:
-            return value, metrics
-        terms = router_stats.summary(stats)
-        value = value + (aux_coef * terms["moe/aux_loss"] + z_coef * terms["moe/router_z_loss"]) / micro_batches
-        return value, {**metrics, **terms}
-
-    return jax.value_and_grad(f, has_aux=True)(params)
-
-
-def _update(params, opt_state, grads, tx):
-    """One optimizer update; also returns the gradient's global norm."""
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-
-# The programs below take and return the learner's trees as :class:`Flat`.
-def _respelled(tree):
-    """``tree``'s arrays with their shardings spelled as a program's output spells them (a :class:`NamedSharding`'s
-    spec without trailing Nones), rewrapped without a copy. The parameters come back from the first optimizer update
-    spelled so; had they been spelled otherwise before it, every program taking them would compile again."""
-    def one(x):
-        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
-            return x
-        spec = list(x.sharding.spec)
-        while spec and spec[-1] is None:
-            spec.pop()
-        sharding = NamedSharding(x.sharding.mesh, PartitionSpec(*spec), memory_kind=x.sharding.memory_kind)
-        if sharding == x.sharding:
-            return x
-        return jax.make_array_from_single_device_arrays(x.shape, sharding, [s.data for s in x.addressable_shards])
-
-    return jax.tree.map(one, tree)
-
-
-def _laid_out(tree: Flat, layout: Static | None) -> Flat:
-    """``tree`` held with ``layout`` (its leaves' shardings; None: as the compiler picks). A gradient accumulator
-    needs it: zeros and sums have no sharding of their own, and XLA put a whole accumulator on the first device and
-    returned parts of it replicated."""
-    if layout is None:
-        return tree
-    return Flat(tree.structure, [jax.lax.with_sharding_constraint(x, s)
-                                 for x, s in zip(tree.leaves, layout.value, strict=True)])
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router", "layout"), donate_argnums=0)
-def _micro(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_batches, *, graphdef, loss, router, layout):
-    """``acc + ∇ loss`` of one micro-batch (the accumulator is donated; laid out as ``layout``), its loss and
-    metrics."""
-    (value, metrics), grads = _grads(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss, router,
-                                     micro_batches)
-    return (_laid_out(jax.tree.map(jnp.add, acc, params.like(grads)), layout),
-            Scalars.of({"loss": value, **metrics}))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router"), donate_argnums=(0, 1))
-def _micro_and_apply(params: Flat, opt_state: Flat, frozen: Flat, batch, *, graphdef, loss, tx, router):
-    """A whole update of one micro-batch (``batch``: its rows and aux, see :meth:`Learner._put_micro_batch`) in one
-    program: no accumulator, params and state donated."""
-    rows, aux = unpack(batch)
-    (value, metrics), grads = _grads(params.tree, frozen.tree, rows, aux, graphdef, loss, router, 1)
-    new_params, new_state, gnorm = _update(params.tree, opt_state.tree, grads, tx)
-    return params.like(new_params), opt_state.like(new_state), Scalars.of({"loss": value, **metrics,
-                                                                           "grad_norm": gnorm})
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "fn", "disable_lora"))
-def _evaluate(params: Flat, frozen: Flat, rows, aux, *, graphdef, fn, disable_lora):
-    rows, aux = unpack(rows), unpack(aux)
-    model = nnx.merge(graphdef.value, params.tree, frozen.tree)
-    with lora_disabled(model) if disable_lora else contextlib.nullcontext():
-        return fn(model, rows, aux)
-
-
-@functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
-def _apply(params: Flat, opt_state: Flat, grads: Flat, *, tx):
-    """One optimizer update (params and optimizer state donated); returns the gradient's global norm too."""
-    new_params, new_state, gnorm = _update(params.tree, opt_state.tree, grads.tree, tx)
-    return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
-
-
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _zeros_like(tree: Flat, *, layout: Static | None) -> Flat:
-    return _laid_out(jax.tree.map(jnp.zeros_like, tree), layout)
-
-
-_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def row_slices(n: int, size: int | None) -> list[slice]:
@@ -328,8 +160,12 @@ class Learner:
         self._unfilled_per_device = mesh is not None and mesh.size > 1
         self.lora = has_lora(model)
         graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
-        self._params, self._frozen = Flat.of(_respelled(params)), Flat.of(frozen)
+        self._params, self._frozen = Flat.of(respelled(params)), Flat.of(frozen)
         self._static_graphdef = Static(graphdef)
+        self._is_moe = bool(config is not None and config.is_moe)
+        # The same model without its mesh: the one-device program each device runs when it accumulates on its own.
+        self._local_graphdef = None if mesh is None else Static(
+            nnx.split(on_mesh(nnx.merge(graphdef, params, frozen), None), trainable_params(model), ...)[0])
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
             self.opt_state = jax.jit(self.tx.init)(params)
@@ -345,7 +181,7 @@ class Learner:
 
     @params.setter
     def params(self, value: nnx.State) -> None:
-        self._params = Flat.of(_respelled(value))
+        self._params = Flat.of(respelled(value))
 
     @property
     def _layout(self) -> Static | None:
@@ -384,7 +220,7 @@ class Learner:
 
     def snapshot(self) -> nnx.State:
         """A copy of the trainable params now (a frozen reference or feature network: the initial weights)."""
-        return _copy(self._params).tree
+        return copy_tree(self._params).tree
 
     def put(self, tree):
         """Host arrays of ``tree`` for the step's programs: on a mesh placed on its devices, rows sharded over the
@@ -442,7 +278,7 @@ class Learner:
         trainable params (e.g. a snapshot); ``disable_lora``: the base weights of a LoRA model."""
         params = self._params if params is None else Flat.of(params)
         aux = self._replicated(aux)
-        parts = [to_host(_evaluate(params, self._frozen, self.put(take_rows(rows, sl)), aux,
+        parts = [to_host(evaluate(params, self._frozen, self.put(take_rows(rows, sl)), aux,
                                    graphdef=self._static_graphdef, fn=fn, disable_lora=disable_lora))
                  for sl in self.chunks(_num_rows(rows))]
         return np.concatenate(parts, axis=0)
@@ -466,7 +302,7 @@ class Learner:
 
     def _accumulate(self, plan, collected: UpdateMetrics) -> Any:
         layout = self._layout
-        acc = _zeros_like(self._params, layout=layout)
+        acc = zeros_like(self._params, layout=layout)
         count = np.int32(len(plan))  # on the devices once, not with every micro-batch
         micro_batches = jax.device_put(count) if self.mesh is None else self._replicated(count)
         placed_aux: dict[int, Any] = {}  # each term's aux goes to the devices once
@@ -474,9 +310,33 @@ class Learner:
             if index not in placed_aux:
                 placed_aux[index] = self._replicated(term.aux)
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
-                acc, part = _micro(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
+                acc, part = micro_step(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
                                    placed_aux[index], micro_batches, graphdef=self._static_graphdef, loss=term.loss,
                                    router=self._router, layout=layout)
+            collected.add(part)
+        return acc
+
+    def _local_axes(self, plan) -> tuple[str, ...] | None:
+        """The batch axes over which ``plan`` accumulates per device (:mod:`jrl.train.grad_sync`), or None."""
+        return local_axes(self.optim.grad_sync, self.mesh, DEFAULT_RULES if self.rules is None else self.rules,
+                          is_moe=self._is_moe, losses=[term.loss for _, term, _ in plan],
+                          row_counts=[sl.stop - sl.start for _, _, sl in plan], params=self._params.leaves,
+                          frozen=self._frozen.leaves)
+
+    def _accumulate_locally(self, plan, collected: UpdateMetrics, axes: tuple[str, ...]) -> Flat:
+        """:meth:`_accumulate` with the whole weights on every device and each device's gradient sum kept apart
+        (:func:`jrl.train.update_programs.local_micro_step`): an accumulator with a leading device axis."""
+        params, frozen = gathered(self._params, mesh=self.mesh), gathered(self._frozen, mesh=self.mesh)
+        acc = local_accumulator(self._params, mesh=self.mesh, axes=axes)
+        micro_batches = self._replicated(np.int32(len(plan)))
+        placed_aux: dict[int, Any] = {}
+        for index, term, sl in plan:
+            if index not in placed_aux:
+                placed_aux[index] = self._replicated(term.aux)
+            with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=True):
+                acc, part = local_micro_step(acc, params, frozen, self.put(take_rows(term.rows, sl)),
+                                             placed_aux[index], micro_batches, graphdef=self._local_graphdef,
+                                             loss=term.loss, router=self._router, mesh=self.mesh, axes=axes)
             collected.add(part)
         return acc
 
@@ -491,14 +351,15 @@ class Learner:
         """One optimizer update with the summed gradient ``grads`` (params and optimizer state are donated
         and replaced); returns the gradient's global norm (``grad_norm``)."""
         grads = grads if isinstance(grads, Flat) else self._params.like(grads)
-        self._params, self._opt_state, gnorm = _apply(self._params, self._opt_state, grads, tx=self.tx)
+        self._params, self._opt_state, gnorm = apply_update(self._params, self._opt_state, grads, tx=self.tx)
         self.num_updates += 1
         return gnorm
 
     def step(self, terms: list[LossTerm]) -> tuple[UpdateMetrics, int]:
         """One optimizer update on ``terms``: (per-micro-batch metrics plus ``learning_rate`` and
         ``grad_norm``, number of skipped micro-batches). An update of a single micro-batch runs as one
-        program (gradient and optimizer together, no accumulator)."""
+        program (gradient and optimizer together, no accumulator); one of several micro-batches accumulating per
+        device (``OptimConfig.grad_sync``) has each device's metrics of each micro-batch as one value."""
         plan, skipped = self._plan(terms)
         with on_host():
             learning_rate = self.schedule(self.num_updates)
@@ -507,11 +368,17 @@ class Learner:
             (_, term, sl), = plan
             batch = self._put_micro_batch(take_rows(term.rows, sl), term.aux)
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
-                self._params, self._opt_state, part = _micro_and_apply(
+                self._params, self._opt_state, part = micro_step_and_apply(
                     self._params, self._opt_state, self._frozen, batch,
                     graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router)
             self.num_updates += 1
             collected.add(part)
+        elif (axes := self._local_axes(plan)) is not None:
+            acc = self._accumulate_locally(plan, collected, axes)
+            self._params, self._opt_state, gnorm = reduce_and_apply(self._params, self._opt_state, acc, tx=self.tx,
+                                                                    layout=self._layout)
+            self.num_updates += 1
+            collected.add(gnorm)
         else:
             grads = self._accumulate(plan, collected)
             collected.add(self.apply(grads))

@@ -48,6 +48,17 @@ class OptimConfig:
     rows'. On Hopper or later GPUs the attention of packed rows runs on cuDNN's packed layout. Not with
     ``length_bucket``; not for the ``bnpo`` loss (its value depends on which rows share a micro-batch: it runs
     padded); per-micro-batch metrics are averaged over other micro-batches than without it."""
+    grad_sync: Literal["auto", "micro_batch", "update"] = "auto"
+    """On a mesh, when an update of several micro-batches combines the devices' gradients. ``micro_batch``: every
+    micro-batch's gradient is reduced over the devices (with FSDP each micro-batch gathers every layer's weights,
+    forward and backward, and reduce-scatters its gradient). ``update``: the weights are gathered whole once per
+    update, each device sums its own rows' gradients over the micro-batches, and they are reduced once before the
+    optimizer (no collective between micro-batches; a whole copy of the weights and a whole gradient per device,
+    like ZeRO-2); it needs a mesh of ``data``/``fsdp`` axes, a dense model, a loss that sums over rows (not
+    ``bnpo``, not ``top_entropy_quantile`` < 1) and micro-batches that split evenly over the devices. ``auto``:
+    ``update`` on GPUs where the update can take it and the whole weights and gradient fit in a quarter of a
+    device's memory, else ``micro_batch``. Per-micro-batch metrics are then per device and micro-batch. An update of
+    one micro-batch runs as one program either way."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
     balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""
@@ -66,6 +77,7 @@ class OptimConfig:
         check_real(self, "max_grad_norm", gt=0, optional=True, fix="use a number > 0, or None for no clipping")
         check_int(self, "micro_batch_size", lo=1, optional=True)
         check_int(self, "length_bucket", lo=0, fix="use 0 (off) or a token count such as 128")
+        check_choice(self, "grad_sync", ("auto", "micro_batch", "update"))
         if self.packing and self.length_bucket:
             raise invalid("OptimConfig", "packing", self.packing, "packed rows hold no padding to trim; set "
                           "length_bucket=0 or packing=False")

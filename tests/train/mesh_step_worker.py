@@ -23,7 +23,7 @@ from jrl.models import create_model  # noqa: E402
 from jrl.sharding import MeshConfig, make_mesh  # noqa: E402
 from jrl.train.config import OptimConfig  # noqa: E402
 from jrl.train.algorithms.grpo_update import PolicyUpdate  # noqa: E402
-from jrl.train import learner as learner_module  # noqa: E402
+from jrl.train import update_programs  # noqa: E402
 from jrl.train.learner import Learner  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main():
     single = Learner(create_model(tiny_config(), seed=1), OptimConfig(), total_updates=2)
     u2, u1 = (PolicyUpdate(algo, x, temperature=1.0, num_iterations=1, impl="auto") for x in (sharded, single))
     g2, c2, _ = sharded.accumulate([u2.policy_term(sharded, batch)])
-    micro_programs = learner_module._micro._cache_size()  # one for every micro-batch of the step
+    micro_programs = update_programs.micro_step._cache_size()  # one for every micro-batch of the step
     grad_layout = all(g.sharding.is_equivalent_to(p.sharding, g.ndim)
                       for g, p in zip(jax.tree.leaves(g2), jax.tree.leaves(sharded.params), strict=True))
     g1, c1, _ = single.accumulate([u1.policy_term(single, batch)])
@@ -61,12 +61,12 @@ def main():
     again = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules), OptimConfig(micro_batch_size=2),
                     total_updates=2, mesh=mesh, rules=rules)
     term = PolicyUpdate(algo, again, temperature=1.0, num_iterations=1, impl="auto").policy_term(again, batch)
-    before = learner_module._micro._cache_size()
+    before = update_programs.micro_step._cache_size()
     again.apply(again.accumulate([term])[0])
     keep = np.ones(len(batch.advantages), bool)
     keep[:2] = False
     skipped = again.accumulate([term._replace(keep=keep)])[2]
-    later_programs = learner_module._micro._cache_size() - before
+    later_programs = update_programs.micro_step._cache_size() - before
     # An MoE model on the same mesh: its head (the loss-fused one, and the log-prob kernel of old / reference
     # log-probs) runs per device too, with gradients equal to one device's.
     moe = tiny_config(model_type="qwen3_moe", qk_norm=True, head_dim=8, num_experts=4, num_experts_per_tok=2,

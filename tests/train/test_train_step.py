@@ -273,11 +273,11 @@ def test_router_losses_join_a_moe_update():
 
 
 def test_learners_of_equal_models_share_the_compiled_step():
-    """The step's static model definition (learner.Static, hashed once) compares by value: a second learner of
+    """The step's static model definition (update_programs.Static, hashed once) compares by value: a second learner of
     an equal model reuses the first one's compiled program, and a different model compiles its own."""
-    from jrl.train import learner as learner_module
+    from jrl.train import update_programs
 
-    step = learner_module._micro_and_apply
+    step = update_programs.micro_step_and_apply
     batch = random_step_batch(seed=2)
     first, update = make(tiny_model(seed=1), ALGO, total_updates=4)
     update(first, batch)

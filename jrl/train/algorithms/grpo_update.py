@@ -164,6 +164,13 @@ def fused_head_supported(algo: GRPOConfig) -> bool:
     return algo.top_entropy_quantile >= 1.0
 
 
+def sums_over_rows(algo: GRPOConfig) -> bool:
+    """The loss of a micro-batch is the sum of its rows' losses under the step's normalisers (not ``bnpo``'s
+    micro-batch token mean, no batch-wide entropy threshold), so each device can compute its own rows' part
+    (``OptimConfig.grad_sync``)."""
+    return fused_head_supported(algo) and algo.loss_type != "bnpo"
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOLoss:
     """``grpo_loss`` of a micro-batch under ``model`` at the sampling temperature (``aux``: the step's
@@ -174,6 +181,11 @@ class GRPOLoss:
     temperature: float
     impl: str
     fused_head: bool = False
+
+    @property
+    def rows_separable(self) -> bool:
+        """See :func:`sums_over_rows`."""
+        return sums_over_rows(self.algo)
 
     def __call__(self, model, batch: StepBatch, normalizers):
         if not self.fused_head:
@@ -256,6 +268,11 @@ class PackedGRPOLoss:
     algo: GRPOConfig
     temperature: float
     impl: str
+
+    @property
+    def rows_separable(self) -> bool:
+        """See :func:`sums_over_rows` (a packed row holds whole sequences)."""
+        return sums_over_rows(self.algo)
 
     def __call__(self, model, packed: PackedStep, normalizers):
         r, s = packed.advantages.shape

@@ -1,0 +1,96 @@
+"""Child process for test_grad_sync.py: GRPO updates of several micro-batches accumulated per device
+(``OptimConfig.grad_sync="update"``) on fake CPU devices against one device, and the updates it refuses.
+
+Prints one JSON line: per layout, the parameters' relative difference from one device's after two updates, both
+updates' losses and gradient norms on both sides, the metric values per update, the per-device programs compiled;
+for ``auto`` on a CPU, whether the per-device program ran; the messages of the refused updates.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_testlib import max_rel_err, random_step_batch, tiny_config  # noqa: E402
+
+from jrl.losses import GRPOConfig  # noqa: E402
+from jrl.models import create_model  # noqa: E402
+from jrl.models.lora import apply_lora  # noqa: E402
+from jrl.models.lora_config import LoraConfig  # noqa: E402
+from jrl.sharding import MeshConfig, make_mesh, shard_model  # noqa: E402
+from jrl.train import update_programs  # noqa: E402
+from jrl.train.algorithms.grpo_update import PolicyUpdate  # noqa: E402
+from jrl.train.config import OptimConfig  # noqa: E402
+from jrl.train.learner import Learner  # noqa: E402
+
+ALGO = GRPOConfig(num_generations=2, loss_type="dapo")
+
+
+def model(mesh=None, rules=None, lora=False, **overrides):
+    m = create_model(tiny_config(**overrides), seed=1, mesh=mesh, rules=rules)
+    if lora:
+        apply_lora(m, LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj")), seed=2)
+        if mesh is not None:
+            shard_model(m, mesh, rules)
+    return m
+
+
+def two_updates(mesh_cfg, optim, *, lora=False, algo=ALGO, **overrides):
+    """(learner, [per-micro-batch metrics of update 1, of update 2]) of two GRPO updates on two random batches."""
+    mesh = rules = None
+    if mesh_cfg is not None:
+        mesh, rules = make_mesh(mesh_cfg), mesh_cfg.logical_rules()
+    learner = Learner(model(mesh, rules, lora, **overrides), optim, total_updates=4, mesh=mesh, rules=rules)
+    update = PolicyUpdate(algo, learner, temperature=1.0, num_iterations=1, impl="auto")
+    metrics = [learner.step(update.policy_terms(learner, random_step_batch(seed=s, n=16)))[0] for s in (3, 4)]
+    return learner, [{k: list(v) for k, v in m.items()} for m in metrics]
+
+
+def compare(mesh_cfg, *, packing=False, lora=False):
+    single, m1 = two_updates(None, OptimConfig(packing=packing), lora=lora)
+    before = update_programs.local_micro_step._cache_size()
+    local, m2 = two_updates(mesh_cfg, OptimConfig(micro_batch_size=8, grad_sync="update", packing=packing), lora=lora)
+    per_device = update_programs.local_micro_step._cache_size() - before
+    return dict(param_err=max_rel_err(local.params, single.params),
+                loss=[[m["loss"] for m in m2], [m["loss"] for m in m1]],
+                grad_norm=[[m["grad_norm"] for m in m2], [m["grad_norm"] for m in m1]],
+                num_tokens=[[m["num_tokens"] for m in m2], [m["num_tokens"] for m in m1]],
+                programs=per_device,
+                param_devices=max(len(x.sharding.device_set) for x in jax.tree.leaves(local.params)))
+
+
+def refused(mesh_cfg, **kwargs) -> str:
+    try:
+        two_updates(mesh_cfg, OptimConfig(micro_batch_size=8, grad_sync="update"), **kwargs)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def main():
+    out = dict(devices=jax.device_count())
+    out["fsdp4"] = compare(MeshConfig(fsdp=4))
+    out["data2_fsdp2"] = compare(MeshConfig(data=2, fsdp=2))
+    out["data4"] = compare(MeshConfig(data=4, fsdp=1))
+    out["packed"] = compare(MeshConfig(fsdp=4), packing=True)
+    out["lora"] = compare(MeshConfig(fsdp=4), lora=True)
+    before = update_programs.local_micro_step._cache_size()
+    two_updates(MeshConfig(fsdp=4), OptimConfig(micro_batch_size=8))  # auto, on a CPU
+    out["auto_cpu_programs"] = update_programs.local_micro_step._cache_size() - before
+    out["refused"] = dict(
+        bnpo=refused(MeshConfig(fsdp=4), algo=GRPOConfig(num_generations=2, loss_type="bnpo")),
+        moe=refused(MeshConfig(fsdp=4), model_type="qwen3_moe", qk_norm=True, head_dim=8, num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=16),
+    )
+    try:
+        two_updates(MeshConfig(fsdp=4), OptimConfig(micro_batch_size=2, grad_sync="update"))
+        out["refused"]["rows"] = ""
+    except ValueError as e:
+        out["refused"]["rows"] = str(e)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@
 # cases: one, bucketed (one GPU, --optim.length-bucket 128), packed (one GPU, --optim.packing), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
 #        packed_saveprobs (packed, the log-prob kernel keeping probabilities for its backward),
 #        paged_packed / partial_packed (paged / partial with --optim.packing),
-#        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
+#        paged (one GPU, --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS}, every row in a slot), partial (paged + --rollout.partial), shared,
 #        shared_packed / shared_paged (all GPUs, --optim.packing / paged), shared_micro_sync (shared, gradients reduced every
 #        micro-batch: --optim.grad-sync micro_batch), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
 # env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), MEAN_FRACTION (0.4: mean
@@ -15,7 +15,8 @@
 #      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
 #      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12),
 #      CACHE (a directory: JAX's compilation cache for every case, shared between them; default off),
-#      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1)
+#      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1),
+#      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
@@ -38,19 +39,19 @@ for case in "$@"; do
     packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing ;;
     packed_saveprobs) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing \
       --logprobs-impl triton_saveprobs ;;
-    paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged --optim.packing ;;
-    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
+    paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} --optim.packing ;;
+    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
       --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
-    paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ;;
-    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged \
+    paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
+    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
       --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
     shared_micro_sync) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.grad-sync micro_batch ;;
     shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.packing ;;
-    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ;;
+    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices 2 ;;
     *) echo "unknown case $case" ;;

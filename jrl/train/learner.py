@@ -8,9 +8,9 @@ the last one shorter when they do not divide)
 and ``aux``, a pytree given whole to every micro-batch (the step-global normalisers that make the sum of
 the micro-batch losses the step loss, so the update does not depend on the split). The gradients of
 every micro-batch of every term are summed into one donated accumulator (on a mesh, each device's own sum until
-the update's end where ``OptimConfig.grad_sync`` says so: :mod:`jrl.train.update_programs`, which holds the
-programs), then one optimizer update (global-norm clip + AdamW, donated params and optimizer state) applies them. A micro-batch none of whose
-rows is in the term's ``keep`` mask is skipped on the host and counted.
+the update's end where ``OptimConfig.grad_sync`` says so; the programs are :mod:`jrl.train.update_programs`'), then
+one optimizer update (global-norm clip + AdamW, donated params and optimizer state) applies them. A micro-batch none
+of whose rows is in the term's ``keep`` mask is skipped on the host and counted.
 
 Each program hands its loss and metrics back as one packed vector (:class:`Scalars`) and an update's metrics
 (:class:`UpdateMetrics`) stay on the devices until first read: fetching ~20 scalars one by one costs the
@@ -297,7 +297,7 @@ class Learner:
 
     @property
     def _router(self) -> tuple[float, float]:
-        """The static router-loss coefficients (see :func:`_grads`)."""
+        """The static router-loss coefficients (see :func:`jrl.train.update_programs.grads_of`)."""
         return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef
 
     def _accumulate(self, plan, collected: UpdateMetrics) -> Any:

@@ -1,6 +1,7 @@
 """The trainer as several processes: ``scripts/train.py --config configs/grpo.py`` run as 2 processes x 4 CPU devices
 (``jax.distributed`` through the ``JRL_*`` variables, gloo collectives) against 1 process x 8 devices: the same
-metrics, one metrics.jsonl, also with a rollout mesh of its own, checkpoints that resume across process counts, a
+metrics, one metrics.jsonl, also with a rollout mesh of its own and with gradients summed per device over an update,
+checkpoints that resume across process counts, a
 stop signal to one process stopping both at one step boundary, a killed process taking its peer down with an
 error naming it, and what several processes cannot run (episodes, the paged sampler) refused by name."""
 
@@ -133,6 +134,18 @@ def test_a_rollout_mesh_of_its_own_trains_like_one_shared_mesh(runs, tmp_path):
     base, _ = runs
     _wait(_launch(tmp_path / "run", 2, "--rollout.devices", "4"))
     _assert_close(_metrics(tmp_path / "run"), _metrics(base / "one"))
+
+
+def test_gradients_summed_per_device_train_alike_in_two_processes(runs, tmp_path):
+    """``--optim.grad-sync update`` with micro-batches of 8 rows (one per device): 2 processes x 4 devices give the
+    metrics of 1 x 8, and the losses and gradient norms of the reference run (one micro-batch, reduced by XLA)."""
+    base, _ = runs
+    extra = ("--optim.micro-batch-size", "8", "--optim.grad-sync", "update")
+    _wait(_launch(tmp_path / "one", 1, *extra) + _launch(tmp_path / "two", 2, *extra))
+    _assert_close(_metrics(tmp_path / "two"), _metrics(tmp_path / "one"))
+    summed = [{k: r[k] for k in ("step", "loss", "grad_norm", "reward/mean")} for r in _metrics(tmp_path / "one")]
+    _assert_close(summed, [{k: r[k] for k in ("step", "loss", "grad_norm", "reward/mean")}
+                           for r in _metrics(base / "one")])
 
 
 def test_checkpoints_resume_across_process_counts(runs, tmp_path):

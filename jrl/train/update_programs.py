@@ -231,20 +231,22 @@ def local_micro_step(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_bat
                      mesh: Mesh, axes: tuple[str, ...]):
     """Each device's gradient of its rows of one micro-batch added to its slice of ``acc`` (donated), with whole
     ``params`` and ``frozen`` on every device and ``graphdef`` a model without a mesh (the one-device program);
-    each device's loss and metrics as one row of the returned :class:`Scalars` [d, k], on every device (so each
-    process can read them on a multi-process mesh)."""
+    each device's loss and metrics as one row of the returned :class:`Scalars` [d, k]; on a mesh of several
+    processes gathered onto every device, so that each process can read them all."""
     split, everywhere = PartitionSpec(axes), PartitionSpec()
+    gather_metrics = jax.process_count() > 1
 
     def per_device(acc, params, frozen, rows, aux, micro_batches):
         (value, metrics), grads = grads_of(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss,
                                            router, micro_batches)
         summed = [a + g[None] for a, g in zip(acc.leaves, params.like(grads).leaves, strict=True)]
         scalars = Scalars.of({"loss": value, **metrics})
-        return Flat(acc.structure, summed), Scalars(scalars.names, jax.lax.all_gather(scalars.values, axes))
+        values = jax.lax.all_gather(scalars.values, axes) if gather_metrics else scalars.values[None]
+        return Flat(acc.structure, summed), Scalars(scalars.names, values)
 
     fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
                        in_specs=(split, everywhere, everywhere, split, everywhere, everywhere),
-                       out_specs=(split, everywhere))
+                       out_specs=(split, everywhere if gather_metrics else split))
     return fn(acc, params, frozen, rows, aux, micro_batches)
 
 

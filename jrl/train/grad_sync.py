@@ -47,9 +47,12 @@ def _whole_bytes(leaves) -> int:
                if isinstance(x, jax.Array) and not x.is_fully_replicated)
 
 
-def fits(params: Sequence[jax.Array], frozen: Sequence[jax.Array]) -> bool:
-    """Whether the whole ``params`` and ``frozen`` weights and a whole gradient of ``params`` take at most
-    :data:`AUTO_MEMORY_SHARE` of the first device's memory (False where the device does not say)."""
+def auto_takes_update(params: Sequence[jax.Array], frozen: Sequence[jax.Array]) -> bool:
+    """Whether ``auto`` accumulates per device where an update can: on a GPU, when the whole ``params`` and
+    ``frozen`` weights and a whole gradient of ``params`` take at most :data:`AUTO_MEMORY_SHARE` of the first
+    device's memory."""
+    if kernel_backend() != "gpu":
+        return False
     leaves = [x for x in params if isinstance(x, jax.Array)]
     if not leaves:
         return False
@@ -61,19 +64,18 @@ def fits(params: Sequence[jax.Array], frozen: Sequence[jax.Array]) -> bool:
 
 
 def local_axes(mode: str, mesh: Mesh | None, rules: Mapping, *, is_moe: bool, losses: Sequence,
-               row_counts: Sequence[int], params: Sequence[jax.Array], frozen: Sequence[jax.Array]
-               ) -> tuple[str, ...] | None:
+               row_counts: Sequence[int], auto_local: bool) -> tuple[str, ...] | None:
     """The batch axes over which an update of ``row_counts`` micro-batches accumulates per device under ``mode``
-    (``OptimConfig.grad_sync``), or None to reduce every micro-batch's gradient. ``update`` that cannot run raises
-    naming why."""
-    if mode == "micro_batch" or mesh is None or mesh.size == 1 or len(row_counts) < 2:
+    (``OptimConfig.grad_sync``; ``auto_local``: what :func:`auto_takes_update` said of the weights), or None to
+    reduce every micro-batch's gradient. ``update`` that cannot run raises naming why."""
+    if mode == "micro_batch" or (mode == "auto" and not auto_local):
+        return None
+    if mesh is None or mesh.size == 1 or len(row_counts) < 2:
         return None
     why = refusal(mesh, rules, is_moe, losses, row_counts)
     if why is not None:
         if mode == "update":
             raise ValueError(f"OptimConfig.grad_sync='update' cannot accumulate this update per device: {why}; set "
                              f"grad_sync='auto' or 'micro_batch'")
-        return None
-    if mode == "auto" and not (kernel_backend() == "gpu" and fits(params, frozen)):
         return None
     return batch_axes(mesh, rules, int(np.min(row_counts)))

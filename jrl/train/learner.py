@@ -38,7 +38,7 @@ from jrl.models.lora import has_lora, trainable_params
 from jrl.models.transformer import on_mesh
 from jrl.models.scan_outputs import uninitialized_scan_outputs
 from jrl.sharding import DEFAULT_RULES, HostPack, batch_sharding, from_host, on_host, opt_state_shardings, to_host
-from jrl.train.grad_sync import local_axes
+from jrl.train.grad_sync import auto_takes_update, local_axes
 from jrl.train.optim_config import OptimConfig
 from jrl.train.update_programs import (Flat, Scalars, Static, apply_update, copy_tree, evaluate, gathered,
                                        local_accumulator, local_micro_step, micro_step, micro_step_and_apply,
@@ -159,13 +159,15 @@ class Learner:
         self._unfilled_scans = kernel_backend() != "tpu"
         self._unfilled_per_device = mesh is not None and mesh.size > 1
         self.lora = has_lora(model)
-        graphdef, params, frozen = nnx.split(model, trainable_params(model), ...)
+        self._trainable = trainable_params(model)
+        graphdef, params, frozen = nnx.split(model, self._trainable, ...)
         self._params, self._frozen = Flat.of(respelled(params)), Flat.of(frozen)
         self._static_graphdef = Static(graphdef)
         self._is_moe = bool(config is not None and config.is_moe)
-        # The same model without its mesh: the one-device program each device runs when it accumulates on its own.
-        self._local_graphdef = None if mesh is None else Static(
-            nnx.split(on_mesh(nnx.merge(graphdef, params, frozen), None), trainable_params(model), ...)[0])
+        # Whether grad_sync="auto" takes per-device accumulation where an update can: the weights' sizes decide, and
+        # they do not change.
+        self._auto_local = (mesh is not None and optim.grad_sync == "auto"
+                            and auto_takes_update(self._params.leaves, self._frozen.leaves))
         self.tx, self.schedule = make_optimizer(optim, total_updates)
         if mesh is None:
             self.opt_state = jax.jit(self.tx.init)(params)
@@ -300,9 +302,25 @@ class Learner:
         """The static router-loss coefficients (see :func:`jrl.train.update_programs.grads_of`)."""
         return self.optim.router_aux_loss_coef, self.optim.router_z_loss_coef
 
-    def _accumulate(self, plan, collected: UpdateMetrics) -> Any:
-        layout = self._layout
-        acc = zeros_like(self._params, layout=layout)
+    @functools.cached_property
+    def _local_graphdef(self) -> Static:
+        """The model without its mesh: the one-device program each device runs when it accumulates on its own."""
+        model = on_mesh(nnx.merge(self.graphdef, self.params, self.frozen), None)
+        return Static(nnx.split(model, self._trainable, ...)[0])
+
+    def _accumulate(self, plan, collected: UpdateMetrics, axes: tuple[str, ...] | None = None) -> Flat:
+        """The gradient of ``plan``'s micro-batches summed, their metrics into ``collected``: reduced over the devices
+        every micro-batch into an accumulator laid out as the parameters, or with batch ``axes`` each device's own
+        sum, the whole weights on every device (:func:`jrl.train.update_programs.local_micro_step`): an accumulator
+        with a leading device axis."""
+        if axes is None:
+            program, static = micro_step, dict(graphdef=self._static_graphdef, layout=self._layout)
+            params, frozen = self._params, self._frozen
+            acc = zeros_like(self._params, layout=self._layout)
+        else:
+            program, static = local_micro_step, dict(graphdef=self._local_graphdef, mesh=self.mesh, axes=axes)
+            params, frozen = gathered(self._params, mesh=self.mesh), gathered(self._frozen, mesh=self.mesh)
+            acc = local_accumulator(self._params, mesh=self.mesh, axes=axes)
         count = np.int32(len(plan))  # on the devices once, not with every micro-batch
         micro_batches = jax.device_put(count) if self.mesh is None else self._replicated(count)
         placed_aux: dict[int, Any] = {}  # each term's aux goes to the devices once
@@ -310,9 +328,8 @@ class Learner:
             if index not in placed_aux:
                 placed_aux[index] = self._replicated(term.aux)
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
-                acc, part = micro_step(acc, self._params, self._frozen, self.put(take_rows(term.rows, sl)),
-                                   placed_aux[index], micro_batches, graphdef=self._static_graphdef, loss=term.loss,
-                                   router=self._router, layout=layout)
+                acc, part = program(acc, params, frozen, self.put(take_rows(term.rows, sl)), placed_aux[index],
+                                    micro_batches, loss=term.loss, router=self._router, **static)
             collected.add(part)
         return acc
 
@@ -320,25 +337,7 @@ class Learner:
         """The batch axes over which ``plan`` accumulates per device (:mod:`jrl.train.grad_sync`), or None."""
         return local_axes(self.optim.grad_sync, self.mesh, DEFAULT_RULES if self.rules is None else self.rules,
                           is_moe=self._is_moe, losses=[term.loss for _, term, _ in plan],
-                          row_counts=[sl.stop - sl.start for _, _, sl in plan], params=self._params.leaves,
-                          frozen=self._frozen.leaves)
-
-    def _accumulate_locally(self, plan, collected: UpdateMetrics, axes: tuple[str, ...]) -> Flat:
-        """:meth:`_accumulate` with the whole weights on every device and each device's gradient sum kept apart
-        (:func:`jrl.train.update_programs.local_micro_step`): an accumulator with a leading device axis."""
-        params, frozen = gathered(self._params, mesh=self.mesh), gathered(self._frozen, mesh=self.mesh)
-        acc = local_accumulator(self._params, mesh=self.mesh, axes=axes)
-        micro_batches = self._replicated(np.int32(len(plan)))
-        placed_aux: dict[int, Any] = {}
-        for index, term, sl in plan:
-            if index not in placed_aux:
-                placed_aux[index] = self._replicated(term.aux)
-            with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=True):
-                acc, part = local_micro_step(acc, params, frozen, self.put(take_rows(term.rows, sl)),
-                                             placed_aux[index], micro_batches, graphdef=self._local_graphdef,
-                                             loss=term.loss, router=self._router, mesh=self.mesh, axes=axes)
-            collected.add(part)
-        return acc
+                          row_counts=[sl.stop - sl.start for _, _, sl in plan], auto_local=self._auto_local)
 
     def accumulate(self, terms: list[LossTerm]) -> tuple[Any, UpdateMetrics, int]:
         """(summed gradient of every term's micro-batches at the current weights, per-micro-batch metrics
@@ -374,7 +373,7 @@ class Learner:
             self.num_updates += 1
             collected.add(part)
         elif (axes := self._local_axes(plan)) is not None:
-            acc = self._accumulate_locally(plan, collected, axes)
+            acc = self._accumulate(plan, collected, axes)
             self._params, self._opt_state, gnorm = reduce_and_apply(self._params, self._opt_state, acc, tx=self.tx,
                                                                     layout=self._layout)
             self.num_updates += 1

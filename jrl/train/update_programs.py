@@ -12,7 +12,7 @@ Two ways to accumulate the gradients of an update's micro-batches on a mesh (``O
   slices into the parameters' layout (one reduce-scatter) before the optimizer update. No collective runs between
   micro-batches, at the memory of the whole weights and a whole gradient per device (ZeRO-2 with the weights
   kept gathered over the update). The loss must be a sum over rows (each device sees only its own): see
-  :func:`jrl.train.learner.rows_separable`.
+  :mod:`jrl.train.grad_sync`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,14 @@ Reported: time per layer and the bandwidth on the allowed part of the cache (K a
 decode steps in a loop that carries the caches (so they are updated in place, as in the sampler), the kernel
 against rope + cache write by XLA + the attention kernel (``split``) and the reference.
 
+``--paged`` times the paged step (``paged_decode_attention_append``: rope, the write to the pool and the attention
+through a page table) on rows of ragged lengths (geometric, mean ``--filled``, at most ``--slots``; pages of
+``--page-size`` slots in shuffled order, a page table ``--slots`` wide as the sampler's), for each
+``--splits`` (programs per row and KV head) and block shape; reported besides the bandwidth on the rows' cache.
+
     python benchmarks/decode_attention.py --out results.jsonl
     python benchmarks/decode_attention.py --append --out results.jsonl
+    python benchmarks/decode_attention.py --paged --rows 512 --filled 1800 --slots 8448 --splits 1,2,8
 """
 
 from __future__ import annotations
@@ -36,10 +42,15 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--append", action="store_true")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--paged", action="store_true")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--splits", default="1,2,4,8", help="--paged: comma-separated programs per (row, KV head)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.append:
         return time_append(args)
+    if args.paged:
+        return time_paged(args)
 
     import jax
     import jax.numpy as jnp
@@ -66,6 +77,38 @@ def main():
                     filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2), env=env_line()), args.out)
 
 
+def _step_inputs(args, cache_shape: tuple[int, ...]):
+    """Random bf16 inputs of a decode step of ``--rows`` rows: the projections [B, N + 2K, D], a K and a V cache of
+    ``cache_shape`` per layer, and rope's cos / sin [B, D]."""
+    import jax
+    import jax.numpy as jnp
+
+    b, kv, d = args.rows, args.kv_heads, args.head_dim
+    key = jax.random.key(0)
+    normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)  # noqa: E731
+    caches = [normal(10 + i, cache_shape) for i in range(2 * args.layers)]
+    angles = jnp.arange(b, dtype=jnp.float32)[:, None] * jnp.ones((d,))
+    return normal(1, (b, kv * args.group + 2 * kv, d)), caches, jnp.cos(angles), jnp.sin(angles)
+
+
+def _steps(layer, caches, *, steps: int):
+    """``steps`` decode steps of every layer: ``layer(i, k, v) -> (out, k, v)`` on each (K, V) pair of ``caches``
+    (carried through the loop, so updated in place); a scalar of the outputs, so none is dead code."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(i, carry):
+        caches, total = carry
+        out = []
+        for k, v in zip(caches[::2], caches[1::2]):
+            o, k, v = layer(i, k, v)
+            out += [k, v]
+            total = total + o[0, 0, 0].astype(jnp.float32)
+        return out, total
+
+    return jax.lax.fori_loop(0, steps, step, (caches, jnp.zeros((), jnp.float32)))[1]
+
+
 def time_append(args):
     """``--append``: decode steps at slots ``10 + filled ..`` (each allowing its own slot), caches carried."""
     import jax
@@ -74,16 +117,11 @@ def time_append(args):
     from jrl.kernels.attention import decode_attention, decode_attention_append
     from jrl.kernels.attention.reference import rope_and_write
 
-    b, s, kv, d, n = args.rows, args.slots, args.kv_heads, args.head_dim, args.kv_heads * args.group
+    b, s, kv, d = args.rows, args.slots, args.kv_heads, args.head_dim
     first = 10 + args.filled
     if first + args.steps > s:
         raise SystemExit(f"--slots {s} has no room for {args.steps} steps after {first} filled slots")
-    key = jax.random.key(0)
-    normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)  # noqa: E731
-    qkv = normal(1, (b, n + 2 * kv, d))
-    caches = [normal(10 + i, (b, s, kv, d)) for i in range(2 * args.layers)]
-    angles = jnp.arange(b, dtype=jnp.float32)[:, None] * jnp.ones((d,))
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    qkv, caches, cos, sin = _step_inputs(args, (b, s, kv, d))
     kv_bytes = 2 * b * (args.filled + args.steps / 2) * kv * d * 2
 
     def split(qkv, cos, sin, k_cache, v_cache, allowed, index, **kw):  # rope and cache write by XLA, then the kernel
@@ -97,27 +135,57 @@ def time_append(args):
         call = (functools.partial(split, **kw) if impl == "split"
                 else functools.partial(decode_attention_append, impl=impl, **kw))
 
-        def run(qkv, caches, impl=impl, call=call):
-            def step(i, carry):
-                caches, total = carry
-                index = first + i
-                allowed = (jnp.arange(s) >= 10) & (jnp.arange(s) <= index)
-                allowed = jnp.broadcast_to(allowed, (b, s))
-                out = []
-                for k, v in zip(caches[::2], caches[1::2]):
-                    o, k, v = call(qkv, cos, sin, k, v, allowed, index)
-                    out += [k, v]
-                    total = total + o[0, 0, 0].astype(jnp.float32)
-                return out, total
+        def layer(i, k, v, call=call):
+            index = first + i
+            allowed = jnp.broadcast_to((jnp.arange(s) >= 10) & (jnp.arange(s) <= index), (b, s))
+            return call(qkv, cos, sin, k, v, allowed, index)
 
-            return jax.lax.fori_loop(0, args.steps, step, (caches, jnp.zeros((), jnp.float32)))[1]
-
-        t = bench(jax.jit(run), qkv, caches)
+        t = bench(jax.jit(functools.partial(_steps, layer, steps=args.steps)), caches)
         per_layer = t["ms"] / args.layers / args.steps
         report(dict(bench="decode_attention_append", impl=impl, **kw, rows=b, slots=s, filled=args.filled,
                     steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
                     us_per_layer=round(1e3 * per_layer, 2),
                     filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2), env=env_line()), args.out)
+
+
+def time_paged(args):
+    """``--paged``: ``--steps`` decode steps over pools carried through a loop (updated in place), each row one slot
+    longer per step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jrl.kernels.attention.decode_pallas_gpu import paged_decode_attention_append
+
+    b, kv, d, page = args.rows, args.kv_heads, args.head_dim, args.page_size
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.geometric(1 / args.filled, b), args.slots - args.steps).astype(np.int32)
+    width = -(-args.slots // page)
+    need = -(-(lengths + args.steps) // page)
+    ids = rng.permutation(int(need.sum())).astype(np.int32) + 1  # page 0: scratch
+    table = np.zeros((b, width), np.int32)
+    for r, (a, z) in enumerate(zip(np.cumsum(need) - need, np.cumsum(need))):
+        table[r, :z - a] = ids[a:z]
+    pool = int(need.sum()) + 1
+    qkv, pools, cos, sin = _step_inputs(args, (kv, pool, page, d))
+    kv_bytes = 2 * (float(lengths.sum()) + b * args.steps / 2) * kv * d * 2
+    table, lengths = jnp.asarray(table), jnp.asarray(lengths)
+    blocks = ((64, 2, 2), (128, 4, 2))
+    for splits in (int(x) for x in args.splits.split(",")):
+        for bk, w, st in blocks:
+            def layer(i, k, v, splits=splits, bk=bk, w=w, st=st):
+                at = lengths + i
+                return paged_decode_attention_append(
+                    qkv, cos, sin, k, v, table, at + 1, table[jnp.arange(b), at // page], at % page,
+                    scale=d ** -0.5, block_k=bk, splits=splits, num_warps=w, num_stages=st)
+
+            t = bench(jax.jit(functools.partial(_steps, layer, steps=args.steps)), pools)
+            per_layer = t["ms"] / args.layers / args.steps
+            report(dict(bench="paged_decode_attention_append", splits=splits, block_k=bk, num_warps=w, num_stages=st,
+                        rows=b, mean_filled=round(float(lengths.mean()), 1), table_slots=width * page, page_size=page,
+                        steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
+                        us_per_layer=round(1e3 * per_layer, 2),
+                        filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2), env=env_line()), args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ generate, with prefetch 1). Weak scaling: ``--prompts-per-device`` prompts x ``-
 rest of the step (host gaps); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
 every row, padding excluded); peak device memory after the first generation and after the first step (JAX keeps
 one peak per process); with ``--profile DIR`` the GPU busy fraction of one more step (the union of its kernels'
-intervals on the first GPU over the step's wall time).
+intervals on the first GPU over the step's wall time); the seconds each step spent compiling (``time/compile``);
+with the paged sampler, where its time went (prefill and decode seconds, decode steps, the slots' occupancy, ms per
+decode step).
 
     python benchmarks/grpo_e2e.py prepare --work /tmp/e2e --shape llama1b --max-new-tokens 1024
     python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout shared --steps 4 --out e2e.jsonl
@@ -161,6 +163,37 @@ def _busy_fraction(trace_dir: str, wall_s: float) -> float:
     return busy / 1e6 / wall_s
 
 
+def _note_paged_generations(engine) -> list[dict]:
+    """A list that each paged generation of ``engine`` (the embedded sampler with ``rollout.kv.layout paged``)
+    appends its counts to (:func:`jrl.rollout.paged.generate_paged`'s); empty for other engines."""
+    calls: list[dict] = []
+    if getattr(engine, "kv", None) is None or engine.kv.layout != "paged":
+        return calls
+    paged_groups = engine.paged_groups
+
+    def noted(*a, **kw):
+        out = paged_groups(*a, **kw)
+        calls.append({k: out[k] for k in ("prefill_s", "decode_s", "decode_steps", "slot_steps", "decoded_tokens",
+                                          "rounds", "shrinks", "preempted")})
+        return out
+
+    engine.paged_groups = noted
+    return calls
+
+
+def _paged_figures(calls: list[dict]) -> dict:
+    """The paged generations noted since the last call, summed (and forgotten): where their time went."""
+    if not calls:
+        return {}
+    total = {k: sum(c[k] for c in calls) for k in calls[0]}
+    calls.clear()
+    return {"paged/prefill_s": total["prefill_s"], "paged/decode_s": total["decode_s"],
+            "paged/decode_steps": total["decode_steps"], "paged/rounds": total["rounds"],
+            "paged/occupancy": total["decoded_tokens"] / max(total["slot_steps"], 1),
+            "paged/ms_per_decode_step": 1e3 * total["decode_s"] / max(total["decode_steps"], 1),
+            "paged/preempted": total["preempted"]}
+
+
 def run(args) -> None:
     import jax
 
@@ -186,19 +219,23 @@ def run(args) -> None:
         return out
 
     trainer.source._generate = generate_and_note_peak
+    paged = _note_paged_generations(trainer.source.engine)
     steps, busy = [], None
     try:
         for i in range(args.steps):
             t = time.perf_counter()
             m = trainer.train_step()
             m["wall"] = time.perf_counter() - t
+            m.update(_paged_figures(paged))
             steps.append(m)
             peaks.setdefault("after_step", _peak_gib())
-            partial = "".join(f", {k.removeprefix('partial/')} {v:.0f}" for k, v in sorted(m.items())
+            partial = "".join(f", {k.removeprefix('partial/')} {v:.3g}" for k, v in sorted(m.items())
                               if k.startswith("partial/"))  # with rollout.partial: what was carried and restarted
+            decode = "".join(f", {k.removeprefix('paged/')} {v:.3g}" for k, v in m.items() if k.startswith("paged/"))
             print(f"step {i}: wall {m['wall']:.2f} s, generate {m['time/rollout']:.2f}, experience "
-                  f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, mean length "
-                  f"{m['completions/mean_length']:.0f}{partial}", flush=True)
+                  f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, compile "
+                  f"{m['time/compile']:.2f}, mean length {m['completions/mean_length']:.0f}{partial}{decode}",
+                  flush=True)
         if args.profile:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                 t = time.perf_counter()
@@ -209,8 +246,8 @@ def run(args) -> None:
         trainer.close()
     timed = steps[1:] or steps
 
-    def med(key):
-        return round(statistics.median(m[key] for m in timed), 3)
+    def med(key):  # over the timed steps that have the figure (a partial step may not generate)
+        return round(statistics.median(m[key] for m in timed if key in m), 3)
 
     wall = med("wall")
     prompt_tokens = meta["prompt_tokens"]
@@ -220,7 +257,9 @@ def run(args) -> None:
                max_new_tokens=meta["max_new_tokens"],
                mean_length=round(lengths, 1), step_s=wall, generate_s=med("time/rollout"),
                experience_s=med("time/reward"), update_s=med("time/train"), sync_s=med("time/sync"),
-               wait_rollout_s=med("time/wait_rollout"),
+               wait_rollout_s=med("time/wait_rollout"), compile_s=med("time/compile"),
+               **{k.replace("/", "_"): med(k) for k in dict.fromkeys(k for m in timed for k in m)
+                  if k.startswith("paged/")},
                generated_tok_s=round(rows * lengths / wall), generated_tok_s_per_device=round(rows * lengths / wall
                                                                                                / devices),
                trained_tok_s=round(rows * (prompt_tokens + lengths) / wall),

@@ -18,7 +18,12 @@ depends on the schedule and is not reported).
 
 ``--kv paged`` decodes with the paged KV cache and continuous batching (``rollout.kv``); reported besides: the KV
 memory the dense layout would allocate, the paged pool's, the most pages the rows held at once (and the prompts'),
-preemptions and scheduling rounds.
+preemptions and scheduling rounds, and the medians of the prefill's and the decode's seconds, the decode steps and
+the slots' occupancy. ``--carried N`` adds N rows that continue earlier tokens (a partial rollout's carried rows,
+prefilled again with them) and ``--groups-needed`` stops once that many groups are finished, as a partial step does:
+
+    python benchmarks/sampler.py --rows 512 --generations 8 --new 8192 --stop-fraction 0.001 --kv paged \
+        --carried 96 --groups-needed 64 --slots 1024
 """
 
 from __future__ import annotations
@@ -63,12 +68,15 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
         setattr(args, k, getattr(kv, k))
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
-    times, lengths = [], []
+    groups = carried_groups(args, prompts) if args.kv == "paged" else None
+    times, lengths, timings = [], [], []
     for rep in range(args.reps + 1):
         t0 = time.perf_counter()
-        if args.kv == "paged":  # the paged sampler's own call (its host arrays, and the pool's counts)
-            out = engine.paged_generation(prompts, params, num_generations=args.generations, seed=rep)
+        if args.kv == "paged":  # the paged sampler's own call (its host arrays, the pool's counts, its timings)
+            out = engine.paged_groups(groups, params, seed=rep, groups_needed=args.groups_needed)
             mask, stats = out["mask"], out
+            timings.append({k: out[k] for k in ("prefill_s", "decode_s", "decode_steps")}
+                           | dict(occupancy=out["decoded_tokens"] / max(out["slot_steps"], 1)))
         else:
             batch = engine.generate(prompts, params, num_generations=args.generations, seed=rep)
             mask = jax.block_until_ready(batch.completion_mask)
@@ -77,15 +85,37 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
         print(f"call {rep + 1} of {args.reps + 1}: {times[-1]:.2f} s, mean length {lengths[-1]:.1f}",
               file=sys.stderr, flush=True)
     if args.kv == "paged":
-        args.paged_stats = paged_memory(stats, cfg, args)
+        args.paged_stats = paged_memory(stats, cfg, args) | {
+            k: round(statistics.median(t[k] for t in timings[1:]), 4) for k in timings[0]}
     profile = None
     if args.profile:
         from kernels_common import kernel_profile
 
-        profile = kernel_profile(lambda: engine.generate(prompts, params, num_generations=args.generations,
-                                                         seed=0).completion_ids,
-                                 trace_dir=args.profile)
+        if args.kv == "paged":
+            call = lambda: engine.paged_groups(groups, params, seed=0, groups_needed=args.groups_needed)["mask"]
+        else:
+            call = lambda: engine.generate(prompts, params, num_generations=args.generations, seed=0).completion_ids
+        profile = kernel_profile(call, trace_dir=args.profile)
     return times, statistics.mean(lengths[1:]), profile
+
+
+def carried_groups(args, prompts) -> list:
+    """The paged generation's groups: ``--generations`` new rows per prompt, and first ``--carried`` rows that continue
+    tokens sampled earlier (as a partial rollout's carried rows do: each prefilled again with its tokens, of
+    geometric lengths with mean ``--carried-mean``, below ``--new``), two per group, on the first prompts."""
+    import numpy as np
+
+    from jrl.rollout.paged import RowGroup, new_groups
+
+    rng = np.random.default_rng(1)
+    fresh = new_groups(prompts, args.generations)
+    base, carried = len(prompts) * args.generations, []
+    for i in range(0, args.carried, 2):
+        n = min(2, args.carried - i)
+        done = np.minimum(rng.geometric(1 / args.carried_mean, n), args.new - 1)
+        carried.append(RowGroup(prompts[(i // 2) % len(prompts)], [rng.integers(1, 1000, k).tolist() for k in done],
+                                list(range(base + i, base + i + n))))
+    return carried + fresh
 
 
 def paged_memory(stats: dict, cfg, args) -> dict:
@@ -143,6 +173,11 @@ def main():
                     help="rollout.kv.tail_slots (paged; 0 = never shrink; default: the config's)")
     ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
     ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
+    ap.add_argument("--carried", type=int, default=0,
+                    help="paged: rows that continue earlier tokens besides --rows new ones (a partial rollout's carry)")
+    ap.add_argument("--carried-mean", type=int, default=2500, help="mean length of the carried rows' earlier tokens")
+    ap.add_argument("--groups-needed", type=int, default=None,
+                    help="paged: stop once this many groups are finished (a partial rollout; default every group)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--bandwidth-tbs", type=float, default=3.35, help="HBM bandwidth in TB/s (H100 SXM: 3.35)")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -178,13 +213,15 @@ def main():
     limit = bandwidth_limit_s(cfg, args.rows, args.prompt, args.new, args.bandwidth_tbs)
     bound = dict(limit_s=round(limit, 4), fraction_of_limit=round(limit / med, 3)) if not args.stop_fraction else {}
     report(dict(bench="sampler", backend=args.backend, shape=args.shape, rows=args.rows, prompt=args.prompt,
-                new=args.new, generations=args.generations, lora=args.lora, stop_fraction=args.stop_fraction,
+                new=args.new, generations=args.generations, carried=args.carried, groups_needed=args.groups_needed,
+                lora=args.lora, stop_fraction=args.stop_fraction,
                 kv=args.kv, **(dict(page_size=args.page_size, round_steps=args.round_steps, tail_slots=args.tail_slots,
                                     slots=args.slots, pages=args.pages, **args.paged_stats)
                                if args.kv == "paged" else {}),
                 mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),
-                tokens_per_s=round(args.rows * mean_len / med), **bound, compile_s=round(times[0] - med, 2),
+                tokens_per_s=round((args.rows + args.carried) * mean_len / med), **bound,
+                compile_s=round(times[0] - med, 2),
                 device=device, versions=versions, date=time.strftime("%Y-%m-%d"),
                 **({"profile": profile} if profile else {})), args.out)
 

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,23 @@ from jrl.rollout.sampling import Decoding, Draw
 from jrl.sharding.memory import memory_limit
 
 SCRATCH_PAGE = 0
-"""The pool's page 0 holds no row's slots: writes of rows with nothing to write go there."""
+"""The pool's page 0 holds no row's slots: a decode step's writes of rows with nothing to write go there."""
+
+
+def unwritten(count: int, pool: int) -> np.ndarray:
+    """``count`` distinct page ids past the end of a pool of ``pool`` pages: the targets of page writes that are to
+    be dropped (:func:`_set_pages`)."""
+    return pool + np.arange(count, dtype=np.int32)
+
+
+def _set_pages(pages: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """``pages`` [K, P, page, D] with page ``ids[i]`` set to ``values[:, i]``; ids past the pool are dropped.
+
+    The ids must be distinct (a write with nothing to write goes to an id of :func:`unwritten`, not to a shared
+    scratch page), and the scatter is told so: with repeated ids (the padding past every sequence's end sent to one
+    scratch page) XLA's GPU scatter took ~13 ms per layer and prefill call of 32 MB of keys on an H200, most of a
+    partial rollout's prefill (benchmarks/RESULTS.md, "Where a partial step's time goes")."""
+    return pages.at[:, ids].set(values, mode="drop", unique_indices=True)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -86,7 +103,8 @@ def _empty_pool(graphdef, state, *, pool: int, page_size: int) -> tuple[PagedKV,
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"), donate_argnames=("cache",))
 def _prefill(graphdef, state, cache, ids: jax.Array, mask: jax.Array, page_ids: jax.Array, *, page_size: int):
     """The pool ``cache`` with the right-padded sequences ``ids`` [P, L] (``mask``) written to pages ``page_ids``
-    [P, L / page_size] (the scratch page past a sequence's end), and each sequence's last logits [P, V]."""
+    [P, L / page_size] (distinct, those past a sequence's end past the pool: :func:`unwritten`), and each sequence's
+    last logits [P, V]."""
     model = nnx.merge(graphdef, state)
     (p, length), lengths = ids.shape, jnp.sum(mask, axis=-1)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (p, length))
@@ -99,7 +117,7 @@ def _prefill(graphdef, state, cache, ids: jax.Array, mask: jax.Array, page_ids: 
         return x.reshape(p, length // page_size, page_size, k, d).transpose(3, 0, 1, 2, 4).reshape(
             k, -1, page_size, d)
 
-    pages = tuple(PagedKV(c.k.at[:, flat].set(paged(d.k)), c.v.at[:, flat].set(paged(d.v)))
+    pages = tuple(PagedKV(_set_pages(c.k, flat, paged(d.k)), _set_pages(c.v, flat, paged(d.v)))
                   for c, d in zip(cache, dense, strict=True))
     return pages, logits
 
@@ -131,14 +149,14 @@ def _decode_round(graphdef, state, cache, logits, page_table, lengths, generated
                   key, temperature, top_p, *, program: PagedProgram, steps: int):
     """Up to ``steps`` decode steps of S slots (stops early when no slot is active). First the round's admissions
     (their logits are in place already, :func:`_admit`): page ``copy_src[s]`` is copied to ``copy_dst[s]`` (a
-    prompt's partial last page to a new row's own; scratch to scratch where nothing is copied).
+    prompt's partial last page to a new row's own; where nothing is copied, to a distinct id past the pool).
     Slot s holds row ``rows[s]`` with ``lengths[s]`` cache slots filled and ``generated[s]`` tokens sampled.
     Returns the cache, logits, lengths, generated counts and still-active slots after the round, and its tokens,
     log-probs and which of them are real ([S, steps])."""
     p, d = program, program.decoding
     model = nnx.merge(graphdef, state)
     n = rows.shape[0]
-    cache = tuple(PagedKV(c.k.at[:, copy_dst].set(c.k[:, copy_src]), c.v.at[:, copy_dst].set(c.v[:, copy_src]))
+    cache = tuple(PagedKV(_set_pages(c.k, copy_dst, c.k[:, copy_src]), _set_pages(c.v, copy_dst, c.v[:, copy_src]))
                   for c in cache)
     slot_ids = jnp.arange(n)
     carry = dict(i=jnp.zeros((), jnp.int32), cache=cache, logits=logits, lengths=lengths, generated=generated,
@@ -388,12 +406,12 @@ class _Generation:
         logits, offset = [], 0
         at = np.zeros(slot_bucket(len(sequences)), np.int32)  # sequence -> its row of the buckets' logits
         for width, idx, count in buckets:
-            page_ids = np.full((count, width // page), SCRATCH_PAGE, np.int32)
+            page_ids = unwritten(count * (width // page), self.pool).reshape(count, width // page)
             ids, mask = np.full((count, width), pad_id, np.int32), np.zeros((count, width), np.int32)
             for j, i in enumerate(idx):
                 tokens, own = sequences[i], self.prompt_pages[i]
                 ids[j, :len(tokens)], mask[j, :len(tokens)], page_ids[j, :len(own)] = tokens, 1, own
-            mask[len(idx):, 0] = 1  # bucket rows read one token (their pages are the scratch page)
+            mask[len(idx):, 0] = 1  # bucket rows read one token (their pages are not written)
             # Prefilled a power-of-two number of sequences at a time (dividing the bucket), at most prefill_tokens.
             per_call = min(count, 1 << (max(prefill_tokens // width, 1).bit_length() - 1))
             for first in range(0, count, per_call):
@@ -420,6 +438,7 @@ class _Generation:
         self.logits = jnp.zeros((self.slots, self.prompt_logits.shape[-1]), self.prompt_logits.dtype,
                                 device=self.device)
         self.rounds = self.shrinks = 0
+        self.decode_steps = self.slot_steps = self.decoded_tokens = 0  # what the rounds ran (:func:`generate_paged`)
         # Each row runs at most this many rounds once admitted for good (the oldest row is never preempted): a bound
         # far above any real schedule, so that a scheduling fault fails instead of looping.
         self.most_rounds = 4 * self.rows * (pages_for(params.max_new_tokens, self.steps) + 2)
@@ -448,7 +467,7 @@ class _Generation:
                                f"({len(sched.free)} free pages)")
         admit_prompt = np.full(self.slots, -1, np.int32)
         copy_src = np.full(self.slots, SCRATCH_PAGE, np.int32)
-        copy_dst = np.full(self.slots, SCRATCH_PAGE, np.int32)
+        copy_dst = unwritten(self.slots, self.pool)
         for slot, row in admitted.items():
             prompt = sched.row_prompt[row]
             self.slot_rows[slot], self.generated[slot], admit_prompt[slot] = row, self.row_start[row], prompt
@@ -482,6 +501,9 @@ class _Generation:
         """Read a round's outputs: each row's new tokens; the slots of rows that stopped freed."""
         lengths, generated, still, tokens, logprobs, real = jax.device_get(out)
         self.sched.lengths[:], self.generated[:] = lengths, generated
+        steps = int(real.any(axis=0).sum())
+        self.decode_steps, self.slot_steps = self.decode_steps + steps, self.slot_steps + steps * self.slots
+        self.decoded_tokens += int(real.sum())
         for slot in np.flatnonzero(self.active):
             row, keep = int(self.slot_rows[slot]), real[slot]
             self.tokens[row].extend(tokens[slot][keep].tolist())
@@ -509,27 +531,43 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
     this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
-    ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots).
+    ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots), and where
+    the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most any device ran),
+    ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens`` (their share of ``slot_steps`` is the
+    slots' occupancy).
     ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so that few programs compile).
     ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode
     with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
     largest, so that every call runs the same compiled program."""
     parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
+
+    def prefilled(state, part):
+        gen = _Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
+                          prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens,
+                          slots=-(-slots // len(parts)))
+        jax.block_until_ready(gen.prompt_logits)  # the prefill's time is its own, not the first round's
+        return gen
+
     with _device_threads(len(parts)) as each:
-        gens = each(lambda state, part: _Generation(
-            graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id, prompt_bucket=prompt_bucket,
-            slot_bucket=slot_bucket, prefill_tokens=prefill_tokens, slots=-(-slots // len(parts))), states, parts)
+        start = time.perf_counter()
+        gens = each(prefilled, states, parts)
+        prefill_s, start = time.perf_counter() - start, time.perf_counter()
         temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)
         keys = [jax.device_put(jax.random.key(int(seed)), gen.device) for gen in gens]
         need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
         while sum(gen.groups_done for gen in gens) < need:
             each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
+        decode_s = time.perf_counter() - start
     return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
                       pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
                                 preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
                                 rounds=max(gen.rounds for gen in gens), shrinks=sum(gen.shrinks for gen in gens),
                                 peak_pages=sum(gen.sched.peak_pages for gen in gens),
-                                prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages))
+                                prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages),
+                                prefill_s=prefill_s, decode_s=decode_s,
+                                decode_steps=max(gen.decode_steps for gen in gens),
+                                slot_steps=sum(gen.slot_steps for gen in gens),
+                                decoded_tokens=sum(gen.decoded_tokens for gen in gens))
 
 
 @contextlib.contextmanager

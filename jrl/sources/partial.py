@@ -90,8 +90,9 @@ class PartialRollouts:
                            "(partial/restarted_rows counts them)", restarted, self.max_staleness)
         carried_tokens = sum(len(r.tokens) for g in groups for r in g.rows)
         ready = sum(g.finished for g in groups)
+        decoded = {}
         if ready < self.per_step:
-            self._decode(engine, groups, params, seed=seed, version=version, needed=self.per_step - ready)
+            decoded = self._decode(engine, groups, params, seed=seed, version=version, needed=self.per_step - ready)
         done = [g for g in groups if g.finished][:self.per_step]
         trained = {id(g) for g in done}
         self.carry = [g for g in groups if id(g) not in trained]
@@ -100,13 +101,15 @@ class PartialRollouts:
         metrics = {"partial/carried_groups": float(len(self.carry)),
                    "partial/carried_rows_running": float(sum(not r.finished for g in self.carry for r in g.rows)),
                    "partial/tokens_from_earlier_steps": float(carried_tokens),
-                   "partial/restarted_rows": float(restarted), "partial/oldest_token_lag": float(version - oldest)}
+                   "partial/restarted_rows": float(restarted), "partial/oldest_token_lag": float(version - oldest),
+                   **decoded}
         return PartialRollout(self._rollout(done, params, version), PromptBatch.join([g.prompt for g in done]),
                               metrics)
 
     def _decode(self, engine, groups: list[_Group], params: SamplingParams, *, seed: int, version: int,
-                needed: int) -> None:
-        """Decode the unfinished rows of the unfinished groups until ``needed`` of those groups are finished."""
+                needed: int) -> dict[str, float]:
+        """Decode the unfinished rows of the unfinished groups until ``needed`` of those groups are finished; returns
+        where the generation's time went (the carried rows' prefill, the decode rounds, the slots' occupancy)."""
         open_groups = [g for g in groups if not g.finished]
         row_groups, where = [], []
         for g in open_groups:
@@ -123,6 +126,9 @@ class PartialRollouts:
             row.logprobs += out["logprobs"][i, :n].tolist()
             row.versions += [version] * n
             row.finished = bool(out["finished"][i])
+        return {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
+                "partial/decode_steps": float(out["decode_steps"]),
+                "partial/slot_occupancy": out["decoded_tokens"] / max(out["slot_steps"], 1)}
 
     def _rollout(self, groups: list[_Group], params: SamplingParams, version: int) -> RolloutBatch:
         rows = [r for g in groups for r in g.rows]

@@ -18,7 +18,8 @@ the progress bar; checkpoints every ``save_every`` steps and at the end; a plot 
 Per step the log has, besides the algorithm's metrics: ``async/staleness`` (version lag of the consumed
 batch), ``async/queue_depth`` (batches ready when the step asked for one), ``time/rollout`` (the generate
 call), ``time/wait_rollout`` (time this thread waited for generation), ``time/reward`` (experience),
-``time/train`` (update), ``time/sync`` (seconds of the step's weight sync, 0 without one),
+``time/train`` (update), ``time/sync`` (seconds of the step's weight sync, 0 without one), ``time/compile``
+(seconds this process spent compiling during the step, :mod:`jrl.train.compile_clock`),
 ``sync/version`` (the policy version the engine holds after it) and ``tokens_per_second``.
 
 SIGTERM / SIGINT (:mod:`jrl.train.preemption`): the running step finishes, a checkpoint is written at that
@@ -58,6 +59,7 @@ from jrl.train.config import TrainConfig
 from jrl.train.evaluation import split_eval_prompts
 from jrl.train.exploration import QueueSource
 from jrl.train import compile_cache
+from jrl.train.compile_clock import compiled_seconds
 from jrl.train.learner import Learner
 from jrl.train.observability import MetricsWriter, WandbSink, claim_output_dir, plot_curves, truncate_jsonl_after
 from jrl.rewards.functions import best_total, load_reward_functions
@@ -117,7 +119,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One rollout, its experience and update(s), the weight sync; returns the step's metrics."""
         step, source = self.step, self.source
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), compiled_seconds()
         item, waited, ready = source.next(step)
         t1 = time.perf_counter()
         experience, metrics = self.algorithm.make_experience(item.rollout, item.prompt_batch, self.learner, step)
@@ -136,6 +138,7 @@ class Trainer:
         metrics["time/reward"] = t2 - t1
         metrics["time/train"] = t3 - t2
         metrics["time/sync"] = sync_seconds
+        metrics["time/compile"] = compiled_seconds() - compiled
         metrics["sync/version"] = float(source.served_version())
         metrics["tokens_per_second"] = self.algorithm.generated_tokens(item.rollout) / max(time.perf_counter() - t0, 1e-9)
         return metrics

@@ -262,3 +262,48 @@ def test_carried_rows_are_prefilled_in_their_own_width_and_continue_as_they_woul
     assert sorted(w for _, w in widths) == [32, 128], widths  # the prompts at their 32, the carried row at 128
     assert more["tokens"][0, :20].tolist() == whole["tokens"][0, 100:120].tolist()
     np.testing.assert_allclose(more["logprobs"][0, :20], whole["logprobs"][0, 100:120], atol=1e-4)
+
+
+def test_a_prefill_writes_its_sequences_pages_alone_through_distinct_page_ids(monkeypatch):
+    """Every page id a prefill call writes is distinct (the padding past a sequence's end and the bucket's filler rows
+    get ids past the pool, dropped): with repeated ids (a shared scratch page) XLA's GPU scatter was most of a
+    partial rollout's prefill. The pool's other pages, the scratch page included, stay zero, and the program
+    declares its ids distinct."""
+    import jax
+
+    from jrl.rollout import paged
+
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(9), LENGTHS)
+    params = SamplingParams(max_new_tokens=48, temperature=1.0, stop_token_ids=STOPS)
+    graphdef, state = nnx.split(model)
+    calls = []
+    prefill = paged._prefill
+
+    def recording(graphdef, state, cache, ids, mask, page_ids, *, page_size):
+        out = prefill(graphdef, state, cache, ids, mask, page_ids, page_size=page_size)
+        calls.append((np.asarray(page_ids), np.asarray(mask), jax.device_get(out[0])))
+        return out
+
+    monkeypatch.setattr(paged, "_prefill", recording)
+    groups = new_groups(prompts, 2) + [RowGroup(prompts[0], [[3, 4, 5], list(range(1, 41))], [10, 11])]
+    out = generate_paged(graphdef, [state], groups, params, seed=1, kv=KVCacheConfig(layout="paged", page_size=8),
+                         pad_id=PAD, prompt_bucket=8, slot_bucket=row_bucket)
+    pool, prompt_pages = out["pool"], out["prompt_pages"]
+    assert len(calls) >= 2  # the prompts' width and the long carried row's
+    written = []
+    for page_ids, mask, _ in calls:
+        ids = page_ids.reshape(-1)
+        assert len(set(ids.tolist())) == ids.size
+        tokens = mask.reshape(len(mask), -1, 8).any(-1)  # a page holding a token (a filler row's first one too)
+        assert tokens[page_ids < pool].all()
+        written += page_ids[page_ids < pool].tolist()
+    assert sorted(written) == list(range(1, 1 + prompt_pages))  # the sequences' pages, each once
+    cache = calls[-1][2]
+    for layer in cache:
+        for pages in (layer.k, layer.v):
+            written = np.abs(np.asarray(pages, np.float32)).sum(axis=(0, 2, 3)) > 0
+            assert written[1:1 + prompt_pages].all() and not written[0] and not written[1 + prompt_pages:].any()
+    pages = cache[0].k
+    text = jax.jit(paged._set_pages).lower(pages, np.array([1, pool], np.int32), pages[:, :2]).as_text()
+    assert "unique_indices = true" in text or "unique_indices=true" in text, text[:2000]

@@ -53,3 +53,25 @@ def test_a_directory_that_cannot_be_created_leaves_the_cache_off_with_a_warning(
                           timeout=120, cwd=helpers.REPO)
     assert proc.returncode == 0 and "result None" in proc.stdout, proc.stderr[-3000:]
     assert "cannot be created" in proc.stderr and "--compile-cache-dir" in proc.stderr, proc.stderr
+
+
+def test_the_compile_clock_counts_a_new_programs_compile_and_not_its_reruns():
+    """``time/compile`` of a step: the seconds of backend compiles, from any thread; a program run again adds none."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from jrl.train.compile_clock import compiled_seconds
+
+    before = compiled_seconds()
+    fn = jax.jit(lambda x: jnp.sin(x) * 3.25 + jnp.cos(x) ** 2)  # a program no other test compiles
+    fn(jnp.arange(7.0)).block_until_ready()
+    after_first = compiled_seconds()
+    assert after_first > before
+    fn(jnp.arange(7.0)).block_until_ready()
+    assert compiled_seconds() == after_first
+    other = threading.Thread(target=lambda: jax.jit(lambda x: jnp.tanh(x) - 0.125)(jnp.ones(5)).block_until_ready())
+    other.start()
+    other.join()
+    assert compiled_seconds() > after_first

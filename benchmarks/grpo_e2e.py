@@ -183,13 +183,15 @@ def _note_paged_generations(engine) -> list[dict]:
 
 def _paged_figures(calls: list[dict]) -> dict:
     """The paged generations noted since the last call, summed (and forgotten): where their time went."""
+    from jrl.rollout.paged import slot_occupancy
+
     if not calls:
         return {}
     total = {k: sum(c[k] for c in calls) for k in calls[0]}
     calls.clear()
     return {"paged/prefill_s": total["prefill_s"], "paged/decode_s": total["decode_s"],
             "paged/decode_steps": total["decode_steps"], "paged/rounds": total["rounds"],
-            "paged/occupancy": total["decoded_tokens"] / max(total["slot_steps"], 1),
+            "paged/occupancy": slot_occupancy(total),
             "paged/ms_per_decode_step": 1e3 * total["decode_s"] / max(total["decode_steps"], 1),
             "paged/preempted": total["preempted"]}
 

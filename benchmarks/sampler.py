@@ -57,6 +57,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     from jrl.rollout.base import SamplingParams
     from jrl.rollout.jax_engine import JaxRolloutEngine
     from jrl.rollout.kv_config import KVCacheConfig
+    from jrl.rollout.paged import slot_occupancy
 
     model = create_model(cfg, seed=0)
     if args.lora:
@@ -68,7 +69,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
         setattr(args, k, getattr(kv, k))
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=args.prompt, kv=kv)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=stop_ids)
-    groups = carried_groups(args, prompts) if args.kv == "paged" else None
+    groups = paged_generation_groups(args, prompts) if args.kv == "paged" else None
     times, lengths, timings = [], [], []
     for rep in range(args.reps + 1):
         t0 = time.perf_counter()
@@ -76,7 +77,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
             out = engine.paged_groups(groups, params, seed=rep, groups_needed=args.groups_needed)
             mask, stats = out["mask"], out
             timings.append({k: out[k] for k in ("prefill_s", "decode_s", "decode_steps")}
-                           | dict(occupancy=out["decoded_tokens"] / max(out["slot_steps"], 1)))
+                           | dict(occupancy=slot_occupancy(out)))
         else:
             batch = engine.generate(prompts, params, num_generations=args.generations, seed=rep)
             mask = jax.block_until_ready(batch.completion_mask)
@@ -99,7 +100,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     return times, statistics.mean(lengths[1:]), profile
 
 
-def carried_groups(args, prompts) -> list:
+def paged_generation_groups(args, prompts) -> list:
     """The paged generation's groups: ``--generations`` new rows per prompt, and first ``--carried`` rows that continue
     tokens sampled earlier (as a partial rollout's carried rows do: each prefilled again with its tokens, of
     geometric lengths with mean ``--carried-mean``, below ``--new``), two per group, on the first prompts."""

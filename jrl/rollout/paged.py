@@ -78,6 +78,12 @@ def _set_pages(pages: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array
     return pages.at[:, ids].set(values, mode="drop", unique_indices=True)
 
 
+def slot_occupancy(counts: dict) -> float:
+    """The share of the decode rounds' slot steps that decoded a token, from :func:`generate_paged`'s counts (or
+    their sums over several generations)."""
+    return counts["decoded_tokens"] / max(counts["slot_steps"], 1)
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -533,8 +539,7 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
     ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots), and where
     the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most any device ran),
-    ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens`` (their share of ``slot_steps`` is the
-    slots' occupancy).
+    ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens`` (:func:`slot_occupancy`).
     ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so that few programs compile).
     ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode
     with (devices together) instead of one per row: a caller whose row count changes from call to call passes its

@@ -22,7 +22,7 @@ import logging
 
 from jrl.data.pipeline import PromptBatch
 from jrl.rollout.base import RolloutBatch, SamplingParams
-from jrl.rollout.paged import RowGroup, rollout_of, row_arrays
+from jrl.rollout.paged import RowGroup, rollout_of, row_arrays, slot_occupancy
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class PartialRollouts:
             row.finished = bool(out["finished"][i])
         return {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
                 "partial/decode_steps": float(out["decode_steps"]),
-                "partial/slot_occupancy": out["decoded_tokens"] / max(out["slot_steps"], 1)}
+                "partial/slot_occupancy": slot_occupancy(out)}
 
     def _rollout(self, groups: list[_Group], params: SamplingParams, version: int) -> RolloutBatch:
         rows = [r for g in groups for r in g.rows]

@@ -8,7 +8,7 @@ the last one shorter when they do not divide)
 and ``aux``, a pytree given whole to every micro-batch (the step-global normalisers that make the sum of
 the micro-batch losses the step loss, so the update does not depend on the split). The gradients of
 every micro-batch of every term are summed into one donated accumulator (on a mesh, each device's own sum until
-the update's end where ``OptimConfig.grad_sync`` says so; the programs are :mod:`jrl.train.update_programs`'), then
+the update's end where ``OptimConfig.grad_sync`` says so; the programs are :mod:`jrl.train.update_programs`), then
 one optimizer update (global-norm clip + AdamW, donated params and optimizer state) applies them. A micro-batch none
 of whose rows is in the term's ``keep`` mask is skipped on the host and counted.
 

@@ -302,8 +302,8 @@ def test_a_prefill_writes_its_sequences_pages_alone_through_distinct_page_ids(mo
     cache = calls[-1][2]
     for layer in cache:
         for pages in (layer.k, layer.v):
-            written = np.abs(np.asarray(pages, np.float32)).sum(axis=(0, 2, 3)) > 0
-            assert written[1:1 + prompt_pages].all() and not written[0] and not written[1 + prompt_pages:].any()
+            nonzero = np.abs(np.asarray(pages, np.float32)).sum(axis=(0, 2, 3)) > 0
+            assert nonzero[1:1 + prompt_pages].all() and not nonzero[0] and not nonzero[1 + prompt_pages:].any()
     pages = cache[0].k
     text = jax.jit(paged._set_pages).lower(pages, np.array([1, pool], np.int32), pages[:, :2]).as_text()
     assert "unique_indices = true" in text or "unique_indices=true" in text, text[:2000]

@@ -13,7 +13,7 @@ against rope + cache write by XLA + the attention kernel (``split``) and the ref
 ``--paged`` times the paged step (``paged_decode_attention_append``: rope, the write to the pool and the attention
 through a page table) on rows of ragged lengths (geometric, mean ``--filled``, at most ``--slots``; pages of
 ``--page-size`` slots in shuffled order, a page table ``--slots`` wide as the sampler's), for each
-``--splits`` (programs per row and KV head) and block shape; reported besides the bandwidth on the rows' cache.
+``--splits`` (programs per row and KV head) and ``--blocks`` shape; reported besides the bandwidth on the rows' cache.
 
     python benchmarks/decode_attention.py --out results.jsonl
     python benchmarks/decode_attention.py --append --out results.jsonl
@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--splits", default="1,2,4,8", help="--paged: comma-separated programs per (row, KV head)")
+    ap.add_argument("--blocks", default="64:2:2,128:4:2",
+                    help="--paged: comma-separated block shapes, each block_k:num_warps:num_stages")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.append:
@@ -170,7 +172,7 @@ def time_paged(args):
     qkv, pools, cos, sin = _step_inputs(args, (kv, pool, page, d))
     kv_bytes = 2 * (float(lengths.sum()) + b * args.steps / 2) * kv * d * 2
     table, lengths = jnp.asarray(table), jnp.asarray(lengths)
-    blocks = ((64, 2, 2), (128, 4, 2))
+    blocks = [tuple(int(x) for x in shape.split(":")) for shape in args.blocks.split(",")]
     for splits in (int(x) for x in args.splits.split(",")):
         for bk, w, st in blocks:
             def layer(i, k, v, splits=splits, bk=bk, w=w, st=st):

@@ -127,17 +127,21 @@ def _append_inputs(rng, b: int, m: int, page: int, kv: int, g: int, d: int, dtyp
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kv,g,m,page,d,splits", [(2, 4, 6, 16, 32, None), (1, 8, 3, 32, 64, None),
-                                                  (3, 1, 5, 16, 32, None), (2, 4, 9, 16, 32, 3),
-                                                  (1, 2, 12, 16, 64, 2)])
-def test_paged_append_kernel_matches_rope_write_and_reference_attention(request, dtype, kv, g, m, page, d, splits):
+@pytest.mark.parametrize("kv,g,m,page,d,splits,block_k", [(2, 4, 6, 16, 32, None, 64), (1, 8, 3, 32, 64, None, 64),
+                                                          (3, 1, 5, 16, 32, None, 64), (2, 4, 9, 16, 32, 3, 64),
+                                                          (1, 2, 12, 16, 64, 2, 64), (2, 4, 5, 32, 32, 2, 16),
+                                                          (1, 4, 7, 16, 64, None, 32)])
+def test_paged_append_kernel_matches_rope_write_and_reference_attention(request, dtype, kv, g, m, page, d, splits,
+                                                                        block_k):
     """The fused kernel (interpret mode), each row's blocks read by one program or split over several (some
-    splits empty for short rows), against the rope, the write and the reference attention."""
+    splits empty for short rows), blocks of several pages or of part of one, against the rope, the write and the
+    reference attention."""
     inputs = _append_inputs(rng_for(request), 6, m, page, kv, g, d, dtype)
     ref = paged_decode_attention_append(*inputs, impl="reference")
     assert not np.array_equal(np.asarray(ref[1], np.float32), np.asarray(inputs[3], np.float32))  # it wrote
-    out = paged_decode_attention_append(*inputs, impl="pallas_gpu", interpret=True, splits=splits)
-    assert_step_close(out, ref, dtype, f"paged append kv={kv} g={g} m={m} page={page} splits={splits}")
+    out = paged_decode_attention_append(*inputs, impl="pallas_gpu", interpret=True, splits=splits, block_k=block_k)
+    assert_step_close(out, ref, dtype, f"paged append kv={kv} g={g} m={m} page={page} splits={splits} "
+                                       f"block_k={block_k}")
 
 
 def test_long_tables_split_each_row_over_several_programs():

@@ -13,8 +13,9 @@ to the softmax from registers and writes them to the cache (aliased, so updated 
 XLA kernels for rope and the cache writes before the attention.
 
 :func:`paged_decode_attention_append` is that step over a paged cache (a pool of fixed-size pages, a page table per
-row): the walk goes through the row's table a few pages per block (gathered) and the step's key and value are
-written to the page and offset the caller reserved for them.
+row): each block's slots are gathered through the row's table in one load (the pool seen as rows of a head's
+pages one after another) and the step's key and value are written to the page and offset the caller reserved for
+them.
 
 Off GPU all three run in Pallas interpret mode (tests compare them with :mod:`.reference` and
 :mod:`.paged_reference`).
@@ -41,25 +42,22 @@ def unavailable_reason() -> str | None:
     return None  # compiled on an NVIDIA GPU, in interpret mode elsewhere
 
 
-def _attend_blocks(q_parts, blocks, lo, hi, *, scale: float, block_k: int):
-    """Online softmax of one (row, KV head) over the cache blocks holding slots [lo, hi) (slots outside, and
-    slots not allowed, get no weight and are not read). ``q_parts``: (queries [16, d], column slice) pairs
-    whose products with the same columns of K add up to the scores (the whole head, or rope's two halves).
-    ``blocks``: (``load_k(j, cols, in_range)``, ``load_v(j, in_range)``, ``allowed(j, in_range)``) reading block
-    ``j`` of ``block_k`` slots (:func:`_cache_blocks`, :func:`_page_blocks`).
+def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int):
+    """Online softmax of one (row, KV head) with queries ``q`` [16, D] over the cache blocks holding slots [lo, hi)
+    (slots outside, and slots not allowed, get no weight). ``blocks``: (``load(j, in_range)`` -> K and V [block_k, D]
+    of block ``j``, ``allowed(j, in_range)``) (:func:`_cache_blocks`, :func:`_page_blocks`).
     Returns the unnormalised (acc [16, D], running max [16], running sum [16]) in float32."""
-    load_k, load_v, allowed = blocks
+    load, allowed = blocks
     offsets = jnp.arange(block_k)
-    exact = False if q_parts[0][0].dtype == jnp.float32 else None  # float32: no TF32 rounding in the products
+    exact = False if q.dtype == jnp.float32 else None  # float32: no TF32 rounding in the products
 
     def body(j, carry):
         acc, m, l = carry
         idx = j * block_k + offsets
         in_range = (idx >= lo) & (idx < hi)
-        v = load_v(j, in_range)
+        k, v = load(j, in_range)
         ok = allowed(j, in_range) & in_range
-        s = sum(plgpu.dot(q, load_k(j, cols, in_range), trans_b=True, allow_tf32=exact)
-                for q, cols in q_parts) * scale  # [16, block_k]
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact) * scale  # [16, block_k]
         s = jnp.where(ok[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -67,8 +65,7 @@ def _attend_blocks(q_parts, blocks, lo, hi, *, scale: float, block_k: int):
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    d = q_parts[0][0].shape[1] * len(q_parts)
-    init = (jnp.zeros((_MIN_ROWS, d), jnp.float32), jnp.full((_MIN_ROWS,), _MASKED, jnp.float32),
+    init = (jnp.zeros((_MIN_ROWS, q.shape[1]), jnp.float32), jnp.full((_MIN_ROWS,), _MASKED, jnp.float32),
             jnp.zeros((_MIN_ROWS,), jnp.float32))
     return jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, init)
 
@@ -78,25 +75,28 @@ def _cache_blocks(k_ref, v_ref, allowed_ref, block_k: int):
     def window(j):
         return pl.ds(j * block_k, block_k)
 
-    return (lambda j, cols, m: plgpu.load(k_ref.at[window(j), cols], mask=m[:, None], other=0.0),
-            lambda j, m: plgpu.load(v_ref.at[window(j), :], mask=m[:, None], other=0.0),
-            lambda j, m: plgpu.load(allowed_ref.at[window(j)], mask=m, other=0) != 0)
+    def load(j, m):
+        return (plgpu.load(k_ref.at[window(j), :], mask=m[:, None], other=0.0),
+                plgpu.load(v_ref.at[window(j), :], mask=m[:, None], other=0.0))
+
+    return load, lambda j, m: plgpu.load(allowed_ref.at[window(j)], mask=m, other=0) != 0
 
 
-def _page_blocks(k_ref, v_ref, table_ref, pages_per_block: int):
-    """Block loaders of a paged cache, ``pages_per_block`` pages per block (gathered through the table): k_ref / v_ref
-    [P, page_size, D] (one KV head's pool), table_ref [M] (the row's pages in order, M a multiple of
-    ``pages_per_block``, padded with the scratch page); every slot in range is allowed. Slots out of range are read
-    (the table's padding points at a real page) and get no weight."""
-    page_size = k_ref.shape[1]
-    rows = pages_per_block * page_size
+def _page_blocks(k_ref, v_ref, table_ref, page_size: int, block_k: int):
+    """Block loaders of a paged cache: k_ref / v_ref [P x page_size, D] (one KV head's pool, its pages one after
+    another), table_ref [M] (the row's pages in order, padded with the scratch page to whole blocks); every slot in
+    range is allowed. A block's ``block_k`` slots are gathered row by row (slot t of the row is row
+    ``table[t // page_size] x page_size + t % page_size`` of the pool), so a block may span several pages or part
+    of one and the loads need no reshape. Slots out of range are read (the table's padding points at a real page)
+    and get no weight."""
+    offsets = jnp.arange(block_k)
 
-    def pages(j):
-        return table_ref[pl.ds(j * pages_per_block, pages_per_block)]
+    def load(j, m):
+        slot = j * block_k + offsets
+        rows = table_ref[slot // page_size] * page_size + slot % page_size
+        return k_ref[rows, :], v_ref[rows, :]
 
-    return (lambda j, cols, m: k_ref[pages(j), :, cols].reshape(rows, -1),
-            lambda j, m: v_ref[pages(j), :, :].reshape(rows, -1),
-            lambda j, m: m)
+    return load, lambda j, m: m
 
 
 def _store_normalised(o_ref, heads, row_ok, acc, l):
@@ -137,9 +137,18 @@ def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float
     bounds_ref [2] int32 = (first, last + 1) allowed slot of this row."""
     heads, row_ok = _heads(group)
     q = plgpu.load(q_ref.at[heads, :], mask=row_ok, other=0.0)
-    acc, _, l = _attend_blocks([(q, slice(None))], _cache_blocks(k_ref, v_ref, allowed_ref, block_k), bounds_ref[0],
+    acc, _, l = _attend_blocks(q, _cache_blocks(k_ref, v_ref, allowed_ref, block_k), bounds_ref[0],
                                bounds_ref[1], scale=scale, block_k=block_k)
     _store_normalised(o_ref, heads, row_ok, acc, l)
+
+
+def _rotated(x, x_partner, cos, sin, dtype):
+    """Rope (rotate_half) in float32 of ``x`` [R, D], given ``x_partner``, the same rows with their halves swapped,
+    rounded to ``dtype`` as :func:`jrl.kernels.attention.rope.apply_rope` rounds it (the same float32 operations:
+    x * cos + (-x2, x1) * sin)."""
+    d = x.shape[1]
+    sign = jnp.where(jnp.arange(d) < d // 2, -1.0, 1.0)
+    return (x.astype(jnp.float32) * cos + sign * x_partner.astype(jnp.float32) * sin).astype(dtype)
 
 
 def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_ok, new_slot, store, *,
@@ -147,29 +156,27 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
     """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's queries,
     then the step's keys, then its values), cos_ref / sin_ref [D]. The cache (``blocks``) is read over slots
     [lo, hi) only; the step's key and value enter the softmax from registers (with weight when ``new_ok``) and are
-    written last, at ``new_slot(cols, value=False)`` (a view of the aliased key or value cache). ``store(heads,
-    row_ok, acc, running max, running sum)`` writes the result (:func:`_normalised_into`, :func:`_parts_into`)."""
+    written last, at ``new_slot(value)`` (a [1, D] view of the aliased key or value cache). ``store(heads, row_ok,
+    acc, running max, running sum)`` writes the result (:func:`_normalised_into`, :func:`_parts_into`).
+    Queries and key are rotated whole (their half-swapped copies loaded through permuted columns), so each cache
+    block is one [block_k, D] load and one product."""
     heads, row_ok = _heads(group)
     kv_heads = (qkv_ref.shape[0] - n) // 2
-    half = qkv_ref.shape[1] // 2
-    lo_cols, hi_cols = pl.ds(0, half), pl.ds(half, half)
-    cos, sin = cos_ref[lo_cols], sin_ref[lo_cols]  # the two halves of rotate_half's cos / sin are equal
-
-    def rotate(x1, x2, dtype):  # rope in float32, rounded as the reference rounds it
-        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
-
+    d = qkv_ref.shape[1]
+    partner = ((jnp.arange(d) + d // 2) % d)[None, :]  # rotate_half's source column of each column
+    cos, sin = cos_ref[...], sin_ref[...]
     dtype = qkv_ref.dtype
-    q1, q2 = rotate(plgpu.load(qkv_ref.at[heads, lo_cols], mask=row_ok, other=0.0),
-                    plgpu.load(qkv_ref.at[heads, hi_cols], mask=row_ok, other=0.0), dtype)
-    key = pl.ds(n + pl.program_id(1), 1)
-    k1, k2 = rotate(qkv_ref[key, lo_cols], qkv_ref[key, hi_cols], dtype)  # [1, D / 2] each
-    v_new = qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :]  # [1, D]
-    k_at, k_hi, v_at = new_slot(lo_cols), new_slot(hi_cols), new_slot(slice(None), value=True)
-    k1, k2, v_new = k1.astype(k_at.dtype), k2.astype(k_at.dtype), v_new.astype(v_at.dtype)
-    acc, m, l = _attend_blocks([(q1, lo_cols), (q2, hi_cols)], blocks, lo, hi, scale=scale, block_k=block_k)
+    head_rows = (pl.program_id(1) * group + jnp.arange(_MIN_ROWS))[:, None]
+    q = _rotated(plgpu.load(qkv_ref.at[heads, :], mask=row_ok, other=0.0),
+                 plgpu.load(qkv_ref.at[head_rows, partner], mask=row_ok, other=0.0), cos, sin, dtype)
+    key = n + pl.program_id(1)
+    k_at, v_at = new_slot(False), new_slot(True)
+    k_new = _rotated(qkv_ref[pl.ds(key, 1), :], qkv_ref[key + jnp.zeros_like(partner), partner], cos, sin,
+                     dtype).astype(k_at.dtype)  # [1, D]
+    v_new = qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :].astype(v_at.dtype)  # [1, D]
+    acc, m, l = _attend_blocks(q, blocks, lo, hi, scale=scale, block_k=block_k)
     f32 = jnp.float32
-    s = jnp.sum(q1.astype(f32) * k1.astype(f32) + q2.astype(f32) * k2.astype(f32), axis=1)
+    s = jnp.sum(q.astype(f32) * k_new.astype(f32), axis=1)
     s = jnp.where(new_ok, s * scale, _MASKED)
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp(m - m_new)
@@ -177,8 +184,7 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
     p_rounded = p.astype(v_new.dtype).astype(f32)  # as the loop's probabilities before their product with V
     acc = acc * alpha[:, None] + p_rounded[:, None] * v_new.astype(f32)
     store(heads, row_ok, acc, m_new, l * alpha + p)
-    plgpu.store(k_at, k1)
-    plgpu.store(k_hi, k2)
+    plgpu.store(k_at, k_new)
     plgpu.store(v_at, v_new)
 
 
@@ -189,8 +195,8 @@ def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_
     the step's, the step's slot, whether that slot is allowed)."""
     slot = pl.ds(bounds_ref[2], 1)
 
-    def new_slot(cols, value=False):
-        return (vo_ref if value else ko_ref).at[slot, cols]
+    def new_slot(value):
+        return (vo_ref if value else ko_ref).at[slot, :]
 
     _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref.shape[0], _cache_blocks(k_ref, v_ref, allowed_ref, block_k),
                          bounds_ref[0], bounds_ref[1], bounds_ref[3] != 0, new_slot, _normalised_into(o_ref),
@@ -198,19 +204,18 @@ def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_
 
 
 def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *refs, scale: float,
-                         pages_per_block: int, group: int, splits: int):
-    """:func:`_step_with_new_token` over a paged cache: k_ref / v_ref (and their aliases) [P, page_size, D] (this KV
-    head's pool), table_ref [M] (the row's pages), bounds_ref [4] int32 = (the row's filled slots before the step's,
-    the page and the offset the step's key and value go to, unused). ``refs``: the output [N, D] (with ``splits`` >
-    1 this split's parts and running max / sum [N]), then the pool's aliases. With splits, program (row, head, s)
-    reads the s-th of ``splits`` equal runs of the row's blocks; split 0 adds the step's own token; every split
-    writes it (the same values)."""
+                         page_size: int, block_k: int, group: int, splits: int):
+    """:func:`_step_with_new_token` over a paged cache: k_ref / v_ref (and their aliases) [P x page_size, D] (this KV
+    head's pool, pages one after another), table_ref [M] (the row's pages), bounds_ref [4] int32 = (the row's filled
+    slots before the step's, the page and the offset the step's key and value go to, unused). ``refs``: the output
+    [N, D] (with ``splits`` > 1 this split's parts and running max / sum [N]), then the pool's aliases. With splits,
+    program (row, head, s) reads the s-th of ``splits`` equal runs of the row's blocks; split 0 adds the step's own
+    token; every split writes it (the same values)."""
     *outs, ko_ref, vo_ref = refs
-    page, at = bounds_ref[1], pl.ds(bounds_ref[2], 1)
-    block_k = pages_per_block * k_ref.shape[1]
+    at = pl.ds(bounds_ref[1] * page_size + bounds_ref[2], 1)
 
-    def new_slot(cols, value=False):
-        return (vo_ref if value else ko_ref).at[page, at, cols]
+    def new_slot(value):
+        return (vo_ref if value else ko_ref).at[at, :]
 
     filled = bounds_ref[0]
     if splits == 1:
@@ -220,7 +225,7 @@ def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref
         per = pl.cdiv(pl.cdiv(filled, block_k), splits) * block_k
         lo, hi, first, store = split * per, jnp.minimum((split + 1) * per, filled), split == 0, _parts_into(*outs)
     _step_with_new_token(qkv_ref, cos_ref, sin_ref, outs[0].shape[0],
-                         _page_blocks(k_ref, v_ref, table_ref, pages_per_block), lo, hi, first, new_slot, store,
+                         _page_blocks(k_ref, v_ref, table_ref, page_size, block_k), lo, hi, first, new_slot, store,
                          scale=scale, block_k=block_k, group=group)
 
 
@@ -330,20 +335,20 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
                                   num_stages: int = 2, interpret: bool | None = None):
     """See :func:`jrl.kernels.attention.api.paged_decode_attention_append`: the step's rope, its write to the
     pool and the attention over the row's pages in one kernel (inside a jitted decoding loop the pools are updated
-    in place). One program per (row, KV head, split); a block is ``block_k`` slots (whole pages, at least one), the
-    pages gathered through the table, so small pages do not make small matrix products. ``splits`` (None: from the
+    in place). One program per (row, KV head, split); a block is ``block_k`` slots gathered through the table (any
+    power-of-two page size: small pages do not make small matrix products). ``splits`` (None: from the
     table's width, :func:`split_count`) divides each row's blocks over that many programs, whose parts are combined
     after the kernel: a long row is read by several programs at once (the few long rows a long-tailed generation
     ends with would otherwise be read one block after another by one program per head)."""
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
-    per_block = max(block_k // page_size, 1)
+    per_block = max(block_k // page_size, 1)  # the table padded to whole blocks
     page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % per_block)))
-    splits = split_count(page_table.shape[1] * page_size, per_block * page_size) if splits is None else splits
+    splits = split_count(page_table.shape[1] * page_size, block_k) if splits is None else splits
     filled = jnp.maximum(jnp.asarray(lengths, jnp.int32) - 1, 0)
     bounds = jnp.stack([filled, jnp.asarray(page, jnp.int32), jnp.asarray(offset, jnp.int32),
                         jnp.zeros_like(filled)], axis=1)
-    pages = pl.BlockSpec((None, pool, page_size, d), lambda i, h, s: (h, 0, 0, 0))
+    pages = pl.BlockSpec((None, pool * page_size, d), lambda i, h, s: (h, 0, 0))
     if splits == 1:
         out_specs = [pl.BlockSpec((None, n, d), lambda i, h, s: (i, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, n, d), v_pages.dtype)]
@@ -353,21 +358,21 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
         out_shape = [jax.ShapeDtypeStruct((b, splits, n, d), jnp.float32)] + 2 * [
             jax.ShapeDtypeStruct((b, splits, n), jnp.float32)]
     rope = pl.BlockSpec((None, d), lambda i, h, s: (i, 0))
+    flat = k_pages.reshape(kv, pool * page_size, d)  # each head's pages one after another (a free reshape)
     *outs, k_pages, v_pages = pl.pallas_call(
-        functools.partial(_paged_append_kernel, scale=scale, pages_per_block=per_block, group=n // kv,
+        functools.partial(_paged_append_kernel, scale=scale, page_size=page_size, block_k=block_k, group=n // kv,
                           splits=splits),
         grid=(b, kv, splits),
         in_specs=[pl.BlockSpec((None, 4), lambda i, h, s: (i, 0)),
                   pl.BlockSpec((None, page_table.shape[1]), lambda i, h, s: (i, 0)),
                   pl.BlockSpec((None, n + 2 * kv, d), lambda i, h, s: (i, 0, 0)), rope, rope, pages, pages],
         out_specs=out_specs + [pages, pages],
-        out_shape=out_shape + [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                               jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        out_shape=out_shape + 2 * [jax.ShapeDtypeStruct(flat.shape, flat.dtype)],
         input_output_aliases={5: len(out_shape), 6: len(out_shape) + 1},
         name="jrl_paged_decode_attention_append", **_params(num_warps, num_stages, interpret),
-    )(bounds, page_table, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_pages, v_pages)
+    )(bounds, page_table, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), flat, v_pages.reshape(flat.shape))
     out = outs[0] if splits == 1 else _combine_splits(*outs, v_pages.dtype)
-    return out, k_pages, v_pages
+    return out, k_pages.reshape(kv, pool, page_size, d), v_pages.reshape(kv, pool, page_size, d)
 
 
 def split_count(width: int, block_k: int, *, blocks_per_split: int = 16, most: int = 8) -> int:

@@ -60,6 +60,7 @@ On CPU (fake devices show the mechanism and the numerics, not speed):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -143,6 +144,8 @@ def train(args) -> None:
     shape = dict(T.SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+    if args.expert_capacity is not None:
+        shape["expert_capacity"] = args.expert_capacity
     count = jax.device_count()
     devices = [count] if multi else [int(d) for d in args.devices.split(",")]
     first = None
@@ -169,6 +172,7 @@ def train(args) -> None:
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    micro_batches=args.micro_batches, grad_sync=sync if n > 1 and micro else None,
+                   expert_capacity=args.expert_capacity,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.active_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
                    first_update_s=round(first_update, 2), check_loss=checked["loss"],
@@ -269,6 +273,22 @@ def exchange(args) -> None:
                       device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}"), args.out)
 
 
+def dropped_rows(block, x, config, ep: int) -> float:
+    """The fraction of routed (token, expert) rows that an expert-parallel block on ``ep`` devices (tokens of all of
+    them gathered on each) drops at ``config.expert_capacity`` (0 when dropless), from its router on ``x``."""
+    import jax
+    import numpy as np
+
+    from jrl.models.expert_parallel import capacity_rows
+
+    ids = np.asarray(jax.lax.top_k(block.router_logits(x), config.num_experts_per_tok)[1]).reshape(-1)
+    rows = capacity_rows(config.expert_capacity, ids.size, ep)
+    if rows is None:
+        return 0.0
+    per_device = np.bincount(ids // (config.num_experts // ep), minlength=ep)
+    return round(float(np.maximum(per_device - rows, 0).sum() / ids.size), 6)
+
+
 def moe(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -278,6 +298,8 @@ def moe(args) -> None:
     from jrl.sharding import MeshConfig, batch_sharding, make_mesh, shard_model
 
     config = moe_config(args)
+    if args.expert_capacity is not None:
+        config = dataclasses.replace(config, expert_capacity=args.expert_capacity)
 
     @nnx.jit
     def forward_backward(m, x):
@@ -297,12 +319,14 @@ def moe(args) -> None:
             ms = C.bench(forward_backward, block, x)["ms"]
             single = ms if n == 1 else single
             row = dict(bench="scaling_moe", devices=n, expert=expert, fsdp=n // expert, experts=args.experts,
+                       expert_capacity=config.expert_capacity,
                        top_k=args.top_k, hidden=args.hidden, expert_size=args.expert_size,
                        tokens_per_device=args.tokens_per_device, fwd_bwd_ms=round(ms, 3),
                        efficiency=round(single / ms, 4) if single else None, device=jax.devices()[0].device_kind,
                        versions=f"jax {jax.__version__}")
             if expert > 1:
                 row.update(exchange_times(mesh, args))
+                row["dropped_rows"] = dropped_rows(block, x, config, expert)
             if args.profile:
                 row["profile"] = C.kernel_profile(forward_backward, block, x, top=12, trace_dir=os.path.join(
                     args.profile, f"moe{n}_expert{expert}"))
@@ -477,6 +501,8 @@ def main() -> None:
     ap.add_argument("what", choices=("train", "torch", "moe", "exchange", "torch-worker"))
     ap.add_argument("--devices", default="1,2,4,8", help="comma list of device counts (the first n devices)")
     ap.add_argument("--out", default=None, help="append one JSON line per layout here")
+    ap.add_argument("--expert-capacity", type=float, default=None,
+                    help="train/moe: ModelConfig.expert_capacity (default: ModelConfig's)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="train, moe: also trace one step per layout into DIR and report its GPU kernels (first "
                          "device): time by category, collectives' busy and exposed time, idle gaps")

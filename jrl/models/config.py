@@ -169,6 +169,12 @@ class ModelConfig:
     gathered again in the backward), its gradient reduce-scattered as its backward ends, and the head's gradient
     reduced once per step. ``False`` leaves the collectives to XLA's partitioner (slower).
     Runtime only: not part of the HF config."""
+    expert_capacity: float = 0.0
+    """With expert parallelism (an ``expert`` mesh axis): the rows a device's experts run, as a multiple of its even
+    share of the routed (token, expert) rows, in one static buffer; routed rows past it (the device's
+    highest-numbered experts' last rows) are dropped: they add nothing to their token's output, as with a capacity
+    factor. 0 = dropless: every row runs (a buffer of ``expert`` x tokens x top-k row slots, exact). Runtime only:
+    not part of the HF config."""
     grad_reduce_dtype: str | None = None
     """Dtype in which the per-device path (:attr:`fsdp_prefetch`) reduce-scatters weight gradients: ``None`` =
     ``param_dtype``, ``float32`` to sum bf16 weights' gradients in float32 (twice the bytes). Weights are always
@@ -206,6 +212,9 @@ class ModelConfig:
         if self.remat not in REMAT_NAMES:
             raise ValueError(f"ModelConfig.remat={self.remat!r} is not a remat policy; use one of "
                              f"{', '.join(REMAT_NAMES)}")
+        if not (self.expert_capacity == 0 or self.expert_capacity >= 1):
+            raise ValueError(f"ModelConfig.expert_capacity={self.expert_capacity} must be 0 (dropless) or >= 1 "
+                             "(a multiple of a device's even share of the routed rows)")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")

@@ -8,8 +8,11 @@ once, not once per chosen expert: ``(ep - 1) x tokens`` rows each way, against `
 an all-to-all dispatch, which the padded form (dropless without a ragged exchange) multiplies by ``ep`` again.
 Up to ``ep = top_k`` devices (Qwen3-MoE: top-8) this is the least traffic of the three; beyond, a ragged
 all-to-all would send less, but ``jax.lax.ragged_all_to_all`` ran 12-54x slower than the padded one on H100s with
-jax 0.11.2 and has no CPU implementation. Dispatch is dropless: a device sorts all ``ep x tokens x top_k`` rows of
-its peers' tokens, the rows of other devices' experts last, past its groups, where the grouped matmul skips them.
+jax 0.11.2 and has no CPU implementation. By default dispatch is dropless: a device sorts all ``ep x tokens x top_k``
+rows of its peers' tokens, the rows of other devices' experts last, past its groups, where the grouped matmul skips
+them, and every op between the sort and the reduce-scatter runs over that whole buffer. With a capacity
+(``ModelConfig.expert_capacity`` C >= 1) only the first ``C x tokens x top_k`` sorted rows are copied, run and
+combined (C times the device's even share); the device's own rows past them are dropped (capacity-factor routing).
 The expert MLP width may be split too (``expert_mlp`` on the ``tensor`` axis): the down projection's partial sums
 are added over that axis.
 
@@ -22,6 +25,7 @@ grouped matmul, a custom call on GPUs that the partitioner cannot split, would r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import jax
@@ -41,12 +45,13 @@ _TOKENS = ("batch", "activation_length", None)
 
 
 def routed(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, num_experts: int,
-           run: Callable[[jax.Array, jax.Array], jax.Array], dtype=None) -> jax.Array:
+           run: Callable[[jax.Array, jax.Array], jax.Array], dtype=None, capacity: int | None = None) -> jax.Array:
     """The routed experts' weighted sum for tokens ``x`` [..., H] sent to ``expert_ids`` [..., K] with
     ``router_weights`` [..., K]: their (token, expert) copies sorted by expert go through ``run(sorted_rows,
-    group_sizes)`` and come back summed per token (in ``dtype``; default: ``run``'s output dtype)."""
+    group_sizes)`` and come back summed per token (in ``dtype``; default: ``run``'s output dtype). ``capacity``:
+    only the first ``capacity`` sorted rows are copied and run, the others count as zeros."""
     k = expert_ids.shape[-1]
-    perm = permute(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k), num_experts)
+    perm = permute(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k), num_experts, capacity)
     return unpermute(run(perm.sorted_x, perm.group_sizes), perm, router_weights.reshape(-1, k),
                      dtype).reshape(x.shape)
 
@@ -70,13 +75,15 @@ def expert_axis(mesh: Mesh | None, rules: Mapping | None, expert_shape: tuple[in
 
 def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, experts: ExpertsFn,
                         params: tuple[jax.Array, ...], param_axes: tuple[tuple[str | None, ...], ...], *,
-                        num_experts: int, mesh: Mesh, rules: Mapping | None, axis: str) -> jax.Array:
+                        num_experts: int, mesh: Mesh, rules: Mapping | None, axis: str,
+                        capacity: float = 0.0) -> jax.Array:
     """The MoE output [B, S, H] for ``x`` [B, S, H] routed to ``expert_ids`` [B, S, K] with ``router_weights``
     [B, S, K] (float32), the experts split over mesh axis ``axis``.
 
     ``params`` are the expert parameters (leading dim E) with logical axes ``param_axes``; each device gets its
     ``E / ep`` experts whole along ``embed`` and split along ``expert_mlp`` as the rules say, and
-    ``experts`` runs on them; the result is summed over the axes that split ``expert_mlp``.
+    ``experts`` runs on them; the result is summed over the axes that split ``expert_mlp``. ``capacity``: the
+    rows a device runs, as a multiple of its even share (:func:`capacity_rows`); 0: every row slot (dropless).
     """
     rules = dict(rules) if rules is not None else None
     ep = mesh.shape[axis]
@@ -98,7 +105,7 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
 
     def local(x, weights, ids, *params):
         return _local_experts(x, weights, ids, experts, params, axis=axis, ep=ep, num_experts=num_experts,
-                              tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes))
+                              tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes), capacity=capacity)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
                          out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
@@ -133,20 +140,40 @@ def moe_per_device(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Arra
 
 
 def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: ExpertsFn, params, *, axis: str,
-                   ep: int, num_experts: int, tokens_split: bool, mlp_axes: tuple[str, ...]) -> jax.Array:
+                   ep: int, num_experts: int, tokens_split: bool, mlp_axes: tuple[str, ...],
+                   capacity: float) -> jax.Array:
     """One device's tokens ``x`` [B, S, H] (routed to ``ids`` [B, S, K] with ``weights``) through every expert: the
     tokens of the devices along ``axis`` gathered (when ``tokens_split``), each device runs its own experts on the
-    rows routed to them (the other rows sort last, past the groups, weighted 0), and the partial sums of every
-    token's experts are added over ``axis`` and handed back to the device that owns the token."""
+    rows routed to them (the other rows sort last, past the groups, weighted 0; with a ``capacity`` only the first
+    :func:`capacity_rows` sorted rows are copied and run, the rest dropped), and the partial sums of every token's
+    experts are added over ``axis`` and handed back to the device that owns the token."""
     local_count = num_experts // ep
     if tokens_split:
         x, weights, ids = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, ids))
     local = ids - jax.lax.axis_index(axis) * local_count
     mine = (local >= 0) & (local < local_count)
+    rows = capacity_rows(capacity, ids.size, ep)
+
+    def run(sorted_rows, counts):
+        counts = counts[:local_count]
+        if rows is not None:  # the groups cut at the buffer's end: the rows past it are not there
+            counts = jnp.diff(jnp.minimum(jnp.cumsum(counts), rows), prepend=0)
+        return experts(sorted_rows, counts, *params)
+
     # A token's partial sum over this device's experts stays float32 until the sums of every device are added.
-    y = routed(x, jnp.where(mine, weights, 0), jnp.where(mine, local, local_count), local_count + 1,
-               lambda rows, counts: experts(rows, counts[:local_count], *params), dtype=jnp.float32)
+    y = routed(x, jnp.where(mine, weights, 0), jnp.where(mine, local, local_count), local_count + 1, run,
+               dtype=jnp.float32, capacity=rows)
     y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
     if mlp_axes:
         y = jax.lax.psum(y, mlp_axes)
     return y.astype(x.dtype)
+
+
+def capacity_rows(capacity: float, slots: int, ep: int) -> int | None:
+    """The static row buffer of one expert-parallel device for ``slots`` (token, expert) row slots gathered over
+    ``ep`` devices at ``capacity`` times the even share ``slots / ep`` (rounded up to 8 rows), or None where that
+    would hold every slot anyway (or ``capacity`` is 0: dropless)."""
+    if capacity <= 0:
+        return None
+    rows = -(-math.ceil(capacity * slots / ep) // 8) * 8
+    return rows if rows < slots else None

@@ -140,7 +140,7 @@ class MoE(nnx.Module):
         axis = expert_axis(self.mesh, rules, params[0].shape, axes[0])
         if axis is not None:
             return moe_expert_parallel(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
-                                       mesh=self.mesh, rules=rules, axis=axis)
+                                       mesh=self.mesh, rules=rules, axis=axis, capacity=c.expert_capacity)
         token_spec = per_device_tokens(self.mesh, rules, x.shape)
         if token_spec is not None:
             return moe_per_device(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,

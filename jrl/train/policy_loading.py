@@ -66,7 +66,8 @@ def load_policy(cfg) -> Policy:
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
                             rules=rules, attention=cfg.model.attention, remat=cfg.model.remat,
                             scan_layers=cfg.model.scan_layers, fsdp_prefetch=cfg.model.fsdp_prefetch,
-                            grad_reduce_dtype=cfg.model.grad_reduce_dtype)
+                            grad_reduce_dtype=cfg.model.grad_reduce_dtype,
+                            expert_capacity=cfg.model.expert_capacity)
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:

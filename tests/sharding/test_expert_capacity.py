@@ -1,0 +1,36 @@
+"""Expert parallelism with a capacity (``ModelConfig.expert_capacity``): routing spread over the devices fits the
+buffer and gives what one device gives; routing that overflows it gives what one device gives without the rows the
+buffer drops (each device's last rows in expert order); without a capacity every row runs. Float32, forward and
+every gradient (workers/expert_capacity.py, 8 fake CPU devices)."""
+
+from __future__ import annotations
+
+import pytest
+
+RTOL = 1e-5  # float32
+
+
+@pytest.fixture(scope="module")
+def result(helpers):
+    return helpers.run_worker("expert_capacity.py", num_devices=8)
+
+
+def test_the_buffer_is_smaller_than_every_row_slot_and_only_the_skewed_routing_overflows_it(result):
+    rows = result["rows"]
+    assert rows is not None and rows < result["slots"], result
+    assert result["max_device_rows"]["spread"] <= rows < result["max_device_rows"]["skewed"], result
+
+
+@pytest.mark.parametrize("case", ["spread/2.0", "spread/0.0", "skewed/2.0", "skewed/0.0"])
+def test_expert_parallel_block_matches_one_device(result, case):
+    errs = result["cases"][case]
+    assert errs["finite"], errs
+    assert max(errs["y"], errs["loss"], errs["dx"], errs["dweights"], errs["dparams"]) <= RTOL, errs
+
+
+def test_only_the_overflowing_routing_drops_rows(result):
+    assert result["dropped"] == {"spread/2.0": 0, "spread/0.0": 0, "skewed/2.0": 64, "skewed/0.0": 0}, result  # 32 per token group
+
+
+def test_only_a_capacity_builds_the_capped_program(result):
+    assert result["capped_buffer"] == {"2.0": True, "0.0": False}, result

@@ -276,12 +276,13 @@ def exchange(args) -> None:
 def dropped_rows(block, x, config, ep: int) -> float:
     """The fraction of routed (token, expert) rows that an expert-parallel block on ``ep`` devices (tokens of all of
     them gathered on each) drops at ``config.expert_capacity`` (0 when dropless), from its router on ``x``."""
-    import jax
     import numpy as np
 
     from jrl.models.expert_parallel import capacity_rows
+    from jrl.models.moe import ROUTERS
 
-    ids = np.asarray(jax.lax.top_k(block.router_logits(x), config.num_experts_per_tok)[1]).reshape(-1)
+    bias = None if block.router_bias is None else block.router_bias[...]
+    ids = np.asarray(ROUTERS[config.router](block.router_logits(x), bias, config)[1]).reshape(-1)
     rows = capacity_rows(config.expert_capacity, ids.size, ep)
     if rows is None:
         return 0.0

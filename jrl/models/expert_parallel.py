@@ -76,9 +76,10 @@ def expert_axis(mesh: Mesh | None, rules: Mapping | None, expert_shape: tuple[in
 def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, experts: ExpertsFn,
                         params: tuple[jax.Array, ...], param_axes: tuple[tuple[str | None, ...], ...], *,
                         num_experts: int, mesh: Mesh, rules: Mapping | None, axis: str,
-                        capacity: float = 0.0) -> jax.Array:
+                        capacity: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """The MoE output [B, S, H] for ``x`` [B, S, H] routed to ``expert_ids`` [B, S, K] with ``router_weights``
-    [B, S, K] (float32), the experts split over mesh axis ``axis``.
+    [B, S, K] (float32), the experts split over mesh axis ``axis``, and the share of the routed rows that the
+    ``capacity`` dropped (a float32 scalar; 0 dropless).
 
     ``params`` are the expert parameters (leading dim E) with logical axes ``param_axes``; each device gets its
     ``E / ep`` experts whole along ``embed`` and split along ``expert_mlp`` as the rules say, and
@@ -105,10 +106,11 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
 
     def local(x, weights, ids, *params):
         return _local_experts(x, weights, ids, experts, params, axis=axis, ep=ep, num_experts=num_experts,
-                              tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes), capacity=capacity)
+                              tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes), capacity=capacity,
+                              other_axes=tuple(a for a in mesh.axis_names if a != axis))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
-                         out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
+                         out_specs=(token_spec, P()), check_vma=False)(x, router_weights, expert_ids, *params)
 
 
 def per_device_tokens(mesh: Mesh | None, rules: Mapping | None, shape: tuple[int, ...]) -> P | None:
@@ -141,12 +143,13 @@ def moe_per_device(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Arra
 
 def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: ExpertsFn, params, *, axis: str,
                    ep: int, num_experts: int, tokens_split: bool, mlp_axes: tuple[str, ...],
-                   capacity: float) -> jax.Array:
+                   capacity: float, other_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
     """One device's tokens ``x`` [B, S, H] (routed to ``ids`` [B, S, K] with ``weights``) through every expert: the
     tokens of the devices along ``axis`` gathered (when ``tokens_split``), each device runs its own experts on the
     rows routed to them (the other rows sort last, past the groups, weighted 0; with a ``capacity`` only the first
     :func:`capacity_rows` sorted rows are copied and run, the rest dropped), and the partial sums of every token's
-    experts are added over ``axis`` and handed back to the device that owns the token."""
+    experts are added over ``axis`` and handed back to the device that owns the token. Also returns the share of
+    the routed rows dropped (every device's, the same on each)."""
     local_count = num_experts // ep
     if tokens_split:
         x, weights, ids = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, ids))
@@ -166,7 +169,11 @@ def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Ex
     y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
     if mlp_axes:
         y = jax.lax.psum(y, mlp_axes)
-    return y.astype(x.dtype)
+    dropped = jnp.zeros((), jnp.float32)
+    if rows is not None:  # this device's rows past its buffer, over its token group's rows, averaged over the groups
+        dropped = jax.lax.psum(jnp.maximum(jnp.sum(mine) - rows, 0).astype(jnp.float32), axis) / ids.size
+        dropped = jax.lax.pmean(dropped, other_axes) if other_axes else dropped
+    return y.astype(x.dtype), dropped
 
 
 def capacity_rows(capacity: float, slots: int, ep: int) -> int | None:

@@ -131,18 +131,22 @@ class MoE(nnx.Module):
         logits = self.router_logits(x)
         bias = None if self.router_bias is None else self.router_bias[...]
         weights, idx = ROUTERS[c.router](logits, bias, c)
-        if router_stats.active():
-            router_stats.record(RouterStats.of(logits.reshape(-1, c.num_experts),
-                                               idx.reshape(-1, c.num_experts_per_tok),
-                                               None if token_mask is None else token_mask.reshape(-1)))
         params, axes = self.experts.arrays()
         rules = dict(self.rules) if self.rules is not None else None
         axis = expert_axis(self.mesh, rules, params[0].shape, axes[0])
-        if axis is not None:
-            return moe_expert_parallel(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
-                                       mesh=self.mesh, rules=rules, axis=axis, capacity=c.expert_capacity)
         token_spec = per_device_tokens(self.mesh, rules, x.shape)
-        if token_spec is not None:
-            return moe_per_device(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
-                                  mesh=self.mesh, rules=rules, token_spec=token_spec)
-        return routed(x, weights, idx, c.num_experts, lambda rows, counts: self.experts.compute(rows, counts, *params))
+        dropped = None
+        if axis is not None:
+            y, dropped = moe_expert_parallel(x, weights, idx, self.experts.compute, params, axes,
+                                             num_experts=c.num_experts, mesh=self.mesh, rules=rules, axis=axis,
+                                             capacity=c.expert_capacity)
+        elif token_spec is not None:
+            y = moe_per_device(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
+                               mesh=self.mesh, rules=rules, token_spec=token_spec)
+        else:
+            y = routed(x, weights, idx, c.num_experts, lambda rows, counts: self.experts.compute(rows, counts, *params))
+        if router_stats.active():
+            router_stats.record(RouterStats.of(logits.reshape(-1, c.num_experts),
+                                               idx.reshape(-1, c.num_experts_per_tok),
+                                               None if token_mask is None else token_mask.reshape(-1), dropped))
+        return y

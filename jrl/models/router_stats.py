@@ -1,5 +1,5 @@
 """Router statistics of MoE forward passes, gathered while a function is traced: the load-balance metric, the
-router z-loss and the load-balancing auxiliary loss.
+router z-loss, the load-balancing auxiliary loss and the share of routed rows an expert-parallel capacity dropped.
 
 Inside ``with collecting() as stats:`` every MoE block that runs adds a :class:`RouterStats` of its tokens to
 ``stats`` (outside one, blocks record nothing and cost nothing extra). A layer run under ``jax.checkpoint`` or
@@ -32,11 +32,15 @@ class RouterStats:
     """[..., E] mean router probability (softmax of the logits) of each expert over the tokens."""
     z: jax.Array
     """[...] mean over the tokens of ``logsumexp(router logits)²`` (the router z-loss)."""
+    dropped: jax.Array
+    """[...] share of the block's routed (token, expert) rows that an expert-parallel capacity dropped (0 without
+    one; padding counts as any token)."""
 
     @staticmethod
-    def of(router_logits: jax.Array, expert_ids: jax.Array, token_mask: jax.Array | None = None) -> RouterStats:
+    def of(router_logits: jax.Array, expert_ids: jax.Array, token_mask: jax.Array | None = None,
+           dropped: jax.Array | None = None) -> RouterStats:
         """From router logits [T, E] and the chosen experts [T, K] of T tokens, counting only those of
-        ``token_mask`` [T] (True = a real token; None = all)."""
+        ``token_mask`` [T] (True = a real token; None = all); ``dropped``: the share of rows a capacity dropped."""
         logits = router_logits.astype(jnp.float32)
         t, e = logits.shape
         w = jnp.ones((t,), jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
@@ -44,7 +48,8 @@ class RouterStats:
         k = expert_ids.shape[-1]
         load = jnp.zeros((e,), jnp.float32).at[expert_ids.reshape(-1)].add(jnp.repeat(w, k)) / (k * count)
         return RouterStats(load=load, prob=jnp.sum(w[:, None] * jax.nn.softmax(logits, axis=-1), axis=0) / count,
-                           z=jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2) / count)
+                           z=jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2) / count,
+                           dropped=jnp.zeros((), jnp.float32) if dropped is None else dropped.astype(jnp.float32))
 
     @property
     def max_over_mean(self) -> jax.Array:
@@ -89,10 +94,12 @@ def stack(stats: list[RouterStats]) -> RouterStats | None:
 
 
 def summary(stats: list[RouterStats]) -> dict[str, jax.Array]:
-    """Means over every block recorded: ``moe/expert_load_max_over_mean``, ``moe/router_z_loss`` and
-    ``moe/aux_loss``."""
+    """Means over every block recorded: ``moe/expert_load_max_over_mean``, ``moe/router_z_loss``, ``moe/aux_loss``
+    and ``moe/dropped_rows``."""
     all_blocks = RouterStats(load=jnp.concatenate([s.load.reshape(-1, s.load.shape[-1]) for s in stats]),
                              prob=jnp.concatenate([s.prob.reshape(-1, s.prob.shape[-1]) for s in stats]),
-                             z=jnp.concatenate([s.z.reshape(-1) for s in stats]))
+                             z=jnp.concatenate([s.z.reshape(-1) for s in stats]),
+                             dropped=jnp.concatenate([s.dropped.reshape(-1) for s in stats]))
     return {"moe/expert_load_max_over_mean": jnp.mean(all_blocks.max_over_mean),
-            "moe/router_z_loss": jnp.mean(all_blocks.z), "moe/aux_loss": jnp.mean(all_blocks.aux_loss)}
+            "moe/router_z_loss": jnp.mean(all_blocks.z), "moe/aux_loss": jnp.mean(all_blocks.aux_loss),
+            "moe/dropped_rows": jnp.mean(all_blocks.dropped)}

@@ -28,9 +28,19 @@ def test_expert_parallel_block_matches_one_device(result, case):
     assert max(errs["y"], errs["loss"], errs["dx"], errs["dweights"], errs["dparams"]) <= RTOL, errs
 
 
-def test_only_the_overflowing_routing_drops_rows(result):
-    assert result["dropped"] == {"spread/2.0": 0, "spread/0.0": 0, "skewed/2.0": 64, "skewed/0.0": 0}, result  # 32 per token group
+def test_only_the_overflowing_routing_drops_rows_and_the_block_reports_their_share(result):
+    # skewed/2.0: 32 rows of each of the two token groups
+    assert result["dropped"] == {"spread/2.0": 0, "spread/0.0": 0, "skewed/2.0": 64, "skewed/0.0": 0}, result
+    slots = result["slots"] * 2  # the two token groups' rows
+    want = {case: pytest.approx(count / slots, rel=1e-6) for case, count in result["dropped"].items()}
+    assert result["dropped_share"] == want, result  # float32
 
 
 def test_only_a_capacity_builds_the_capped_program(result):
     assert result["capped_buffer"] == {"2.0": True, "0.0": False}, result
+
+
+def test_a_moe_block_reports_the_dropped_share_in_its_router_statistics(result):
+    """A block whose router sends every token to the first experts (as the skewed routing): ``moe/dropped_rows`` is
+    the share the buffer drops, 0 without a capacity."""
+    assert result["block_dropped"] == {"2.0": pytest.approx(1 / 6, rel=1e-6), "0.0": 0.0}, result

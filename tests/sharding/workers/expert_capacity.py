@@ -62,6 +62,33 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def block_dropped(mesh, rules) -> dict:
+    """``moe/dropped_rows`` of a Qwen3-MoE block on the mesh whose router sends every token to experts 0..K-1 (a zero
+    router: equal logits, ties to the lowest ids), with and without a capacity of 2."""
+    from flax import nnx
+
+    from jrl.models import ModelConfig, router_stats
+    from jrl.models.moe import MoE
+
+    shares = {}
+    for capacity in (2.0, 0.0):
+        config = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=H, intermediate_size=32,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                             qk_norm=True, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I,
+                             dtype="float32", param_dtype="float32", expert_capacity=capacity)
+        block = S.shard_model(MoE(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
+        block.router.kernel[...] = jnp.zeros_like(block.router.kernel[...])
+
+        @nnx.jit
+        def run(block, x):
+            with router_stats.collecting() as stats:
+                block(x)
+            return router_stats.summary(stats)["moe/dropped_rows"]
+
+        shares[str(capacity)] = float(run(block, jax.random.normal(jax.random.key(2), (BATCH, SEQ, H))))
+    return shares
+
+
 def main() -> None:
     cfg = S.MeshConfig(expert=4, fsdp=2)
     mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
@@ -77,7 +104,7 @@ def main() -> None:
     def parallel(capacity):
         return lambda x, weights, ids, params: moe_expert_parallel(
             x, weights, ids, experts, params, AXES, num_experts=E, mesh=mesh, rules=rules, axis="expert",
-            capacity=capacity)
+            capacity=capacity)[0]
 
     grad = lambda block: jax.jit(jax.value_and_grad(lambda *a: loss(block, *a), argnums=(0, 1, 3)))
     # The expert axis gathers the tokens of 4 devices (2 fsdp groups of them): 64 tokens x K row slots per device.
@@ -90,10 +117,15 @@ def main() -> None:
             ((ids_np[g] // (E // ep)) == d).sum() for g in range(mesh.shape["fsdp"]) for d in range(ep)))
         for capacity in (2.0, 0.0):
             keep = jnp.asarray(kept(np.asarray(ids), mesh.shape["fsdp"], ep, capacity_rows(capacity, slots, ep)))
-            dropped = lambda x, weights, ids, params, keep=keep: one_device(x, weights * keep, ids, params)  # noqa: E731
+            def dropped(x, weights, ids, params, keep=keep):  # one device, the rows the buffer drops weighted zero
+                return one_device(x, weights * keep, ids, params)
             ref_value, ref_grads = grad(dropped)(x, weights, ids, params)
             ref = dropped(x, weights, ids, params)
             out.setdefault("dropped", {})[f"{routing}/{capacity}"] = int((np.asarray(keep) == 0).sum())
+            share = jax.jit(lambda x, weights, ids, params, capacity=capacity: moe_expert_parallel(
+                x, weights, ids, experts, params, AXES, num_experts=E, mesh=mesh, rules=rules, axis="expert",
+                capacity=capacity)[1])(x, weights, ids, params)
+            out.setdefault("dropped_share", {})[f"{routing}/{capacity}"] = float(share)
             block = parallel(capacity)
             value, grads = grad(block)(x, weights, ids, params)
             errs = dict(y=rel(jax.jit(block)(x, weights, ids, params), ref), loss=rel(value, ref_value),
@@ -101,6 +133,7 @@ def main() -> None:
                         dparams=max(rel(a, b) for a, b in zip(grads[2], ref_grads[2])))
             errs["finite"] = bool(np.isfinite(list(errs.values())).all())
             out["cases"][f"{routing}/{capacity}"] = errs
+    out["block_dropped"] = block_dropped(mesh, rules)
     x, weights, ids, params = inputs(False)
     for capacity in (2.0, 0.0):
         text = str(jax.make_jaxpr(jax.grad(lambda *a: loss(parallel(capacity), *a)))(x, weights, ids, params))

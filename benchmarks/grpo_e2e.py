@@ -21,8 +21,9 @@ generate, with prefetch 1). Weak scaling: ``--prompts-per-device`` prompts x ``-
 rest of the step (host gaps); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
 every row, padding excluded); peak device memory after the first generation and after the first step (JAX keeps
 one peak per process); with ``--profile DIR`` the GPU busy fraction of one more step (the union of its kernels'
-intervals on the first GPU over the step's wall time); the seconds each step spent compiling (``time/compile``);
-with the paged sampler, where its time went (prefill and decode seconds, decode steps, the slots' occupancy, ms per
+intervals on the first GPU over the step's wall time); the seconds each step spent compiling (``time/compile``) and,
+on its printed line, the programs compiled (from JAX's compile log, which the run then keeps off stderr); with the
+paged sampler, where its time went (prefill and decode seconds, decode steps, the slots' occupancy, ms per
 decode step).
 
     python benchmarks/grpo_e2e.py prepare --work /tmp/e2e --shape llama1b --max-new-tokens 1024
@@ -42,8 +43,11 @@ On CPU (the mechanism, not speed): ``prepare --shape tiny --prompt-tokens 32 --m
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import logging
 import math
+import re
 import statistics
 import sys
 import time
@@ -196,6 +200,39 @@ def _paged_figures(calls: list[dict]) -> dict:
             "paged/preempted": total["preempted"]}
 
 
+class _CompiledPrograms(logging.Handler):
+    """The names of the programs XLA compiles (JAX's compile log, ``jax_log_compiles``), counted until :meth:`take`:
+    a step's ``time/compile`` says how long, this says what (e.g. a partial step's prefill for a new shape)."""
+
+    LOGGERS = ("jax._src.interpreters.pxla", "jax._src.dispatch")  # the compile lines, the tracing lines
+
+    def __init__(self):
+        super().__init__()
+        self.names: collections.Counter = collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.match(r"Compiling (\S+) with", record.getMessage())
+        if found:
+            self.names[found.group(1)] += 1
+
+    def take(self) -> collections.Counter:
+        names, self.names = self.names, collections.Counter()
+        return names
+
+    @classmethod
+    def attached(cls) -> _CompiledPrograms:
+        """A handler on JAX's compile log, which then goes here instead of to stderr."""
+        import jax
+
+        jax.config.update("jax_log_compiles", True)
+        handler = cls()
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.propagate = False
+            logger.addHandler(handler)
+        return handler
+
+
 def run(args) -> None:
     import jax
 
@@ -222,6 +259,8 @@ def run(args) -> None:
 
     trainer.source._generate = generate_and_note_peak
     paged = _note_paged_generations(trainer.source.engine)
+    compiled = _CompiledPrograms.attached()
+    compiled.take()  # the trainer's setup
     steps, busy = [], None
     try:
         for i in range(args.steps):
@@ -234,10 +273,11 @@ def run(args) -> None:
             partial = "".join(f", {k.removeprefix('partial/')} {v:.3g}" for k, v in sorted(m.items())
                               if k.startswith("partial/"))  # with rollout.partial: what was carried and restarted
             decode = "".join(f", {k.removeprefix('paged/')} {v:.3g}" for k, v in m.items() if k.startswith("paged/"))
+            programs = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in sorted(compiled.take().items()))
             print(f"step {i}: wall {m['wall']:.2f} s, generate {m['time/rollout']:.2f}, experience "
                   f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, compile "
-                  f"{m['time/compile']:.2f}, mean length {m['completions/mean_length']:.0f}{partial}{decode}",
-                  flush=True)
+                  f"{m['time/compile']:.2f}, mean length {m['completions/mean_length']:.0f}{partial}{decode}"
+                  f"{f', compiled: {programs}' if programs else ''}", flush=True)
         if args.profile:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                 t = time.perf_counter()

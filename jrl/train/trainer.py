@@ -70,6 +70,21 @@ from jrl.sources.rollout import RolloutSource, make_rollout_engine
 
 logger = logging.getLogger(__name__)
 
+#: Share of the routed (token, expert) rows an expert-parallel capacity may drop in a step before the run warns (once).
+DROPPED_ROWS_WARNING = 0.01
+
+
+def warn_dropped_rows(metrics: dict, step: int, capacity: float) -> bool:
+    """Warn when a step's ``moe/dropped_rows`` passes :data:`DROPPED_ROWS_WARNING`; returns whether it warned."""
+    share = metrics.get("moe/dropped_rows", 0.0)
+    if not share > DROPPED_ROWS_WARNING:
+        return False
+    logger.warning("moe/dropped_rows=%.4f at step %d: expert parallelism with model.expert_capacity=%g dropped %.1f%% "
+                   "of the routed (token, expert) rows, whose experts then add nothing to their tokens; raise "
+                   "model.expert_capacity above the router's imbalance (moe/expert_load_max_over_mean) or set it to "
+                   "0 (dropless, exact). Warned once.", share, step, capacity, 100 * share)
+    return True
+
 
 class Trainer:
     """Builds the parts a :class:`TrainConfig` names and runs them to ``max_steps`` (:meth:`train`).
@@ -109,6 +124,7 @@ class Trainer:
                 rerolled=self.algorithm.rerolled_prompts if "reroll" in self.algorithm.capabilities else None)
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
         self.step = 0
+        self._warned_dropped_rows = False
 
     @property
     def engine(self) -> RolloutEngine:
@@ -141,6 +157,8 @@ class Trainer:
         metrics["time/compile"] = compiled_seconds() - compiled
         metrics["sync/version"] = float(source.served_version())
         metrics["tokens_per_second"] = self.algorithm.generated_tokens(item.rollout) / max(time.perf_counter() - t0, 1e-9)
+        if not self._warned_dropped_rows:
+            self._warned_dropped_rows = warn_dropped_rows(metrics, step, self.cfg.model.expert_capacity)
         return metrics
 
     def evaluate(self, writer: MetricsWriter) -> None:

@@ -44,3 +44,17 @@ def test_a_moe_block_reports_the_dropped_share_in_its_router_statistics(result):
     """A block whose router sends every token to the first experts (as the skewed routing): ``moe/dropped_rows`` is
     the share the buffer drops, 0 without a capacity."""
     assert result["block_dropped"] == {"2.0": pytest.approx(1 / 6, rel=1e-6), "0.0": 0.0}, result
+
+
+def test_a_step_that_drops_more_than_a_percent_of_the_rows_warns_with_the_fix(caplog):
+    import logging
+
+    from jrl.train.trainer import DROPPED_ROWS_WARNING, warn_dropped_rows
+
+    with caplog.at_level(logging.WARNING, logger="jrl.train.trainer"):
+        assert not warn_dropped_rows({"loss": 1.0}, 3, 0.0)  # a dense model: no such metric
+        assert not warn_dropped_rows({"moe/dropped_rows": DROPPED_ROWS_WARNING}, 4, 1.25)
+        assert warn_dropped_rows({"moe/dropped_rows": 0.032}, 5, 1.25)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "at step 5" in message and "model.expert_capacity=1.25 dropped 3.2%" in message
+    assert "set it to 0 (dropless" in message

@@ -273,21 +273,20 @@ def exchange(args) -> None:
                       device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}"), args.out)
 
 
-def dropped_rows(block, x, config, ep: int) -> float:
-    """The fraction of routed (token, expert) rows that an expert-parallel block on ``ep`` devices (tokens of all of
-    them gathered on each) drops at ``config.expert_capacity`` (0 when dropless), from its router on ``x``."""
-    import numpy as np
+def dropped_rows(block, x) -> float:
+    """The share of routed (token, expert) rows that ``block`` (expert-parallel, at its config's
+    ``expert_capacity``) drops on ``x``, as the block itself reports it (``moe/dropped_rows``)."""
+    from flax import nnx
 
-    from jrl.models.expert_parallel import capacity_rows
-    from jrl.models.moe import ROUTERS
+    from jrl.models import router_stats
 
-    bias = None if block.router_bias is None else block.router_bias[...]
-    ids = np.asarray(ROUTERS[config.router](block.router_logits(x), bias, config)[1]).reshape(-1)
-    rows = capacity_rows(config.expert_capacity, ids.size, ep)
-    if rows is None:
-        return 0.0
-    per_device = np.bincount(ids // (config.num_experts // ep), minlength=ep)
-    return round(float(np.maximum(per_device - rows, 0).sum() / ids.size), 6)
+    @nnx.jit
+    def share(block, x):
+        with router_stats.collecting() as stats:
+            block(x)
+        return router_stats.summary(stats)["moe/dropped_rows"]
+
+    return round(float(share(block, x)), 6)
 
 
 def moe(args) -> None:
@@ -327,7 +326,7 @@ def moe(args) -> None:
                        versions=f"jax {jax.__version__}")
             if expert > 1:
                 row.update(exchange_times(mesh, args))
-                row["dropped_rows"] = dropped_rows(block, x, config, expert)
+                row["dropped_rows"] = dropped_rows(block, x)
             if args.profile:
                 row["profile"] = C.kernel_profile(forward_backward, block, x, top=12, trace_dir=os.path.join(
                     args.profile, f"moe{n}_expert{expert}"))

@@ -11,8 +11,9 @@ fi
 # with nothing in its log).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONFAULTHANDLER=1
 
-fold_logs() {  # DIR FILE: the last 40 lines of every DIR/*.log into FILE (a device call returns only a few files);
-  # of a log with a fault handler's dump, everything from the dump on (up to 400 lines)
+fold_logs() {  # DIR FILE: the last 40 lines of every DIR/*.log appended to FILE (a device call returns only a few
+  # files, and may run several scripts into one); of a log with a fault handler's dump, everything from the dump on
+  # (up to 400 lines)
   for f in "$1"/*.log; do
     [ -f "$f" ] || continue
     echo "##### $(basename "$f")"
@@ -21,5 +22,5 @@ fold_logs() {  # DIR FILE: the last 40 lines of every DIR/*.log into FILE (a dev
     else
       tail -n 40 "$f" | cut -c1-600
     fi
-  done > "$2"
+  done >> "$2"
 }

@@ -4,19 +4,22 @@
 # folded into $OUT/e2e.log.
 #   bash benchmarks/grpo_e2e_gpu.sh one bucketed trl            # one GPU: padded, length-bucketed, TRL
 #   bash benchmarks/grpo_e2e_gpu.sh shared split                 # all visible GPUs: shared devices, 2 + rest split
-# cases: one, bucketed (one GPU, --optim.length-bucket 128), packed (one GPU, --optim.packing), lora (one GPU), trl (TRL's GRPOTrainer, one GPU),
+# cases: one, bucketed (one GPU, --optim.length-bucket 128), packed (one GPU, --optim.packing), lora (one GPU), shared_lora (all GPUs),
+#        trl (TRL's GRPOTrainer, one GPU),
 #        packed_saveprobs (packed, the log-prob kernel keeping probabilities for its backward),
 #        paged_packed / partial_packed (paged / partial with --optim.packing),
 #        paged (one GPU, --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS}, every row in a slot), partial (paged + --rollout.partial), shared,
 #        shared_packed / shared_paged (all GPUs, --optim.packing / paged), shared_micro_sync (shared, gradients reduced every
-#        micro-batch: --optim.grad-sync micro_batch), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices 2, prefetch 1)
+#        micro-batch: --optim.grad-sync micro_batch), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices
+#        $ROLLOUT_DEVICES, prefetch 1), split_paged_packed / split_partial_packed (split, paged + packing / + partial)
 # env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), MEAN_FRACTION (0.4: mean
 #      completion length over MAX_NEW), PROMPTS (32 prompts per device and step), MICRO (8 rows per device and
 #      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
 #      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12),
 #      CACHE (a directory: JAX's compilation cache for every case, shared between them; default off),
 #      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1),
-#      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's)
+#      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's),
+#      ROLLOUT_DEVICES (2: the devices that only generate in the split cases)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
@@ -31,6 +34,7 @@ INIT=$([ "${SHAPE:-llama1b}" = llama8b ] && echo torch || echo jrl)
 R="run --work $WORK --steps ${STEPS:-3} --prompts-per-device ${PROMPTS:-32} --micro-rows-per-device ${MICRO:-8}"
 R="$R --out $OUT/e2e.jsonl${CACHE:+ --compile-cache $CACHE}"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
+RD=${ROLLOUT_DEVICES:-2}
 for case in "$@"; do
   start=$(date +%s)
   case $case in
@@ -43,6 +47,7 @@ for case in "$@"; do
     partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
       --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
+    shared_lora) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
     partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
       --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
@@ -53,7 +58,11 @@ for case in "$@"; do
     shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.packing ;;
     shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
-    split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices 2 ;;
+    split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD ;;
+    split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- --rollout.kv.layout paged \
+      ${SLOTS:+--rollout.kv.slots $SLOTS} --optim.packing ;;
+    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- --rollout.kv.layout paged \
+      ${SLOTS:+--rollout.kv.slots $SLOTS} --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
     *) echo "unknown case $case" ;;
   esac > "$LOGS/$case.log" 2>&1
   echo "== $case: exit $? in $(( $(date +%s) - start )) s"; grep -h "^step\|^trl step" "$LOGS/$case.log" | tail -3

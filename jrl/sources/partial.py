@@ -9,10 +9,16 @@ their unfinished rows decode, each after the tokens it has: prefilled again unde
 prompts' groups, and stops once enough groups are finished. The step trains on the first ``prompts_per_batch``
 finished groups, oldest first; the others are carried. Every token keeps the log-prob it was sampled with and the
 policy version that sampled it, so the train step's importance correction applies token by token; a row whose oldest
-token is more than ``rollout.max_staleness`` versions older than the sampler's weights (finished or not) starts
-again from its prompt, so no token trained on is older than that bound. The carried groups are part of the
-checkpoint (tokens, log-probs, versions and prompts), so a resumed run continues them exactly as the uninterrupted
-run does.
+token is more than ``rollout.max_staleness`` versions older than the step that will train it (finished or not)
+starts again from its prompt, so no token trained on is older than that bound, whether the generation runs with the
+trainer (the sampler then holds that step's version) or ahead of it (``rollout.prefetch_depth``: the sampler's
+version lags by the run-ahead, so rows survive a carry only while ``max_staleness`` exceeds it).
+
+Generation ahead of the trainer: a step's generation continues the carry the previous one left, so generations run
+one after another in the producer thread whatever the trainer does; each :class:`PartialRollout` carries the groups
+its generation left (:attr:`PartialRollout.carried`, shared rows, never mutated), and a checkpoint keeps those of the
+last step the trainer *consumed* (:meth:`PartialRollouts.consumed`), not the producer's newer ones — so a resumed
+run continues them exactly as the uninterrupted run does (tokens, log-probs, versions and prompts are saved).
 """
 
 from __future__ import annotations
@@ -27,20 +33,23 @@ from jrl.rollout.paged import RowGroup, rollout_of, row_arrays, slot_occupancy
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Row:
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
+    """A completion so far (never changed: a generation that continues it makes a new one, so the carry a step
+    left stays as it was while the producer runs later steps)."""
+
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    versions: tuple[int, ...] = ()
     finished: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Group:
     """A prompt (a one-prompt :class:`PromptBatch`) and its rows so far."""
 
     prompt: PromptBatch
-    rows: list[_Row]
+    rows: tuple[_Row, ...]
 
     @property
     def finished(self) -> bool:
@@ -55,6 +64,8 @@ class PartialRollout:
     rollout: RolloutBatch
     prompt_batch: PromptBatch
     metrics: dict[str, float]
+    carried: tuple[_Group, ...] = ()
+    """The groups this step's generation left for later ones."""
 
     @property
     def policy_version(self) -> int:
@@ -69,18 +80,21 @@ class PartialRollouts:
                  prompt_bucket: int = 32):
         self.g, self.per_step, self.max_staleness = num_generations, groups_per_step, max_staleness
         self.pad_id, self.prompt_bucket = pad_id, prompt_bucket
-        self.carry: list[_Group] = []
+        self.carry: tuple[_Group, ...] = ()  # what the latest generation left (the producer's)
+        self._consumed: tuple[_Group, ...] = ()  # what the latest step the trainer took left (a checkpoint's)
         self._warned = False  # about restarted rows, once
 
-    def generate(self, engine, prompt_batch: PromptBatch, params: SamplingParams, *, seed: int) -> PartialRollout:
+    def generate(self, engine, prompt_batch: PromptBatch, params: SamplingParams, *, step: int,
+                 seed: int) -> PartialRollout:
+        """The finished groups training step ``step`` takes: the carry's and ``prompt_batch``'s."""
         version = int(engine.version)
-        groups = self.carry + [_Group(prompt_batch.rows(slice(i, i + 1)), [_Row() for _ in range(self.g)])
-                               for i in range(len(prompt_batch))]
-        restarted = 0
-        for group in groups:
-            for k, row in enumerate(group.rows):
-                if row.versions and version - min(row.versions) > self.max_staleness:
-                    group.rows[k], restarted = _Row(), restarted + 1
+        groups, restarted = [], 0
+        for group in self.carry + tuple(_Group(prompt_batch.rows(slice(i, i + 1)), (_Row(),) * self.g)
+                                        for i in range(len(prompt_batch))):
+            stale = [bool(r.versions) and step - min(r.versions) > self.max_staleness for r in group.rows]
+            restarted += sum(stale)
+            groups.append(_Group(group.prompt, tuple(_Row() if old else r for r, old in zip(group.rows, stale)))
+                          if any(stale) else group)
         if restarted and not self._warned:
             self._warned = True
             logger.warning("partial rollouts: %d carried rows started again, their first tokens being more than "
@@ -89,46 +103,47 @@ class PartialRollouts:
                            "rollout.max_staleness (e.g. 4) for completions longer than a step's generation "
                            "(partial/restarted_rows counts them)", restarted, self.max_staleness)
         carried_tokens = sum(len(r.tokens) for g in groups for r in g.rows)
-        ready = sum(g.finished for g in groups)
         decoded = {}
-        if ready < self.per_step:
-            decoded = self._decode(engine, groups, params, seed=seed, version=version, needed=self.per_step - ready)
+        if sum(g.finished for g in groups) < self.per_step:
+            groups, decoded = self._decode(engine, groups, params, seed=seed, version=version,
+                                           needed=self.per_step - sum(g.finished for g in groups))
         done = [g for g in groups if g.finished][:self.per_step]
         trained = {id(g) for g in done}
-        self.carry = [g for g in groups if id(g) not in trained]
+        self.carry = tuple(g for g in groups if id(g) not in trained)
         rows = [r for g in done for r in g.rows]
         oldest = min(v for r in rows for v in r.versions)
         metrics = {"partial/carried_groups": float(len(self.carry)),
                    "partial/carried_rows_running": float(sum(not r.finished for g in self.carry for r in g.rows)),
                    "partial/tokens_from_earlier_steps": float(carried_tokens),
-                   "partial/restarted_rows": float(restarted), "partial/oldest_token_lag": float(version - oldest),
+                   "partial/restarted_rows": float(restarted), "partial/oldest_token_lag": float(step - oldest),
                    **decoded}
         return PartialRollout(self._rollout(done, params, version), PromptBatch.join([g.prompt for g in done]),
-                              metrics)
+                              metrics, self.carry)
 
     def _decode(self, engine, groups: list[_Group], params: SamplingParams, *, seed: int, version: int,
-                needed: int) -> dict[str, float]:
+                needed: int) -> tuple[list[_Group], dict[str, float]]:
         """Decode the unfinished rows of the unfinished groups until ``needed`` of those groups are finished; returns
-        where the generation's time went (the carried rows' prefill, the decode rounds, the slots' occupancy)."""
-        open_groups = [g for g in groups if not g.finished]
+        the groups after it (new rows where rows went on) and where the generation's time went (the carried rows'
+        prefill, the decode rounds, the slots' occupancy)."""
         row_groups, where = [], []
-        for g in open_groups:
+        for i, g in enumerate(groups):
             running = [k for k, r in enumerate(g.rows) if not r.finished]
-            keys = list(range(len(where), len(where) + len(running)))
-            row_groups.append(RowGroup(g.prompt.prompt_ids[0], [g.rows[k].tokens for k in running], keys))
-            where += [(g, k) for k in running]
+            if running:
+                keys = list(range(len(where), len(where) + len(running)))
+                row_groups.append(RowGroup(g.prompt.prompt_ids[0], [list(g.rows[k].tokens) for k in running], keys))
+                where += [(i, k) for k in running]
         # As many slots as a step can have rows (one batch carried beside one new): the same program every step.
         out = engine.paged_groups(row_groups, params, seed=seed, groups_needed=needed,
                                   slots=2 * self.per_step * self.g)
-        for i, (g, k) in enumerate(where):
-            row, n = g.rows[k], int(out["mask"][i].sum())
-            row.tokens += out["tokens"][i, :n].tolist()
-            row.logprobs += out["logprobs"][i, :n].tolist()
-            row.versions += [version] * n
-            row.finished = bool(out["finished"][i])
-        return {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
-                "partial/decode_steps": float(out["decode_steps"]),
-                "partial/slot_occupancy": slot_occupancy(out)}
+        rows = [list(g.rows) for g in groups]
+        for j, (i, k) in enumerate(where):
+            row, n = rows[i][k], int(out["mask"][j].sum())
+            rows[i][k] = _Row(row.tokens + tuple(out["tokens"][j, :n].tolist()),
+                              row.logprobs + tuple(out["logprobs"][j, :n].tolist()), row.versions + (version,) * n,
+                              bool(out["finished"][j]))
+        decoded = {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
+                   "partial/decode_steps": float(out["decode_steps"]), "partial/slot_occupancy": slot_occupancy(out)}
+        return [_Group(g.prompt, tuple(r)) for g, r in zip(groups, rows)], decoded
 
     def _rollout(self, groups: list[_Group], params: SamplingParams, version: int) -> RolloutBatch:
         rows = [r for g in groups for r in g.rows]
@@ -136,10 +151,18 @@ class PartialRollouts:
         return rollout_of(arrays, [g.prompt.prompt_ids[0] for g in groups for _ in g.rows], pad_id=self.pad_id,
                           prompt_bucket=self.prompt_bucket, version=version)
 
+    def consumed(self, partial: PartialRollout) -> None:
+        """The trainer took ``partial`` (from the trainer's thread): a checkpoint now keeps the groups it left."""
+        self._consumed = partial.carried
+
     def state(self) -> list[dict]:
-        """The carried groups, JSON-safe (a checkpoint keeps them)."""
+        """The groups the latest consumed step left, JSON-safe (a checkpoint keeps them)."""
         return [{"prompt": dataclasses.asdict(g.prompt), "rows": [dataclasses.asdict(r) for r in g.rows]}
-                for g in self.carry]
+                for g in self._consumed]
 
     def load_state(self, state: list[dict]) -> None:
-        self.carry = [_Group(PromptBatch(**d["prompt"]), [_Row(**r) for r in d["rows"]]) for d in state]
+        """Carry the groups of a checkpoint (the producer is not running)."""
+        self.carry = self._consumed = tuple(
+            _Group(PromptBatch(**d["prompt"]), tuple(_Row(tuple(r["tokens"]), tuple(r["logprobs"]),
+                                                          tuple(r["versions"]), r["finished"]) for r in d["rows"]))
+            for d in state)

@@ -93,7 +93,7 @@ class RolloutSource:
             prompt_batch = prompt_batch.with_last(self.loader.dataset.batch(again))
         with self.device_lock:
             t0 = time.perf_counter()
-            rollout = self._generate(self.engine, prompt_batch, seed=step_seed(self.seed, index))
+            rollout = self._generate(self.engine, prompt_batch, step=index, seed=step_seed(self.seed, index))
             seconds = time.perf_counter() - t0
         return ProducedRollout(index, prompt_batch, rollout, data_state, seconds)
 

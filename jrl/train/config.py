@@ -328,8 +328,8 @@ class TrainConfig(Generic[AlgoConfigT]):
         reject_unused(self, tuple(s for s in ALGORITHM_SECTIONS if s not in algorithm.sections), user)
 
     def _check_partial(self, algorithm) -> None:
-        """``rollout.partial``: an algorithm that trains on it, the paged sampler, and none of the parts that hand
-        a step's prompts on or generate ahead."""
+        """``rollout.partial``: an algorithm that trains on it, the paged sampler, a staleness bound a carried row
+        can live with when generation runs ahead, and none of the parts that hand a step's prompts on."""
         if not self.rollout.partial:
             return
         if "partial" not in algorithm.capabilities:
@@ -338,9 +338,14 @@ class TrainConfig(Generic[AlgoConfigT]):
         if self.rollout.kv.layout != "paged":
             raise invalid("TrainConfig", "rollout.partial", True, "partial rollouts continue rows on the paged "
                           "sampler; set rollout.kv.layout='paged'")
+        if self.rollout.run_ahead >= self.rollout.max_staleness:
+            raise invalid("TrainConfig", "rollout.max_staleness", self.rollout.max_staleness,
+                          f"with rollout.partial=True a row carried to the next step is at least "
+                          f"{self.rollout.run_ahead + 1} version(s) old there (generation runs "
+                          f"{self.rollout.run_ahead} step(s) ahead with prefetch_depth={self.rollout.prefetch_depth}), "
+                          f"so every carried row would start again; use max_staleness >= "
+                          f"{self.rollout.run_ahead + 1} (e.g. 4 for completions longer than a step's generation)")
         for field, value, why in (("mode", self.mode != "both", "the carried rows live in the trainer's sampler"),
-                                  ("rollout.prefetch_depth", self.rollout.prefetch_depth, "a step takes the rows the "
-                                                                                          "last one left"),
                                   ("env.name", self.env.name is not None, "episodes are not continued"),
                                   ("scoring.stream_groups", self.scoring.stream_groups, "groups finish out of order"),
                                   ("replay.buffer_size", self.replay.buffer_size, "not built yet"),

@@ -291,7 +291,8 @@ class Explorer:
         """Sample, score and write one prompt batch (sampling seed of ``batch``); log its metrics."""
         prompt_batch = next(self.loader)
         t0 = time.perf_counter()
-        rollout = self.sampler.generate(self.engine, prompt_batch, seed=step_seed(self.seed, batch))
+        rollout = self.sampler.generate(self.engine, prompt_batch, step=batch,
+                                       seed=step_seed(self.seed, batch))
         t1 = time.perf_counter()
         scored = self.sampler.score(rollout, prompt_batch, batch)
         t2 = time.perf_counter()

@@ -126,7 +126,7 @@ def test_streamed_episodes_are_scored_chunk_by_chunk_like_the_whole_batch():
     sampler = GroupSampler(cfg, policy)
     try:
         batch = next(PromptLoader(build_prompt_dataset(cfg.data, policy.tokenizer), cfg.data))
-        streamed = sampler.generate(JaxRolloutEngine(policy.model, pad_id=policy.pad_id), batch, seed=3)
+        streamed = sampler.generate(JaxRolloutEngine(policy.model, pad_id=policy.pad_id), batch, step=0, seed=3)
         assert isinstance(streamed, StreamedRollout) and len(streamed.scoring) == 2
         g = cfg.algo.num_generations
         assert streamed.episodes is not None and len(streamed.episodes.rewards) == 4 * g

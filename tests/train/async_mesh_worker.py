@@ -1,10 +1,12 @@
 """Child process for test_async_rollout.py: a prefetching GRPO run on 2 fake CPU devices (XLA_FLAGS set by
 the parent), where the embedded sampler and the update take turns on both devices (ROLLOUT_DEVICES 0), or the
-sampler has device 1 to itself and the learner device 0 (ROLLOUT_DEVICES 1).
+sampler has device 1 to itself and the learner device 0 (ROLLOUT_DEVICES 1); PARTIAL 1 makes the rollouts
+partial (paged sampler, rows carried between steps, max_staleness 2).
 
-argv: MODEL_DIR OUT_DIR REWARD_FILE ROLLOUT_DEVICES. Prints one JSON line with what the parent asserts.
+argv: MODEL_DIR OUT_DIR REWARD_FILE ROLLOUT_DEVICES PARTIAL. Prints one JSON line with what the parent asserts.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -12,17 +14,22 @@ import jax
 
 from jrl.data.pipeline import DataConfig
 from jrl.losses import GRPOConfig
+from jrl.rollout.kv_config import KVCacheConfig
 from jrl.sharding import MeshConfig
 from jrl.train.config import ModelSpec, OptimConfig, RolloutConfig, TrainConfig
 from jrl.train.trainer import Trainer
 from jrl.rewards.functions import RewardSpec
 
 
-def main(model_dir, out_dir, reward_file, rollout_devices):
+def main(model_dir, out_dir, reward_file, rollout_devices, partial):
+    rollout = RolloutConfig(max_new_tokens=6, prefetch_depth=1, max_staleness=1, devices=int(rollout_devices))
+    if int(partial):
+        rollout = dataclasses.replace(rollout, partial=True, max_staleness=2, max_new_tokens=12,
+                                      kv=KVCacheConfig(layout="paged", page_size=4, round_steps=4, slots=8),
+                                      stop_token_ids=tuple(range(3, 30)))
     cfg = TrainConfig(
         model=ModelSpec(path=model_dir), mesh=MeshConfig(fsdp=-1),
-        data=DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=1),
-        rollout=RolloutConfig(max_new_tokens=6, prefetch_depth=1, max_staleness=1, devices=int(rollout_devices)),
+        data=DataConfig(prompts_per_batch=2, max_prompt_length=64, seed=1), rollout=rollout,
         rewards=(RewardSpec(path=f"{reward_file}:low_ids"),), algo=GRPOConfig(num_generations=2),
         optim=OptimConfig(learning_rate=1e-2, micro_batch_size=2), output_dir=out_dir, max_steps=3, save_every=0)
     trainer = Trainer(cfg, progress=False)

@@ -300,12 +300,15 @@ def test_resume_with_prefetch_reproduces_the_uninterrupted_run(tiny_model_dir, t
     assert _log(tmp_path / "b") == _log(tmp_path / "a")
 
 
-@pytest.mark.parametrize("rollout_devices", [0, 1])
-def test_two_device_prefetch(tiny_model_dir, tmp_path, rollout_devices):
+@pytest.mark.parametrize("rollout_devices, partial", [(0, 0), (1, 0), (1, 1)],
+                         ids=["shared", "split", "split-partial"])
+def test_two_device_prefetch(tiny_model_dir, tmp_path, rollout_devices, partial):
     """Prefetching on 2 devices: the sampler and the update take turns on both (rollout.devices 0), or each has a
-    device of its own and nothing waits for the other (rollout.devices 1: the weights are copied to device 1)."""
+    device of its own and nothing waits for the other (rollout.devices 1: the weights are copied to device 1), also
+    with partial rollouts (the sampler's device continues the rows the previous generation left)."""
     reward = write_reward_file(tmp_path, "reward_mesh")
-    out = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "run", reward, str(rollout_devices))
+    out = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "run", reward, str(rollout_devices),
+                     str(partial))
     assert out["devices"] == 2
     if rollout_devices:
         assert out["device_lock"] == "nullcontext"
@@ -314,4 +317,7 @@ def test_two_device_prefetch(tiny_model_dir, tmp_path, rollout_devices):
         assert out["device_lock"] == "lock"
         assert out["learner_devices"] == out["sampler_devices"] == [0, 1]
     assert [r["async/staleness"] for r in out["history"]] == [0, 1, 1]
+    if partial:
+        assert sum(r["partial/tokens_from_earlier_steps"] for r in out["history"]) > 0
+        assert all(r["partial/oldest_token_lag"] <= 2 for r in out["history"])
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward/mean"]) for r in out["history"])

@@ -72,7 +72,7 @@ def test_streamed_chunks_are_scored_while_the_next_is_generated_with_the_same_ex
             alg = trainer.algorithm
             prompts = trainer.loader.dataset.batch([0, 1, 2, 3])
             engine = _AfterRewards(trainer.engine, tmp_path / "markers")
-            rollout = alg.generate(engine, prompts, seed=11)
+            rollout = alg.generate(engine, prompts, step=0, seed=11)
             assert isinstance(rollout, StreamedRollout) == bool(stream)
             batch, metrics = alg.make_experience(rollout, prompts, trainer.learner, 0)
             out[stream] = (batch, metrics, engine.waited)

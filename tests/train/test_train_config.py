@@ -153,7 +153,7 @@ def test_trainer_bad_inputs(tiny_model_dir, tmp_path):
                            scoring=ScoringConfig(max_failed_steps=1)))
     try:
         batch = next(trainer.loader)
-        rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
+        rollout = trainer.algorithm.generate(trainer.engine, batch, step=0, seed=0)
         with pytest.raises(RewardError, match=r"'one_value' .* failed on every call of 1 consecutive steps "
                                               r"\(steps 8-8\); the last error: returned 1 values for \d+ completions") as e:
             trainer.algorithm.make_experience(rollout, batch, trainer.learner, 7)
@@ -171,7 +171,7 @@ def test_a_reward_that_is_nan_for_a_whole_step_is_reported(tiny_model_dir, tmp_p
                                                                RewardSpec(path=f"{nan}:never"))))
     try:
         batch = next(trainer.loader)
-        rollout = trainer.algorithm.generate(trainer.engine, batch, seed=0)
+        rollout = trainer.algorithm.generate(trainer.engine, batch, step=0, seed=0)
         with caplog.at_level("WARNING", logger="jrl.train.algorithms.grpo"):
             _, metrics = trainer.algorithm.make_experience(rollout, batch, trainer.learner, 3)
     finally:

@@ -68,8 +68,8 @@ class ToyReinforce:
         self.group, self.max_new, self.scale = cfg.algo.group_size, cfg.rollout.max_new_tokens, cfg.algo.advantage_scale
         self.loss = ReinforceLoss(self.sampler.sampling.temperature)
 
-    def generate(self, engine, prompt_batch, *, seed: int):
-        return self.sampler.generate(engine, prompt_batch, seed=seed)
+    def generate(self, engine, prompt_batch, *, step: int, seed: int):
+        return self.sampler.generate(engine, prompt_batch, step=step, seed=seed)
 
     def make_experience(self, rollout, prompt_batch, learner, step: int):
         scored = self.sampler.score(rollout, prompt_batch, step)

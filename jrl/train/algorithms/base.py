@@ -61,9 +61,10 @@ class Algorithm(Protocol):
         rest of ``cfg`` (a :class:`~jrl.train.TrainConfig` whose own checks passed); called at construction."""
         ...
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> Any:
-        """Sample the rollout of ``prompt_batch`` from ``engine`` (may run in the rollout producer thread).
-        The result has a ``policy_version`` attribute: the engine's version that generated it."""
+    def generate(self, engine, prompt_batch, *, step: int, seed: int) -> Any:
+        """Sample the rollout of ``prompt_batch`` that training step ``step`` consumes, from ``engine``, with the
+        sampling seed ``seed`` (may run in the rollout producer thread, ahead of the trainer). The result has a
+        ``policy_version`` attribute: the engine's version that generated it."""
         ...
 
     def make_experience(self, rollout, prompt_batch, learner, step: int) -> tuple[Any, dict[str, float]]:

@@ -305,7 +305,7 @@ class EBFTStrided:
             completions = [list(ids) + eos for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         return build_documents(prompt_batch.prompt_ids, completions, pad_id=self.pad_id)
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> BlockRollout:
+    def generate(self, engine, prompt_batch, *, step: int, seed: int) -> BlockRollout:
         e = self.ebft
         docs = self.documents(prompt_batch)
         layout = document_layout(docs, e)

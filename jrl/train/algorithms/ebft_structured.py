@@ -173,7 +173,7 @@ class EBFTStructured:
         return dataclasses.replace(self.sampling,
                                    max_new_tokens=self.generation_limit(self.ground_truth_ids(prompt_batch)))
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch:
+    def generate(self, engine, prompt_batch, *, step: int, seed: int) -> RolloutBatch:
         return engine.generate(prompt_batch.prompt_ids, self.sampling_params(prompt_batch),
                                num_generations=self.algo.num_generations, seed=seed)
 

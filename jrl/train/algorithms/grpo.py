@@ -103,15 +103,18 @@ class GRPO:
         self.reroll = (RerollBuffer(cfg.reroll, max_steps=cfg.max_steps, lag=cfg.rollout.prefetch_depth)
                        if cfg.reroll.start_fraction < 1 else None)
 
-    def generate(self, engine, prompt_batch, *, seed: int) -> RolloutBatch | StreamedRollout:
-        return self.sampler.generate(engine, prompt_batch, seed=seed)
+    def generate(self, engine, prompt_batch, *, step: int, seed: int) -> RolloutBatch | StreamedRollout:
+        return self.sampler.generate(engine, prompt_batch, step=step, seed=seed)
 
     def make_experience(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout, prompt_batch, learner,
                         step: int):
         scored = rollout if isinstance(rollout, ScoredRollout) else self.sampler.score(rollout, prompt_batch, step)
         with on_host():
             batch, metrics = self._experience(scored, prompt_batch, step)
-        return batch, {**metrics, **(rollout.metrics if isinstance(rollout, PartialRollout) else {})}
+        if not isinstance(rollout, PartialRollout):
+            return batch, metrics
+        self._partial.consumed(rollout)
+        return batch, {**metrics, **rollout.metrics}
 
     def _experience(self, scored: ScoredRollout, prompt_batch, step: int):
         """The step batch and metrics of a scored rollout (host arrays only)."""

@@ -326,6 +326,12 @@ def trl_run(args) -> None:
     padded batch either way, as jrl's does without ``optim.length_bucket``: the step times compare."""
     import importlib.util
 
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"the trl case needs {' and '.join(missing)}, which jrl does not depend on: pip install trl "
+                         "datasets, or, on a machine without a network, carry their wheels (and their dependencies') "
+                         "in .whl")
+
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback

@@ -16,7 +16,8 @@ without the checkpoints). Layouts: ``one`` (one device), ``shared`` (every visib
 sampler on the same devices in ``rollout.mesh``'s layout), ``split`` (``--rollout-devices`` devices only
 generate, with prefetch 1). Weak scaling: ``--prompts-per-device`` prompts x ``--generations`` per learner device
 (in ``split``, per device of the whole host, so every layout trains the same rows per device). Reported per step
-(medians of the steps after the first, which compiles): wall time; generate (``time/rollout``), experience
+(medians of the steps after the first, which compiles, and, when generation runs ahead, before the last, whose wall
+is its update alone; every step's wall is kept in ``step_walls``): wall time; generate (``time/rollout``), experience
 (``time/reward``: scoring, old/reference log-probs), update (``time/train``), weight sync (``time/sync``) and the
 rest of the step (host gaps); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
 every row, padding excluded); peak device memory after the first generation and after the first step (JAX keeps
@@ -286,7 +287,10 @@ def run(args) -> None:
             busy = round(_busy_fraction(args.profile, wall), 3)
     finally:
         trainer.close()
-    timed = steps[1:] or steps
+    # Timed: the steps after the first (which compiles); when generating ahead, also before the last, which has no
+    # next generation to wait for (its wall is the update alone, not the steady state's).
+    ahead = cfg.rollout.prefetch_depth > 0 and len(steps) > 2
+    timed = steps[1:len(steps) - ahead] or steps
 
     def med(key):  # over the timed steps that have the figure (a partial step may not generate)
         return round(statistics.median(m[key] for m in timed if key in m), 3)
@@ -306,7 +310,8 @@ def run(args) -> None:
                                                                                                / devices),
                trained_tok_s=round(rows * (prompt_tokens + lengths) / wall),
                trained_tok_s_per_device=round(rows * (prompt_tokens + lengths) / wall / devices),
-               peak_gib=peaks, gpu_busy=busy, steps=len(steps), setup_and_steps_s=round(time.perf_counter() - t0, 1),
+               peak_gib=peaks, gpu_busy=busy, steps=len(steps), timed_steps=len(timed),
+               step_walls=[round(m["wall"], 3) for m in steps], setup_and_steps_s=round(time.perf_counter() - t0, 1),
                device=jax.devices()[0].device_kind, jax=jax.__version__)
     # the trainer's thread waits for generation (all of it when synchronous), then works: the rest is host gaps
     row["host_gap_s"] = round(wall - row["wait_rollout_s"] - row["experience_s"] - row["update_s"] - row["sync_s"], 3)

@@ -289,8 +289,8 @@ def run(args) -> None:
         trainer.close()
     # Timed: the steps after the first (which compiles); when generating ahead, also before the last, which has no
     # next generation to wait for (its wall is the update alone, not the steady state's).
-    ahead = cfg.rollout.prefetch_depth > 0 and len(steps) > 2
-    timed = steps[1:len(steps) - ahead] or steps
+    end = len(steps) - 1 if cfg.rollout.prefetch_depth > 0 and len(steps) > 2 else len(steps)
+    timed = steps[1:end] or steps
 
     def med(key):  # over the timed steps that have the figure (a partial step may not generate)
         return round(statistics.median(m[key] for m in timed if key in m), 3)

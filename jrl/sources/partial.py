@@ -103,10 +103,11 @@ class PartialRollouts:
                            "rollout.max_staleness (e.g. 4) for completions longer than a step's generation "
                            "(partial/restarted_rows counts them)", restarted, self.max_staleness)
         carried_tokens = sum(len(r.tokens) for g in groups for r in g.rows)
+        ready = sum(g.finished for g in groups)
         decoded = {}
-        if sum(g.finished for g in groups) < self.per_step:
+        if ready < self.per_step:
             groups, decoded = self._decode(engine, groups, params, seed=seed, version=version,
-                                           needed=self.per_step - sum(g.finished for g in groups))
+                                           needed=self.per_step - ready)
         done = [g for g in groups if g.finished][:self.per_step]
         trained = {id(g) for g in done}
         self.carry = tuple(g for g in groups if id(g) not in trained)
@@ -135,15 +136,16 @@ class PartialRollouts:
         # As many slots as a step can have rows (one batch carried beside one new): the same program every step.
         out = engine.paged_groups(row_groups, params, seed=seed, groups_needed=needed,
                                   slots=2 * self.per_step * self.g)
-        rows = [list(g.rows) for g in groups]
+        went_on: dict[int, list[_Row]] = {}  # group -> its rows, those that decoded replaced
         for j, (i, k) in enumerate(where):
-            row, n = rows[i][k], int(out["mask"][j].sum())
-            rows[i][k] = _Row(row.tokens + tuple(out["tokens"][j, :n].tolist()),
-                              row.logprobs + tuple(out["logprobs"][j, :n].tolist()), row.versions + (version,) * n,
-                              bool(out["finished"][j]))
+            rows = went_on.setdefault(i, list(groups[i].rows))
+            row, n = rows[k], int(out["mask"][j].sum())
+            rows[k] = _Row(row.tokens + tuple(out["tokens"][j, :n].tolist()),
+                           row.logprobs + tuple(out["logprobs"][j, :n].tolist()), row.versions + (version,) * n,
+                           bool(out["finished"][j]))
         decoded = {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
                    "partial/decode_steps": float(out["decode_steps"]), "partial/slot_occupancy": slot_occupancy(out)}
-        return [_Group(g.prompt, tuple(r)) for g, r in zip(groups, rows)], decoded
+        return [_Group(g.prompt, tuple(went_on[i])) if i in went_on else g for i, g in enumerate(groups)], decoded
 
     def _rollout(self, groups: list[_Group], params: SamplingParams, version: int) -> RolloutBatch:
         rows = [r for g in groups for r in g.rows]

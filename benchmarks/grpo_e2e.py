@@ -178,8 +178,8 @@ def _note_paged_generations(engine) -> list[dict]:
 
     def noted(*a, **kw):
         out = paged_groups(*a, **kw)
-        calls.append({k: out[k] for k in ("prefill_s", "decode_s", "decode_steps", "slot_steps", "decoded_tokens",
-                                          "rounds", "shrinks", "preempted")})
+        calls.append({k: out[k] for k in ("prefill_s", "decode_s", "keep_s", "decode_steps", "slot_steps",
+                                          "decoded_tokens", "rounds", "shrinks", "preempted")})
         return out
 
     engine.paged_groups = noted
@@ -194,7 +194,7 @@ def _paged_figures(calls: list[dict]) -> dict:
         return {}
     total = {k: sum(c[k] for c in calls) for k in calls[0]}
     calls.clear()
-    return {"paged/prefill_s": total["prefill_s"], "paged/decode_s": total["decode_s"],
+    return {"paged/prefill_s": total["prefill_s"], "paged/decode_s": total["decode_s"], "paged/keep_s": total["keep_s"],
             "paged/decode_steps": total["decode_steps"], "paged/rounds": total["rounds"],
             "paged/occupancy": slot_occupancy(total),
             "paged/ms_per_decode_step": 1e3 * total["decode_s"] / max(total["decode_steps"], 1),

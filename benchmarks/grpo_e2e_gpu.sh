@@ -18,6 +18,7 @@
 #      PY (python3), WHEELS (1: install the carried .whl files, built for the device image's Python 3.12),
 #      CACHE (a directory: JAX's compilation cache for every case, shared between them; default off),
 #      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1),
+#      PARTIAL_KV (--rollout.partial-kv of the partial cases: keep, the default, or recompute),
 #      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's),
 #      ROLLOUT_DEVICES (2: the devices that only generate in the split cases)
 set -u
@@ -45,12 +46,12 @@ for case in "$@"; do
       --logprobs-impl triton_saveprobs ;;
     paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} --optim.packing ;;
     partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
-      --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
+      --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     shared_lora) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
     partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
-      --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
+      --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
@@ -62,7 +63,8 @@ for case in "$@"; do
     split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- --rollout.kv.layout paged \
       ${SLOTS:+--rollout.kv.slots $SLOTS} --optim.packing ;;
     split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- --rollout.kv.layout paged \
-      ${SLOTS:+--rollout.kv.slots $SLOTS} --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ;;
+      ${SLOTS:+--rollout.kv.slots $SLOTS} --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} \
+      ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     *) echo "unknown case $case" ;;
   esac > "$LOGS/$case.log" 2>&1
   echo "== $case: exit $? in $(( $(date +%s) - start )) s"; grep -h "^step\|^trl step" "$LOGS/$case.log" | tail -3

@@ -13,6 +13,9 @@ from jrl.sharding.mesh import MeshConfig
 from jrl.validation import check_int, invalid
 
 
+#: What partial rollouts' carried rows continue from (``RolloutConfig.partial_kv``).
+PARTIAL_KV = ("keep", "recompute")
+
 #: Share of a device's memory the sampler's whole-model copy may take: above it the default layout shards the copy.
 SAMPLER_COPY_FRACTION = 0.4
 
@@ -72,6 +75,14 @@ class RolloutConfig:
     step's generation under the newer weights (each token keeps the log-prob and version it was sampled with; a row
     with tokens more than ``max_staleness`` versions old starts again). Saves the wait for a step's longest rows
     (:mod:`jrl.sources.partial`)."""
+    partial_kv: str = "keep"
+    """What a carried row of partial rollouts continues from: ``keep`` (default), the keys and values (and the
+    next-token logits) its earlier generations computed, copied out of the pool when a generation ends and placed in
+    the next one's; ``recompute``, its prompt and tokens prefilled again under the newest weights. Keeping saves the
+    prefill of every carried row each step; the earlier tokens' keys and values then come from the weights that
+    sampled them, and the recorded log-probs stay those of the distribution each token was drawn from, so the
+    importance correction is unchanged. The generation after a checkpoint step recomputes (a resumed run has no
+    kept pages), so resuming from a scheduled checkpoint stays exact."""
     max_new_tokens: int = 16
     """Most tokens per completion; also the padded completion length of the train step."""
     temperature: float = 1.0
@@ -116,6 +127,8 @@ class RolloutConfig:
         check_int(self, "prefetch_depth", lo=0)
         check_int(self, "devices", lo=0, fix="use 0 (sample on the learner's devices) or a device count")
         check_int(self, "max_staleness", lo=0)
+        if self.partial_kv not in PARTIAL_KV:
+            raise invalid("RolloutConfig", "partial_kv", self.partial_kv, f"use one of {PARTIAL_KV}")
         if self.max_staleness < self.sync_interval - 1:
             raise invalid("RolloutConfig", "max_staleness", self.max_staleness,
                           f"with sync_interval={self.sync_interval} the sampler's weights are up to "

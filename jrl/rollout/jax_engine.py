@@ -435,16 +435,17 @@ class JaxRolloutEngine:
         return self.paged_groups(new_groups(prompt_ids, num_generations), params, seed=seed)
 
     def paged_groups(self, groups: list[RowGroup], params: SamplingParams, *, seed: int,
-                     groups_needed: int | None = None, slots: int = 0) -> dict:
+                     groups_needed: int | None = None, slots: int = 0, keep: bool = False) -> dict:
         """Rows of ``groups`` (new ones, or ones that continue tokens sampled earlier) decoded with the paged cache,
         until ``groups_needed`` groups are finished (all: None), as :func:`jrl.rollout.paged.generate_paged` returns
-        them (``slots``: its slot count where ``rollout.kv.slots`` is 0), and the weights' version."""
+        them (``slots``: its slot count where ``rollout.kv.slots`` is 0; ``keep``: with the unfinished rows' keys
+        and values), and the weights' version."""
         if self.kv.layout != "paged":
             raise ValueError("paged_groups needs rollout.kv.layout='paged'")
         graphdef, state, version = self._weights()
         return generate_paged(graphdef, self._device_states(state), groups, params, seed=seed, kv=self.kv,
                               pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket,
-                              groups_needed=groups_needed, slots=slots) | dict(version=version)
+                              groups_needed=groups_needed, slots=slots, keep=keep) | dict(version=version)
 
     def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
         out = self.paged_generation(prompt_ids, params, num_generations=num_generations, seed=seed)

@@ -25,6 +25,11 @@ agree token for token when sampling is near greedy, which the tests use).
 Memory: the pool holds the prompts once and ``slots`` rows' completions as they grow, against the dense layout's
 ``rows x (prompt + max_new_tokens)`` slots.
 
+Rows continued later (partial rollouts): with ``keep`` a generation that ends before every row is done copies the
+unfinished rows' pages and next-token logits out of its pool (:class:`KeptPages`, a compact array per device); a
+later generation given those rows (:attr:`RowGroup.kept`) copies their pages into its own pool, moving them to
+another device where its split puts a row elsewhere, instead of prefilling each row's prompt and tokens.
+
 Several devices (a data-parallel sampler mesh, every device holding the whole model): each device takes a
 contiguous part of the prompts with all their rows, and runs its own pool, slots and scheduler. Each device's
 parts (its prefill, then each round: schedule, decode, read back) run in a thread of their own, the rounds in step
@@ -343,6 +348,88 @@ def _free_bytes(device: jax.Device | None) -> int | None:
     return None if limit is None else int(limit) - int((device.memory_stats() or {}).get("bytes_in_use", 0))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeptPages:
+    """The keys and values of a generation's unfinished rows on one device, copied out of its pool when it ends,
+    and each row's next-token logits: a later generation continues those rows from them instead of prefilling
+    their prompt and tokens again (partial rollouts with ``rollout.partial_kv = "keep"``). Row i's cache slots are
+    pages ``first[i]`` on (``pages_for(lengths[i], page_size)`` of them) of ``cache``; its logits ``logits[i]``."""
+
+    cache: tuple[PagedKV, ...]
+    """Per layer, ``k`` and ``v`` [K, pages, page_size, D]."""
+    logits: jax.Array
+    first: tuple[int, ...]
+    lengths: tuple[int, ...]
+    page_size: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeptRow:
+    """Row ``index`` of ``pages``: a prompt and the tokens a row has, as a generation left them."""
+
+    pages: KeptPages
+    index: int
+
+    @property
+    def length(self) -> int:
+        """Cache slots the row fills: its prompt and its tokens so far."""
+        return self.pages.lengths[self.index]
+
+    def page_ids(self) -> list[int]:
+        """The row's pages in :attr:`KeptPages.cache`."""
+        first = self.pages.first[self.index]
+        return list(range(first, first + pages_for(self.length, self.pages.page_size)))
+
+
+def _bucket(count: int) -> int:
+    """``count`` rounded up to a power of two (compiled shapes of the page copies)."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
+@jax.jit
+def _take_pages(cache, ids):
+    """Pages ``ids`` of every layer's ``cache`` (a pool, or kept pages)."""
+    return tuple(PagedKV(c.k[:, ids], c.v[:, ids]) for c in cache)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _put_pages(cache, pages, ids):
+    """The pool ``cache`` with ``pages`` (every layer's) written to page ``ids`` (distinct; past the pool: dropped)."""
+    return tuple(PagedKV(_set_pages(c.k, ids, p.k), _set_pages(c.v, ids, p.v)) for c, p in zip(cache, pages))
+
+
+@jax.jit
+def _kept_logits(slot_logits, sequence_logits, from_slot, index):
+    """Row i's logits: slot ``index[i]``'s where ``from_slot[i]``, else sequence ``index[i]``'s."""
+    return jnp.where(from_slot[:, None], slot_logits[index], sequence_logits[index])
+
+
+def _place(cache, rows: list[tuple[KeptRow, list[int]]], *, pool: int,
+           device) -> tuple[tuple, jax.Array, np.ndarray]:
+    """The pool ``cache`` with each kept row's pages copied to its page ids (``rows``: (row, ids) pairs), moved to
+    ``device`` where they were kept on another; the rows' logits (in a bucketed count of rows) and the index of
+    each row's among them."""
+    by_store: dict[int, list[int]] = collections.defaultdict(list)
+    for j, (row, _) in enumerate(rows):
+        by_store[id(row.pages)].append(j)
+    parts, at, offset = [], np.zeros(len(rows), np.int32), 0
+    for members in by_store.values():
+        store = rows[members[0]][0].pages
+        src = [p for j in members for p in rows[j][0].page_ids()]
+        dst = [p for j in members for p in rows[j][1]]
+        src_ids, dst_ids = np.zeros(_bucket(len(src)), np.int32), unwritten(_bucket(len(src)), pool)
+        src_ids[:len(src)], dst_ids[:len(dst)] = src, dst
+        index = np.zeros(_bucket(len(members)), np.int32)
+        index[:len(members)] = [rows[j][0].index for j in members]
+        pages, logits = _take_pages(store.cache, src_ids), _take_rows(store.logits, index)
+        if device is not None and device not in store.logits.devices():
+            pages, logits = jax.device_put((pages, logits), device)
+        cache = _put_pages(cache, pages, dst_ids)
+        parts.append(logits)
+        at[members], offset = offset + np.arange(len(members)), offset + len(index)
+    return cache, parts[0] if len(parts) == 1 else jnp.concatenate(parts), at
+
+
 @dataclasses.dataclass(frozen=True)
 class RowGroup:
     """The rows of one prompt a paged generation decodes: ``prompt`` and each row's tokens sampled already
@@ -352,6 +439,9 @@ class RowGroup:
     prompt: list[int]
     prefixes: list[list[int]]
     keys: list[int]
+    kept: tuple[KeptRow | None, ...] = ()
+    """Per row (empty: none), the keys and values a previous generation left for its prompt and prefix
+    (:class:`KeptRow`): that row is placed into the pool instead of prefilled."""
 
 
 class _Generation:
@@ -366,11 +456,19 @@ class _Generation:
         self.page, self.steps, self.params, self.slot_bucket = page, kv.round_steps, params, slot_bucket
         self.tail_slots = kv.tail_slots
         sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
+        placed: dict[int, KeptRow] = {}  # sequence -> the kept keys and values it is placed from (not prefilled)
         for k, group in enumerate(groups):
             shared = None  # the prompt's own sequence, shared by the group's new rows
-            for prefix, key in zip(group.prefixes, group.keys, strict=True):
+            kept = group.kept or (None,) * len(group.prefixes)
+            for prefix, key, row_kv in zip(group.prefixes, group.keys, kept, strict=True):
                 if prefix:
                     sequences.append(list(group.prompt) + list(prefix))
+                    if row_kv is not None:
+                        if row_kv.length != len(sequences[-1]) or row_kv.pages.page_size != page:
+                            raise ValueError(f"a kept row of {row_kv.length} slots in pages of "
+                                             f"{row_kv.pages.page_size} continues a prompt and prefix of "
+                                             f"{len(sequences[-1])} tokens with pages of {page}")
+                        placed[len(sequences) - 1] = row_kv
                 elif shared is None:
                     sequences.append(list(group.prompt))
                     shared = len(sequences) - 1
@@ -392,7 +490,8 @@ class _Generation:
         prompt_span = padded(max(len(g.prompt) for g in groups))
         by_width = collections.defaultdict(list)  # width -> the sequences prefilled at it
         for i, n in enumerate(self.lengths):
-            by_width[max(prompt_span, padded(n))].append(i)
+            if i not in placed:
+                by_width[max(prompt_span, padded(n))].append(i)
         buckets = sorted((w, idx, slot_bucket(len(idx))) for w, idx in by_width.items())
         self.slots = slot_bucket(min(kv.slots, self.rows) if kv.slots else (slots or self.rows))
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
@@ -402,7 +501,8 @@ class _Generation:
         self.device = _device(self.state)
         page_bytes = view.config.kv_bytes_per_token() * page
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
-                               prompt_bucket_pages=sum(count * (w // page) for w, _, count in buckets),
+                               prompt_bucket_pages=sum(count * (w // page) for w, _, count in buckets)
+                               + sum(pages_for(self.lengths[i], page) for i in placed),
                                max_new_tokens=params.max_new_tokens, page_bytes=page_bytes,
                                free_bytes=_free_bytes(self.device))
         starts = np.cumsum([1] + [pages_for(n, page) for n in self.lengths])  # prompt pages from page 1 on, in order
@@ -426,9 +526,14 @@ class _Generation:
                                             page_ids[rows], page_size=page)
                 logits.append(part)
             at[idx], offset = offset + np.arange(len(idx)), offset + count
+        if placed:
+            self.cache, part, where = _place(self.cache, [(row, self.prompt_pages[i]) for i, row in placed.items()],
+                                             pool=self.pool, device=self.device)
+            logits.append(part)
+            at[list(placed)] = offset + where
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
         # Each sequence's logits at its index, in a bucketed count of rows (one bucket's are in order already).
-        self.prompt_logits = logits if len(buckets) == 1 else logits[at]
+        self.prompt_logits = logits if len(buckets) == 1 and not placed else logits[at]
         self.sched = PageScheduler(slots=self.slots, free=free, prompt_pages=self.prompt_pages,
                                    prompt_lengths=self.lengths, row_prompt=row_prompt,
                                    row_slots=[self.lengths[p] + params.max_new_tokens - start
@@ -519,6 +624,46 @@ class _Generation:
                 self.finished_rows[row] = True
                 self.open_rows[self.row_group[row]] -= 1
 
+    def keep(self) -> list[KeptRow | None]:
+        """Per row, the keys and values and next-token logits it has now, copied out of the pool (None for a finished
+        row and a new row without tokens): a running row's from its slot, a waiting row that continues a prefix
+        from its prefilled (or placed) sequence."""
+        sched, page = self.sched, self.page
+        in_slot = {s.row: i for i, s in enumerate(sched.slots) if s is not None}
+        rows, pages, first, lengths, from_slot, index = [], [], [], [], [], []
+        for row in range(self.rows):
+            seq = sched.row_prompt[row]
+            if self.finished_rows[row] or (row not in in_slot and not self.row_start[row]):
+                continue
+            length = self.lengths[seq] + (len(self.tokens[row]) if row in in_slot else 0)
+            if row in in_slot:
+                slot = in_slot[row]
+                assert int(sched.lengths[slot]) == length, (row, int(sched.lengths[slot]), length)
+                ids = sched.page_table[slot, :pages_for(length, page)].tolist()
+            else:
+                ids = self.prompt_pages[seq]
+            rows.append(row)
+            first.append(len(pages))
+            lengths.append(length)
+            pages += ids
+            from_slot.append(row in in_slot)
+            index.append(in_slot[row] if row in in_slot else seq)
+        if not rows:
+            return [None] * self.rows
+        ids = np.zeros(_bucket(len(pages)), np.int32)
+        ids[:len(pages)] = pages
+        count = _bucket(len(rows))
+        pad = np.zeros(count - len(rows), np.int32)
+        store = KeptPages(cache=_take_pages(self.cache, ids),
+                          logits=_kept_logits(self.logits, self.prompt_logits,
+                                              np.concatenate([np.array(from_slot, bool), pad.astype(bool)]),
+                                              np.concatenate([np.array(index, np.int32), pad])),
+                          first=tuple(first), lengths=tuple(lengths), page_size=page)
+        out: list[KeptRow | None] = [None] * self.rows
+        for i, row in enumerate(rows):
+            out[row] = KeptRow(store, i)
+        return out
+
 
 def new_groups(prompt_ids: list[list[int]], num_generations: int) -> list[RowGroup]:
     """Groups of ``num_generations`` new rows per prompt, row ``p*G + j`` sampling with key ``p*G + j``."""
@@ -529,7 +674,8 @@ def new_groups(prompt_ids: list[list[int]], num_generations: int) -> list[RowGro
 
 def generate_paged(graphdef, states: list, groups: list[RowGroup], params: SamplingParams, *, seed: int,
                    kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket,
-                   groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS, slots: int = 0) -> dict:
+                   groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS, slots: int = 0,
+                   keep: bool = False) -> dict:
     """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
     entry of ``states`` (the weights on that device): the groups are split into contiguous parts, one per device,
     each device with its own pool, slots and scheduler, their rounds run side by side. With ``groups_needed`` the
@@ -543,7 +689,9 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so that few programs compile).
     ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode
     with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
-    largest, so that every call runs the same compiled program."""
+    largest, so that every call runs the same compiled program. ``keep``: also return ``kept``, per row its keys
+    and values and next-token logits (:meth:`_Generation.keep`; a later call continues the row from them when its
+    :class:`RowGroup` passes them), and ``keep_s``, the seconds their copy took."""
     parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
 
     def prefilled(state, part):
@@ -562,7 +710,11 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
         while sum(gen.groups_done for gen in gens) < need:
             each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
-        decode_s = time.perf_counter() - start
+        decode_s, start = time.perf_counter() - start, time.perf_counter()
+        kept = [row for rows in each(lambda gen: gen.keep(), gens) for row in rows] if keep else None
+        if keep:
+            jax.block_until_ready([(row.pages.cache, row.pages.logits) for row in kept if row is not None])
+        keep_s = time.perf_counter() - start
     return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
                       pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
                                 preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
@@ -572,7 +724,7 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
                                 prefill_s=prefill_s, decode_s=decode_s,
                                 decode_steps=max(gen.decode_steps for gen in gens),
                                 slot_steps=sum(gen.slot_steps for gen in gens),
-                                decoded_tokens=sum(gen.decoded_tokens for gen in gens))
+                                decoded_tokens=sum(gen.decoded_tokens for gen in gens), kept=kept, keep_s=keep_s)
 
 
 @contextlib.contextmanager

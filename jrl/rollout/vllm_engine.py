@@ -448,5 +448,5 @@ def make_vllm_engine(model, *, pad_id: int, mesh, rules, rollout, output_dir, le
 
 
 #: Config fields the vLLM engine does not read (the servers have their own devices).
-make_vllm_engine.ignores = ("rollout.devices", "rollout.mesh", "rollout.kv", "rollout.partial")
+make_vllm_engine.ignores = ("rollout.devices", "rollout.mesh", "rollout.kv", "rollout.partial", "rollout.partial_kv")
 make_vllm_engine.capabilities = VLLMRolloutEngine.capabilities

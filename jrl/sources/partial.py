@@ -5,8 +5,11 @@ The first step takes two prompt batches from the loader, every later step one, a
 of groups: so one batch's worth of groups is always carried, and a step's generation runs those and its new prompts'
 until enough are finished. Each step hands the paged sampler
 (:meth:`jrl.rollout.jax_engine.JaxRolloutEngine.paged_groups`) the groups carried from earlier steps first (only
-their unfinished rows decode, each after the tokens it has: prefilled again under the newest weights), then the new
-prompts' groups, and stops once enough groups are finished. The step trains on the first ``prompts_per_batch``
+their unfinished rows decode, each after the tokens it has), then the new prompts' groups, and stops once enough
+groups are finished. A carried row continues from the keys and values its earlier generations computed, kept on the
+device between generations (``rollout.partial_kv = "keep"``: no prefill), or from its prompt and tokens prefilled
+again under the newest weights (``recompute``; also in the first generation after a checkpoint step, and after a
+resume). The step trains on the first ``prompts_per_batch``
 finished groups, oldest first; the others are carried. Every token keeps the log-prob it was sampled with and the
 policy version that sampled it, so the train step's importance correction applies token by token; a row whose oldest
 token is more than ``rollout.max_staleness`` versions older than the step that will train it (finished or not)
@@ -28,7 +31,7 @@ import logging
 
 from jrl.data.pipeline import PromptBatch
 from jrl.rollout.base import RolloutBatch, SamplingParams
-from jrl.rollout.paged import RowGroup, rollout_of, row_arrays, slot_occupancy
+from jrl.rollout.paged import KeptRow, RowGroup, rollout_of, row_arrays, slot_occupancy
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,14 @@ class _Row:
     logprobs: tuple[float, ...] = ()
     versions: tuple[int, ...] = ()
     finished: bool = False
+    kv: KeptRow | None = dataclasses.field(default=None, compare=False, repr=False)
+    """Its prompt's and tokens' keys and values as the generation that sampled its last token left them (none
+    where they are to be prefilled again)."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of it (JSON-safe; not ``kv``)."""
+        return {"tokens": list(self.tokens), "logprobs": list(self.logprobs), "versions": list(self.versions),
+                "finished": self.finished}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +65,10 @@ class _Group:
     @property
     def finished(self) -> bool:
         return all(r.finished for r in self.rows)
+
+    def without_kv(self) -> _Group:
+        """The group with no row holding kept keys and values (so that it does not hold the device memory)."""
+        return _Group(self.prompt, tuple(dataclasses.replace(r, kv=None) for r in self.rows))
 
 
 @dataclasses.dataclass
@@ -77,8 +92,9 @@ class PartialRollouts:
     """The groups carried between steps and the generation that finishes them (module docstring)."""
 
     def __init__(self, *, num_generations: int, groups_per_step: int, max_staleness: int, pad_id: int,
-                 prompt_bucket: int = 32):
+                 prompt_bucket: int = 32, keep_kv: bool = False, checkpoint_every: int = 0):
         self.g, self.per_step, self.max_staleness = num_generations, groups_per_step, max_staleness
+        self.keep_kv, self.checkpoint_every = keep_kv, checkpoint_every
         self.pad_id, self.prompt_bucket = pad_id, prompt_bucket
         self.carry: tuple[_Group, ...] = ()  # what the latest generation left (the producer's)
         self._consumed: tuple[_Group, ...] = ()  # what the latest step the trainer took left (a checkpoint's)
@@ -104,10 +120,12 @@ class PartialRollouts:
                            "(partial/restarted_rows counts them)", restarted, self.max_staleness)
         carried_tokens = sum(len(r.tokens) for g in groups for r in g.rows)
         ready = sum(g.finished for g in groups)
+        # After a checkpoint step the rows are prefilled again, as a run resumed from that checkpoint does.
+        placed = self.keep_kv and not (self.checkpoint_every and step % self.checkpoint_every == 0)
         decoded = {}
         if ready < self.per_step:
             groups, decoded = self._decode(engine, groups, params, seed=seed, version=version,
-                                           needed=self.per_step - ready)
+                                           needed=self.per_step - ready, placed=placed)
         done = [g for g in groups if g.finished][:self.per_step]
         trained = {id(g) for g in done}
         self.carry = tuple(g for g in groups if id(g) not in trained)
@@ -119,31 +137,36 @@ class PartialRollouts:
                    "partial/restarted_rows": float(restarted), "partial/oldest_token_lag": float(step - oldest),
                    **decoded}
         return PartialRollout(self._rollout(done, params, version), PromptBatch.join([g.prompt for g in done]),
-                              metrics, self.carry)
+                              metrics, tuple(g.without_kv() for g in self.carry))
 
     def _decode(self, engine, groups: list[_Group], params: SamplingParams, *, seed: int, version: int,
-                needed: int) -> tuple[list[_Group], dict[str, float]]:
-        """Decode the unfinished rows of the unfinished groups until ``needed`` of those groups are finished; returns
-        the groups after it (new rows where rows went on) and where the generation's time went (the carried rows'
-        prefill, the decode rounds, the slots' occupancy)."""
-        row_groups, where = [], []
+                needed: int, placed: bool) -> tuple[list[_Group], dict[str, float]]:
+        """Decode the unfinished rows of the unfinished groups until ``needed`` of those groups are finished (the
+        rows' kept keys and values placed, not prefilled, where ``placed``); returns the groups after it (new rows
+        where rows went on) and where the generation's time went (the carried rows' prefill, the decode rounds, the
+        slots' occupancy)."""
+        row_groups, where, kept_rows = [], [], 0
         for i, g in enumerate(groups):
             running = [k for k, r in enumerate(g.rows) if not r.finished]
             if running:
                 keys = list(range(len(where), len(where) + len(running)))
-                row_groups.append(RowGroup(g.prompt.prompt_ids[0], [list(g.rows[k].tokens) for k in running], keys))
+                kept = tuple(g.rows[k].kv if placed else None for k in running)
+                kept_rows += sum(kv is not None for kv in kept)
+                row_groups.append(RowGroup(g.prompt.prompt_ids[0], [list(g.rows[k].tokens) for k in running], keys,
+                                           kept))
                 where += [(i, k) for k in running]
         # As many slots as a step can have rows (one batch carried beside one new): the same program every step.
         out = engine.paged_groups(row_groups, params, seed=seed, groups_needed=needed,
-                                  slots=2 * self.per_step * self.g)
+                                  slots=2 * self.per_step * self.g, keep=self.keep_kv)
         went_on: dict[int, list[_Row]] = {}  # group -> its rows, those that decoded replaced
         for j, (i, k) in enumerate(where):
             rows = went_on.setdefault(i, list(groups[i].rows))
             row, n = rows[k], int(out["mask"][j].sum())
             rows[k] = _Row(row.tokens + tuple(out["tokens"][j, :n].tolist()),
                            row.logprobs + tuple(out["logprobs"][j, :n].tolist()), row.versions + (version,) * n,
-                           bool(out["finished"][j]))
+                           bool(out["finished"][j]), out["kept"][j] if self.keep_kv else None)
         decoded = {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
+                   "time/rollout_keep": float(out["keep_s"]), "partial/kept_rows_placed": float(kept_rows),
                    "partial/decode_steps": float(out["decode_steps"]), "partial/slot_occupancy": slot_occupancy(out)}
         return [_Group(g.prompt, tuple(went_on[i])) if i in went_on else g for i, g in enumerate(groups)], decoded
 
@@ -158,8 +181,9 @@ class PartialRollouts:
         self._consumed = partial.carried
 
     def state(self) -> list[dict]:
-        """The groups the latest consumed step left, JSON-safe (a checkpoint keeps them)."""
-        return [{"prompt": dataclasses.asdict(g.prompt), "rows": [dataclasses.asdict(r) for r in g.rows]}
+        """The groups the latest consumed step left, JSON-safe (a checkpoint keeps them; not their kept keys and
+        values: a resumed run prefills them again)."""
+        return [{"prompt": dataclasses.asdict(g.prompt), "rows": [r.state() for r in g.rows]}
                 for g in self._consumed]
 
     def load_state(self, state: list[dict]) -> None:

@@ -331,6 +331,9 @@ class TrainConfig(Generic[AlgoConfigT]):
         """``rollout.partial``: an algorithm that trains on it, the paged sampler, a staleness bound a carried row
         can live with when generation runs ahead, and none of the parts that hand a step's prompts on."""
         if not self.rollout.partial:
+            if self.rollout.partial_kv != "keep":
+                raise invalid("TrainConfig", "rollout.partial_kv", self.rollout.partial_kv, "it says what partial "
+                              "rollouts' carried rows continue from; set rollout.partial=True or leave it at 'keep'")
             return
         if "partial" not in algorithm.capabilities:
             raise invalid("TrainConfig", "rollout.partial", True, f"algorithm={self.algorithm!r} does not train on "

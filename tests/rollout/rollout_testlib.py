@@ -80,3 +80,31 @@ def greedy_by_full_forward(model, prompts: list[list[int]], max_new_tokens: int,
                 out[r].append(token)
                 done[r] = token in stop_ids
     return out
+
+
+def continue_from_kept(graphdef, states, prompts, params, kvs, *, g: int, needed: tuple[int, ...], seed: int = 7):
+    """A paged generation of ``g`` rows per prompt that stops at ``needed[0]`` finished groups, its unfinished rows
+    continued by further generations from the keys and values each left (``keep``), the i-th stopping at
+    ``needed[i]`` finished groups (0: all) with the cache config ``kvs[i]``; returns each row's tokens and log-probs
+    over the chain, and the generations' outputs."""
+    from jrl.rollout.jax_engine import row_bucket
+    from jrl.rollout.paged import RowGroup, generate_paged, new_groups
+
+    tokens = [[] for _ in range(len(prompts) * g)]
+    logprobs = [[] for _ in range(len(prompts) * g)]
+    groups, rows, outs = new_groups(prompts, g), list(range(len(prompts) * g)), []
+    for n, kv in zip(needed, kvs, strict=True):
+        out = generate_paged(graphdef, states, groups, params, seed=seed, kv=kv, pad_id=PAD, prompt_bucket=8,
+                             slot_bucket=row_bucket, groups_needed=n or None, keep=True)
+        outs.append(out)
+        for j, r in enumerate(rows):
+            m = int(out["mask"][j].sum())
+            tokens[r] += out["tokens"][j, :m].tolist()
+            logprobs[r] += out["logprobs"][j, :m].tolist()
+        # each unfinished row its own group, with its key and its kept keys and values
+        rest = [j for j in range(len(rows)) if not out["finished"][j]]
+        groups = [RowGroup(prompts[rows[j] // g], [list(tokens[rows[j]])], [rows[j]], (out["kept"][j],)) for j in rest]
+        rows = [rows[j] for j in rest]
+        if not rows:
+            break
+    return tokens, logprobs, outs

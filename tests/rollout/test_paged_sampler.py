@@ -11,7 +11,8 @@ import logging
 
 import numpy as np
 import pytest
-from rollout_testlib import PAD, full_forward_logprobs, greedy_by_full_forward, random_prompts, tiny_model
+from rollout_testlib import (PAD, continue_from_kept, full_forward_logprobs, greedy_by_full_forward, random_prompts,
+                             tiny_model)
 
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
@@ -307,3 +308,83 @@ def test_a_prefill_writes_its_sequences_pages_alone_through_distinct_page_ids(mo
     pages = cache[0].k
     text = jax.jit(paged._set_pages).lower(pages, np.array([1, pool], np.int32), pages[:, :2]).as_text()
     assert "unique_indices = true" in text or "unique_indices=true" in text, text[:2000]
+
+
+def test_rows_continued_from_their_kept_pages_sample_what_the_uninterrupted_generation_does(monkeypatch):
+    """``keep``: a generation that stops early copies its unfinished rows' keys, values and next-token logits out of
+    its pool; later generations place them (nothing prefilled) and continue the rows — running ones, and ones that
+    waited for a slot with their carried tokens — to exactly the tokens, and the log-probs, of one generation."""
+    from jrl.rollout import paged
+
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(6), LENGTHS)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, slots=4)
+    graphdef, state = nnx.split(model)
+    whole = generate_paged(graphdef, [state], new_groups(prompts, 3), params, seed=7, kv=kv, pad_id=PAD,
+                           prompt_bucket=8, slot_bucket=row_bucket)
+    prefilled = []
+    prefill = paged._prefill
+
+    def recording(graphdef, state, cache, ids, mask, page_ids, *, page_size):
+        prefilled.append(int(np.asarray(mask).sum(1).max()))  # the longest sequence prefilled
+        return prefill(graphdef, state, cache, ids, mask, page_ids, page_size=page_size)
+
+    monkeypatch.setattr(paged, "_prefill", recording)
+    # the second generation has fewer slots than rows with tokens: some wait through it
+    kvs = (dataclasses.replace(kv, slots=8), dataclasses.replace(kv, slots=2), kv)
+    tokens, logprobs, outs = continue_from_kept(graphdef, [state], prompts, params, kvs, g=3, needed=(1, 1, 0))
+    assert len(outs) == 3 and prefilled
+    # Only prompts are prefilled (those of rows that had not started); no row's prompt and tokens are.
+    assert max(prefilled) <= max(LENGTHS), prefilled
+    first, second = outs[0], outs[1]
+    held = [j for j, row in enumerate(first["kept"]) if row is not None]
+    assert all(first["mask"][j].any() for j in held) and not any(first["kept"][j] for j in
+                                                                 np.flatnonzero(first["finished"]))
+    waited = [j for j, row in enumerate(second["kept"]) if row is not None and not second["mask"][j].any()]
+    assert waited, "some carried rows should have waited for a slot through the second generation"
+    # kept: every unfinished row with tokens (from the first generation or this one); none for the others
+    had = first["mask"][~first["finished"]].any(axis=1)
+    assert [row is not None for row in second["kept"]] == [
+        bool(not done and (h or m.any())) for done, h, m in zip(second["finished"], had, second["mask"])]
+    assert second["keep_s"] >= 0 and outs[2]["finished"].all()
+    for r in range(len(tokens)):
+        n = int(whole["mask"][r].sum())
+        assert tokens[r] == whole["tokens"][r, :n].tolist()
+        np.testing.assert_allclose(logprobs[r], whole["logprobs"][r, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_a_kept_row_continues_from_the_logits_and_pages_of_the_weights_that_left_them():
+    """Kept pages are not recomputed: a row continued under new weights draws its next token from the logits the
+    old weights left (its recorded log-prob is that distribution's), where a prefilled row draws from the new ones'."""
+    old, new = tiny_model("llama", seed=5), tiny_model("llama", seed=6)
+    prompts = random_prompts(np.random.default_rng(6), LENGTHS)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, slots=16)
+    graphdef, state = nnx.split(old)
+    first = generate_paged(graphdef, [state], new_groups(prompts, 3), params, seed=7, kv=kv, pad_id=PAD,
+                           prompt_bucket=8, slot_bucket=row_bucket, groups_needed=1, keep=True)
+    rest = [j for j in range(len(first["finished"])) if not first["finished"][j] and first["mask"][j].any()]
+    assert rest
+    prefixes = [first["tokens"][j, :int(first["mask"][j].sum())].tolist() for j in rest]
+    new_graphdef, new_state = nnx.split(new)
+    seqs = {}
+    for name, kept in (("kept", True), ("prefilled", False)):
+        groups = [RowGroup(prompts[j // 3], [p], [j], (first["kept"][j] if kept else None,))
+                  for j, p in zip(rest, prefixes)]
+        out = generate_paged(new_graphdef, [new_state], groups, params, seed=7, kv=kv, pad_id=PAD, prompt_bucket=8,
+                             slot_bucket=row_bucket)
+        seqs[name] = out
+    for name, model in (("kept", old), ("prefilled", new)):
+        out = seqs[name]
+        batch = _continuation_batch([prompts[j // 3] + p for j, p in zip(rest, prefixes)], out)
+        reference = full_forward_logprobs(model, batch, 1.0)[:, 0]
+        np.testing.assert_allclose(out["logprobs"][:, 0], reference, rtol=1e-5, atol=1e-5)
+    assert np.abs(seqs["kept"]["logprobs"][:, 0] - seqs["prefilled"]["logprobs"][:, 0]).max() > 1e-3
+
+
+def _continuation_batch(sequences, out):
+    """A rollout batch whose prompts are ``sequences`` (prompt and prefix) and completions ``out``'s rows."""
+    from jrl.rollout.paged import rollout_of
+
+    return rollout_of(out, sequences, pad_id=PAD, prompt_bucket=8, version=0)

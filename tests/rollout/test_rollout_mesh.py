@@ -101,3 +101,18 @@ def test_the_default_sampler_layout_shards_weights_that_would_crowd_a_device():
     chosen = MeshConfig(data=1, fsdp=-1)  # a layout the user chose stays, and so does any without a memory size
     assert sampler_mesh(chosen, weight_bytes=60 * gib, device_bytes=80 * gib, devices=4) == chosen
     assert sampler_mesh(default, weight_bytes=60 * gib, device_bytes=None, devices=4) == default
+
+
+def test_kept_pages_move_to_the_device_that_continues_their_rows():
+    """A paged generation over 2 devices continued twice from its kept pages (rows regrouped, so some continue on the
+    other device) samples the tokens and log-probs of one uninterrupted generation on one device."""
+    env = helpers.worker_env(2)
+    env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
+    proc = subprocess.run([sys.executable, str(HERE / "paged_keep_worker.py"), json.dumps([1, 8, 13, 17, 5, 6])],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=helpers.REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = helpers.parse_json_tail(proc.stdout)
+    assert result["generations"] == 3 and result["moved"] > 0
+    assert result["tokens"] == result["whole_tokens"]
+    for got, want in zip(result["logprobs"], result["whole_logprobs"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

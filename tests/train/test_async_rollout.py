@@ -70,6 +70,8 @@ def test_rollout_config_validation_names_the_field():
         RolloutConfig(prefetch_depth=-1)
     with pytest.raises(ValueError, match="RolloutConfig.max_staleness=True"):
         RolloutConfig(max_staleness=True)
+    with pytest.raises(ValueError, match=r"RolloutConfig.partial_kv='reuse' .*use one of \('keep', 'recompute'\)"):
+        RolloutConfig(partial_kv="reuse")
     assert RolloutConfig(prefetch_depth=2, max_staleness=1).run_ahead == 1
     assert RolloutConfig(prefetch_depth=2, max_staleness=4, sync_interval=2).run_ahead == 2
     assert RolloutConfig(prefetch_depth=0, max_staleness=3).run_ahead == 0

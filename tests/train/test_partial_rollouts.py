@@ -1,9 +1,10 @@
 """Partial rollouts (``rollout.partial``, :mod:`jrl.sources.partial`) on the paged sampler: each step trains on whole
 finished groups, the rows still running are carried and continued in later steps (no group lost or given twice),
 the log-probs of carried tokens stay those they were sampled with (equal to a full forward while the weights do not
-change), rows with tokens older than ``max_staleness`` steps before the step that trains them start again (with one
-warning naming the knob), the carry survives a checkpoint exactly (the consumed step's, while a producer runs ahead),
-and a run — synchronous or generating ahead — trains and resumes to the same metrics."""
+change, whether a carried row's keys and values are kept or prefilled again), rows with tokens older than
+``max_staleness`` steps before the step that trains them start again (with one warning naming the knob), the carry
+survives a checkpoint exactly (the consumed step's, while a producer runs ahead), and a run — synchronous or
+generating ahead, carried rows' pages kept (the default) — trains and resumes to the same metrics."""
 
 from __future__ import annotations
 
@@ -50,17 +51,19 @@ def _generate(partial, engine, model, step: int, batch: PromptBatch, params):
     return partial.generate(engine, batch, params, step=step, seed=step)
 
 
-def _setup(seed: int):
+def _setup(seed: int, keep_kv: bool = False):
     """A tiny model, a paged engine on it, sampling parameters with ragged stops, an empty carry and a generator."""
     model = tiny_model(seed=seed)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=STOPS)
-    partial = PartialRollouts(num_generations=G, groups_per_step=PER_STEP, max_staleness=1, pad_id=0)
+    partial = PartialRollouts(num_generations=G, groups_per_step=PER_STEP, max_staleness=1, pad_id=0,
+                              keep_kv=keep_kv)
     return model, JaxRolloutEngine(model, pad_id=0, kv=PAGED), params, partial, np.random.default_rng(seed)
 
 
-def test_steps_train_on_whole_groups_and_carry_the_rest():
-    model, engine, params, partial, rng = _setup(2)
-    given, continued = [], 0.0
+@pytest.mark.parametrize("keep_kv", [False, True], ids=["recompute", "keep"])
+def test_steps_train_on_whole_groups_and_carry_the_rest(keep_kv):
+    model, engine, params, partial, rng = _setup(2, keep_kv)
+    given, continued, placed = [], 0.0, 0.0
     for step in range(6):
         out = _generate(partial, engine, model, step, _prompts(step, rng), params)
         rollout = out.rollout
@@ -77,10 +80,12 @@ def test_steps_train_on_whole_groups_and_carry_the_rest():
         assert np.abs(rollout.sampling_logprobs - reference)[mask].max() <= 1e-4
         given += out.prompt_batch.indices
         continued += out.metrics["partial/tokens_from_earlier_steps"]
+        placed += out.metrics.get("partial/kept_rows_placed", 0.0)
         carried = [g.prompt.indices[0] for g in partial.carry]
         assert len(carried) == PER_STEP  # one batch's worth of groups always in flight
         assert len(set(given)) == len(given) and set(given) | set(carried) == set(range((step + 2) * PER_STEP))
     assert continued > 0, "some rows should have been continued from an earlier step"
+    assert (placed > 0) == keep_kv, "with keep_kv, carried rows continue from their kept pages (none without)"
 
 
 def test_the_carry_survives_a_checkpoint_and_stale_rows_start_again(caplog):
@@ -150,6 +155,9 @@ def test_a_partial_run_trains_resumes_exactly_and_is_refused_where_it_cannot_run
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert all(np.isfinite(r["loss"]) for r in straight)
     assert sum(r["partial/tokens_from_earlier_steps"] for r in straight) > 0
+    # kept pages placed at steps 2 and 4; step 3's generation follows the checkpoint at 2 and prefills them
+    assert straight[2].get("partial/kept_rows_placed") == 0 and sum(
+        r.get("partial/kept_rows_placed", 0) for r in straight) > 0
     assert all(r["time/compile"] >= 0 for r in straight) and all(0 < r["partial/slot_occupancy"] <= 1
                                                                      for r in straight if "partial/decode_steps" in r)
     # The checkpoint at step 2 is a generation barrier; generation runs one step ahead at the other steps.
@@ -171,6 +179,8 @@ def test_a_partial_run_trains_resumes_exactly_and_is_refused_where_it_cannot_run
             dataclasses.replace(cfg("c"), **change)
     with pytest.raises(ValueError, match=r"rollout\.partial=True.*'ebft_structured' does not train on partial"):
         TrainConfig(algorithm="ebft_structured", rollout=RolloutConfig(partial=True, kv=PAGED))
+    with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.partial_kv='recompute'.*set rollout\.partial=True"):
+        dataclasses.replace(cfg("c"), rollout=dataclasses.replace(rollout, partial=False, partial_kv="recompute"))
 
 
 def test_a_checkpoint_taken_while_the_producer_is_ahead_keeps_the_consumed_steps_carry(tiny_model_dir, tmp_path):

@@ -75,7 +75,8 @@ class GroupSampler:
         self.encode_observation = observation_encoder(self.tokenizer, cfg.env.observation_role)
         self.partial = (PartialRollouts(num_generations=self.group,
                                         groups_per_step=cfg.data.prompts_per_batch,
-                                        max_staleness=cfg.rollout.max_staleness, pad_id=self.pad_id)
+                                        max_staleness=cfg.rollout.max_staleness, pad_id=self.pad_id,
+                                        keep_kv=cfg.rollout.partial_kv == "keep", checkpoint_every=cfg.save_every)
                         if cfg.rollout.partial else None)
 
     def generate(self, engine, prompt_batch, *, step: int,

@@ -1,0 +1,48 @@
+"""Child process of ``test_rollout_mesh.py``: on 2 fake CPU devices, a paged generation continued twice from its kept
+pages, the rows' groups split over both devices (so kept rows move between them), against one generation on one
+device; prints JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+from rollout_testlib import PAD, continue_from_kept, random_prompts, tiny_model
+
+from jrl.rollout import SamplingParams
+from jrl.rollout.jax_engine import row_bucket
+from jrl.rollout.kv_config import KVCacheConfig
+from jrl.rollout.paged import generate_paged, new_groups
+
+
+def main(lengths_json):
+    assert jax.device_count() == 2, jax.devices()
+    prompts = random_prompts(np.random.default_rng(6), json.loads(lengths_json))
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=(5, 9, 17))
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, slots=8)
+    graphdef, state = nnx.split(tiny_model("llama", seed=5))
+    states = [jax.device_put(state, d) for d in jax.devices()]
+    whole = generate_paged(graphdef, states[:1], new_groups(prompts, 3), params, seed=7, kv=kv, pad_id=PAD,
+                           prompt_bucket=8, slot_bucket=row_bucket)
+    kvs = (kv, dataclasses.replace(kv, slots=2), kv)
+    tokens, logprobs, outs = continue_from_kept(graphdef, states, prompts, params, kvs, g=3, needed=(1, 2, 0))
+    moved = 0  # kept rows placed on the other device than the one that kept them
+    for before in outs[:-1]:
+        rest = np.flatnonzero(~before["finished"])
+        for part, rows in enumerate(np.array_split(np.arange(len(rest)), min(2, len(rest)))):
+            for q in rows:
+                row = before["kept"][rest[q]]
+                moved += row is not None and jax.devices()[part] not in row.pages.logits.devices()
+    n = [int(m.sum()) for m in whole["mask"]]
+    print(json.dumps(dict(tokens=tokens, logprobs=logprobs, whole_tokens=[whole["tokens"][r, :k].tolist()
+                                                                          for r, k in enumerate(n)],
+                          whole_logprobs=[whole["logprobs"][r, :k].tolist() for r, k in enumerate(n)],
+                          moved=int(moved), generations=len(outs))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

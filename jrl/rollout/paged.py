@@ -711,8 +711,9 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         while sum(gen.groups_done for gen in gens) < need:
             each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
         decode_s, start = time.perf_counter() - start, time.perf_counter()
-        kept = [row for rows in each(lambda gen: gen.keep(), gens) for row in rows] if keep else None
+        kept = None
         if keep:
+            kept = [row for rows in each(lambda gen: gen.keep(), gens) for row in rows]
             jax.block_until_ready([(row.pages.cache, row.pages.logits) for row in kept if row is not None])
         keep_s = time.perf_counter() - start
     return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,

@@ -54,6 +54,11 @@ class _Row:
         return {"tokens": list(self.tokens), "logprobs": list(self.logprobs), "versions": list(self.versions),
                 "finished": self.finished}
 
+    @classmethod
+    def of_state(cls, state: dict) -> _Row:
+        """The row a checkpoint kept (:meth:`state`), without keys and values."""
+        return cls(tuple(state["tokens"]), tuple(state["logprobs"]), tuple(state["versions"]), state["finished"])
+
 
 @dataclasses.dataclass(frozen=True)
 class _Group:
@@ -189,6 +194,4 @@ class PartialRollouts:
     def load_state(self, state: list[dict]) -> None:
         """Carry the groups of a checkpoint (the producer is not running)."""
         self.carry = self._consumed = tuple(
-            _Group(PromptBatch(**d["prompt"]), tuple(_Row(tuple(r["tokens"]), tuple(r["logprobs"]),
-                                                          tuple(r["versions"]), r["finished"]) for r in d["rows"]))
-            for d in state)
+            _Group(PromptBatch(**d["prompt"]), tuple(_Row.of_state(r) for r in d["rows"])) for d in state)

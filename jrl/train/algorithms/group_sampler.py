@@ -81,10 +81,11 @@ class GroupSampler:
 
     def generate(self, engine, prompt_batch, *, step: int,
                  seed: int) -> RolloutBatch | StreamedRollout | EpisodeRollout | PartialRollout:
-        """The batch's completions (for training step ``step``); with ``scoring.stream_groups``, generated in chunks of that many prompts (chunk
-        ``k`` sampled with a seed derived from ``seed`` and ``k``), each chunk's rewards started once it is out; with
-        ``env.name``, episodes against the environment (:func:`jrl.envs.run_episodes`); with ``rollout.partial``,
-        the first finished groups of those carried and these prompts' (:mod:`jrl.sources.partial`)."""
+        """The batch's completions (for training step ``step``); with ``scoring.stream_groups``, generated in chunks
+        of that many prompts (chunk ``k`` sampled with a seed derived from ``seed`` and ``k``), each chunk's rewards
+        started once it is out; with ``env.name``, episodes against the environment (:func:`jrl.envs.run_episodes`);
+        with ``rollout.partial``, the first finished groups of those carried and these prompts'
+        (:mod:`jrl.sources.partial`)."""
         g = self.group
         if self.partial is not None:
             return self.partial.generate(engine, prompt_batch, self.sampling, step=step, seed=seed)

@@ -13,7 +13,8 @@ against rope + cache write by XLA + the attention kernel (``split``) and the ref
 ``--paged`` times the paged step (``paged_decode_attention_append``: rope, the write to the pool and the attention
 through a page table) on rows of ragged lengths (geometric, mean ``--filled``, at most ``--slots``; pages of
 ``--page-size`` slots in shuffled order, a page table ``--slots`` wide as the sampler's), for each
-``--splits`` (programs per row and KV head) and ``--blocks`` shape; reported besides the bandwidth on the rows' cache.
+``--splits`` (programs per row and KV head) and ``--blocks`` shape; reported besides the bandwidth on the rows'
+cache.
 
     python benchmarks/decode_attention.py --out results.jsonl
     python benchmarks/decode_attention.py --append --out results.jsonl
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_common import bench, env_line, report  # noqa: E402
+from kernels_common import bench, env_line, kernel_profile, report  # noqa: E402
 
 
 def main():
@@ -47,6 +49,8 @@ def main():
     ap.add_argument("--splits", default="1,2,4,8", help="--paged: comma-separated programs per (row, KV head)")
     ap.add_argument("--blocks", default="64:2:2,128:4:2",
                     help="--paged: comma-separated block shapes, each block_k:num_warps:num_stages")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="--paged: also the kernel profile of one call per shape (traces under DIR)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.append:
@@ -93,9 +97,11 @@ def _step_inputs(args, cache_shape: tuple[int, ...]):
     return normal(1, (b, kv * args.group + 2 * kv, d)), caches, jnp.cos(angles), jnp.sin(angles)
 
 
-def _steps(layer, caches, *, steps: int):
-    """``steps`` decode steps of every layer: ``layer(i, k, v) -> (out, k, v)`` on each (K, V) pair of ``caches``
-    (carried through the loop, so updated in place); a scalar of the outputs, so none is dead code."""
+def _steps(layer, state: list, *, steps: int):
+    """A call of ``steps`` decode steps of every layer: ``layer(i, k, v) -> (out, k, v)`` on each (K, V) pair of the
+    caches in ``state[0]``, carried through the loop; each call consumes those caches and puts the updated ones in
+    their place (donated, so they are updated in place as in the sampler, not copied per call), and returns a
+    scalar of the outputs (all of them, so no part of any is dead code)."""
     import jax
     import jax.numpy as jnp
 
@@ -105,15 +111,21 @@ def _steps(layer, caches, *, steps: int):
         for k, v in zip(caches[::2], caches[1::2]):
             o, k, v = layer(i, k, v)
             out += [k, v]
-            total = total + o[0, 0, 0].astype(jnp.float32)
+            total = total + jnp.sum(o, dtype=jnp.float32)
         return out, total
 
-    return jax.lax.fori_loop(0, steps, step, (caches, jnp.zeros((), jnp.float32)))[1]
+    run = jax.jit(lambda caches: jax.lax.fori_loop(0, steps, step, (caches, jnp.zeros((), jnp.float32))),
+                  donate_argnums=0)
+
+    def call():
+        state[0], total = run(state[0])
+        return total
+
+    return call
 
 
 def time_append(args):
     """``--append``: decode steps at slots ``10 + filled ..`` (each allowing its own slot), caches carried."""
-    import jax
     import jax.numpy as jnp
 
     from jrl.kernels.attention import decode_attention, decode_attention_append
@@ -125,6 +137,7 @@ def time_append(args):
         raise SystemExit(f"--slots {s} has no room for {args.steps} steps after {first} filled slots")
     qkv, caches, cos, sin = _step_inputs(args, (b, s, kv, d))
     kv_bytes = 2 * b * (args.filled + args.steps / 2) * kv * d * 2
+    state = [caches]
 
     def split(qkv, cos, sin, k_cache, v_cache, allowed, index, **kw):  # rope and cache write by XLA, then the kernel
         q, k_cache, v_cache = rope_and_write(qkv, cos, sin, k_cache, v_cache, index)
@@ -142,7 +155,7 @@ def time_append(args):
             allowed = jnp.broadcast_to((jnp.arange(s) >= 10) & (jnp.arange(s) <= index), (b, s))
             return call(qkv, cos, sin, k, v, allowed, index)
 
-        t = bench(jax.jit(functools.partial(_steps, layer, steps=args.steps)), caches)
+        t = bench(_steps(layer, state, steps=args.steps))
         per_layer = t["ms"] / args.layers / args.steps
         report(dict(bench="decode_attention_append", impl=impl, **kw, rows=b, slots=s, filled=args.filled,
                     steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
@@ -153,7 +166,6 @@ def time_append(args):
 def time_paged(args):
     """``--paged``: ``--steps`` decode steps over pools carried through a loop (updated in place), each row one slot
     longer per step."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -173,21 +185,25 @@ def time_paged(args):
     kv_bytes = 2 * (float(lengths.sum()) + b * args.steps / 2) * kv * d * 2
     table, lengths = jnp.asarray(table), jnp.asarray(lengths)
     blocks = [tuple(int(x) for x in shape.split(":")) for shape in args.blocks.split(",")]
-    for splits in (int(x) for x in args.splits.split(",")):
-        for bk, w, st in blocks:
-            def layer(i, k, v, splits=splits, bk=bk, w=w, st=st):
-                at = lengths + i
-                return paged_decode_attention_append(
-                    qkv, cos, sin, k, v, table, at + 1, table[jnp.arange(b), at // page], at % page,
-                    scale=d ** -0.5, block_k=bk, splits=splits, num_warps=w, num_stages=st)
+    state = [pools]
+    for splits, (bk, w, st) in itertools.product([int(x) for x in args.splits.split(",")], blocks):
+        def layer(i, k, v, splits=splits, bk=bk, w=w, st=st):
+            at = lengths + i
+            return paged_decode_attention_append(
+                qkv, cos, sin, k, v, table, at + 1, table[jnp.arange(b), at // page], at % page,
+                scale=d ** -0.5, block_k=bk, splits=splits, num_warps=w, num_stages=st)
 
-            t = bench(jax.jit(functools.partial(_steps, layer, steps=args.steps)), pools)
-            per_layer = t["ms"] / args.layers / args.steps
-            report(dict(bench="paged_decode_attention_append", splits=splits, block_k=bk, num_warps=w, num_stages=st,
-                        rows=b, mean_filled=round(float(lengths.mean()), 1), table_slots=width * page, page_size=page,
-                        steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
-                        us_per_layer=round(1e3 * per_layer, 2),
-                        filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2), env=env_line()), args.out)
+        call = _steps(layer, state, steps=args.steps)
+        t = bench(call)
+        per_layer = t["ms"] / args.layers / args.steps
+        profile = (kernel_profile(call, trace_dir=f"{args.profile}/{splits}_{bk}_{w}_{st}", top=8)
+                   if args.profile else None)
+        report(dict(bench="paged_decode_attention_append", splits=splits, block_k=bk, num_warps=w,
+                    num_stages=st, rows=b, mean_filled=round(float(lengths.mean()), 1), table_slots=width * page,
+                    page_size=page, steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
+                    us_per_layer=round(1e3 * per_layer, 2),
+                    filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2),
+                    **({"profile": profile} if profile else {}), env=env_line()), args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import pytest
 
 from jrl.kernels import logprobs
 from jrl.kernels.logprobs import pallas_tpu, reference
-from kernels_testlib import assert_close, rel_err, rng_for, run_script
+from kernels_testlib import assert_close, rel_err, rng_for, run_interpreter_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL_TPU = pallas_tpu.Config(fwd=(8, 128), dh=(8, 128), dw=(16, 128))
@@ -193,9 +193,7 @@ def test_pallas_tpu_interpret_options(request):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                     reason="needs triton and torch (Triton's CPU interpreter runs on torch tensors)")
 def test_triton_kernels_in_interpreter():
-    seed = str(int.from_bytes(os.urandom(2), "little"))
-    res = run_script(os.path.join(HERE, "triton_interpret_logprobs.py"), seed)
-    assert res.returncode == 0, f"seed {seed}\n{res.stdout}\n{res.stderr[-3000:]}"
+    run_interpreter_script(os.path.join(HERE, "triton_interpret_logprobs.py"))
 
 
 # --- dispatch -------------------------------------------------------------------------------

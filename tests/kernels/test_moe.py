@@ -19,7 +19,8 @@ import pytest
 
 from jrl.kernels import moe
 from jrl.kernels.moe import pallas_tpu, reference
-from kernels_testlib import assert_close, group_sizes_cases, np_gmm, np_tgmm, rng_for, run_script
+from kernels_testlib import (assert_close, group_sizes_cases, np_gmm, np_tgmm, rng_for, run_interpreter_script,
+                             run_script)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL_TPU = pallas_tpu.Configs(fwd=(16, 128, 128), dlhs=(8, 128, 128), tgmm=(16, 128, 128))
@@ -158,9 +159,7 @@ def test_unpermute_inverts_permute(request):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                     reason="needs triton and torch (Triton's CPU interpreter runs on torch tensors)")
 def test_triton_kernels_in_interpreter():
-    seed = str(int.from_bytes(os.urandom(2), "little"))
-    res = run_script(os.path.join(HERE, "triton_interpret_moe.py"), seed)
-    assert res.returncode == 0, f"seed {seed}\n{res.stdout}\n{res.stderr[-3000:]}"
+    run_interpreter_script(os.path.join(HERE, "triton_interpret_moe.py"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (compiles for sm_90, no GPU needed)")

@@ -39,7 +39,7 @@ from jrl.models.transformer import freeze_rules, on_mesh, place
 from jrl.rollout.config import SAMPLER_COPY_FRACTION
 from jrl.rollout.base import ROLLOUT_ENGINES, RolloutBatch, SamplingParams, check_generate_args
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import RowGroup, generate_paged, new_groups, rollout_of
+from jrl.rollout.paged import RowGroup, generate_paged, new_groups, power_of_two_at_least, rollout_of
 from jrl.rollout.sampling import Decoding
 from jrl.rollout.strided_sampler import StridedSamples, generate_blocks
 from jrl.sharding.memory import device_bytes, memory_limit
@@ -199,8 +199,7 @@ def row_bucket(rows: int, shards: int = 1) -> int:
     """The row count a generation of ``rows`` rows runs with: the next power of two, and a multiple of the
     batch ``shards``, so a run whose row count varies compiles O(log rows) programs. Decoding is bound by
     reading the weights, so the extra rows cost little (they start stopped)."""
-    bucket = 1 << max(rows - 1, 0).bit_length()
-    return -(-bucket // shards) * shards
+    return -(-power_of_two_at_least(rows) // shards) * shards
 
 
 def _batch_shards(mesh, rules) -> int:

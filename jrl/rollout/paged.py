@@ -93,6 +93,11 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def power_of_two_at_least(count: int) -> int:
+    """``count`` rounded up to a power of two (1 for 0): a bucketed size, so that few shapes compile."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedProgram:
     """Everything static about one compiled decode round (its jit cache key besides the array shapes)."""
@@ -325,7 +330,7 @@ def pool_pages(kv: KVCacheConfig, *, slots: int, prompt_pages: int, prompt_bucke
     if kv.pages:
         return kv.pages
     need = 1 + prompt_bucket_pages + slots * per_row
-    pool = 1 << (need - 1).bit_length()  # a power of two: a run's pools take few sizes (each compiles its programs)
+    pool = power_of_two_at_least(need)  # a run's pools take few sizes (each compiles its programs)
     if free_bytes is not None and page_bytes > 0:
         fits = int(POOL_FREE_FRACTION * free_bytes) // page_bytes
         if fits < pool:  # what is needed where it fits, else a power of two below what fits
@@ -381,9 +386,11 @@ class KeptRow:
         return list(range(first, first + pages_for(self.length, self.pages.page_size)))
 
 
-def _bucket(count: int) -> int:
-    """``count`` rounded up to a power of two (compiled shapes of the page copies)."""
-    return 1 << max(count - 1, 0).bit_length()
+def _bucketed(values, dtype=np.int32) -> np.ndarray:
+    """``values`` padded with zeros to a power-of-two length (the compiled shapes of the page copies)."""
+    out = np.zeros(power_of_two_at_least(len(values)), dtype)
+    out[:len(values)] = values
+    return out
 
 
 @jax.jit
@@ -417,10 +424,10 @@ def _place(cache, rows: list[tuple[KeptRow, list[int]]], *, pool: int,
         store = rows[members[0]][0].pages
         src = [p for j in members for p in rows[j][0].page_ids()]
         dst = [p for j in members for p in rows[j][1]]
-        src_ids, dst_ids = np.zeros(_bucket(len(src)), np.int32), unwritten(_bucket(len(src)), pool)
-        src_ids[:len(src)], dst_ids[:len(dst)] = src, dst
-        index = np.zeros(_bucket(len(members)), np.int32)
-        index[:len(members)] = [rows[j][0].index for j in members]
+        src_ids = _bucketed(src)
+        dst_ids = unwritten(len(src_ids), pool)
+        dst_ids[:len(dst)] = dst
+        index = _bucketed([rows[j][0].index for j in members])
         pages, logits = _take_pages(store.cache, src_ids), _take_rows(store.logits, index)
         if device is not None and device not in store.logits.devices():
             pages, logits = jax.device_put((pages, logits), device)
@@ -650,14 +657,9 @@ class _Generation:
             index.append(in_slot[row] if row in in_slot else seq)
         if not rows:
             return [None] * self.rows
-        ids = np.zeros(_bucket(len(pages)), np.int32)
-        ids[:len(pages)] = pages
-        count = _bucket(len(rows))
-        pad = np.zeros(count - len(rows), np.int32)
-        store = KeptPages(cache=_take_pages(self.cache, ids),
-                          logits=_kept_logits(self.logits, self.prompt_logits,
-                                              np.concatenate([np.array(from_slot, bool), pad.astype(bool)]),
-                                              np.concatenate([np.array(index, np.int32), pad])),
+        store = KeptPages(cache=_take_pages(self.cache, _bucketed(pages)),
+                          logits=_kept_logits(self.logits, self.prompt_logits, _bucketed(from_slot, bool),
+                                              _bucketed(index)),
                           first=tuple(first), lengths=tuple(lengths), page_size=page)
         out: list[KeptRow | None] = [None] * self.rows
         for i, row in enumerate(rows):

@@ -14,7 +14,7 @@ against rope + cache write by XLA + the attention kernel (``split``) and the ref
 through a page table) on rows of ragged lengths (geometric, mean ``--filled``, at most ``--slots``; pages of
 ``--page-size`` slots in shuffled order, a page table ``--slots`` wide as the sampler's), for each
 ``--splits`` (programs per row and KV head) and ``--blocks`` shape; reported besides the bandwidth on the rows'
-cache.
+cache; ``--kv-dtype float8_e4m3fn`` keeps the pools in one byte per value (``rollout.kv.dtype``).
 
     python benchmarks/decode_attention.py --out results.jsonl
     python benchmarks/decode_attention.py --append --out results.jsonl
@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-dtype", default="bfloat16", help="--paged: the pool's dtype (bfloat16 or float8_e4m3fn)")
     ap.add_argument("--splits", default="1,2,4,8", help="--paged: comma-separated programs per (row, KV head)")
     ap.add_argument("--blocks", default="64:2:2,128:4:2",
                     help="--paged: comma-separated block shapes, each block_k:num_warps:num_stages")
@@ -169,6 +170,7 @@ def time_paged(args):
     import jax.numpy as jnp
     import numpy as np
 
+    from jrl.kernels.attention import stored_as
     from jrl.kernels.attention.decode_pallas_gpu import paged_decode_attention_append
 
     b, kv, d, page = args.rows, args.kv_heads, args.head_dim, args.page_size
@@ -182,7 +184,8 @@ def time_paged(args):
         table[r, :z - a] = ids[a:z]
     pool = int(need.sum()) + 1
     qkv, pools, cos, sin = _step_inputs(args, (kv, pool, page, d))
-    kv_bytes = 2 * (float(lengths.sum()) + b * args.steps / 2) * kv * d * 2
+    pools = [stored_as(p, args.kv_dtype) for p in pools]
+    kv_bytes = 2 * (float(lengths.sum()) + b * args.steps / 2) * kv * d * jnp.dtype(args.kv_dtype).itemsize
     table, lengths = jnp.asarray(table), jnp.asarray(lengths)
     blocks = [tuple(int(x) for x in shape.split(":")) for shape in args.blocks.split(",")]
     state = [pools]
@@ -199,7 +202,7 @@ def time_paged(args):
         profile = (kernel_profile(call, trace_dir=f"{args.profile}/{splits}_{bk}_{w}_{st}", top=8)
                    if args.profile else None)
         report(dict(bench="paged_decode_attention_append", splits=splits, block_k=bk, num_warps=w,
-                    num_stages=st, rows=b, mean_filled=round(float(lengths.mean()), 1), table_slots=width * page,
+                    num_stages=st, kv_dtype=args.kv_dtype, rows=b, mean_filled=round(float(lengths.mean()), 1), table_slots=width * page,
                     page_size=page, steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
                     us_per_layer=round(1e3 * per_layer, 2),
                     filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2),

@@ -8,7 +8,7 @@
 #        trl (TRL's GRPOTrainer, one GPU),
 #        packed_saveprobs (packed, the log-prob kernel keeping probabilities for its backward),
 #        paged_packed / partial_packed (paged / partial with --optim.packing),
-#        paged (one GPU, --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS}, every row in a slot), partial (paged + --rollout.partial), shared,
+#        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
 #        shared_packed / shared_paged (all GPUs, --optim.packing / paged), shared_micro_sync (shared, gradients reduced every
 #        micro-batch: --optim.grad-sync micro_batch), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices
 #        $ROLLOUT_DEVICES, prefetch 1), split_paged_packed / split_partial_packed (split, paged + packing / + partial)
@@ -20,6 +20,7 @@
 #      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1),
 #      PARTIAL_KV (--rollout.partial-kv of the partial cases: keep, the default, or recompute),
 #      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's),
+#      KV_DTYPE (--rollout.kv.dtype of the paged and partial cases: model, the default, or float8_e4m3fn),
 #      ROLLOUT_DEVICES (2: the devices that only generate in the split cases)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
@@ -36,6 +37,7 @@ R="run --work $WORK --steps ${STEPS:-3} --prompts-per-device ${PROMPTS:-32} --mi
 R="$R --out $OUT/e2e.jsonl${CACHE:+ --compile-cache $CACHE}"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 RD=${ROLLOUT_DEVICES:-2}
+PAGED="--rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ${KV_DTYPE:+--rollout.kv.dtype $KV_DTYPE}"
 for case in "$@"; do
   start=$(date +%s)
   case $case in
@@ -44,26 +46,24 @@ for case in "$@"; do
     packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing ;;
     packed_saveprobs) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing \
       --logprobs-impl triton_saveprobs ;;
-    paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} --optim.packing ;;
-    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
+    paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED --optim.packing ;;
+    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED \
       --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     shared_lora) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --lora ;;
-    paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
-    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} \
+    paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED ;;
+    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED \
       --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
     shared_micro_sync) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.grad-sync micro_batch ;;
     shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.packing ;;
-    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ;;
+    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- $PAGED ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD ;;
-    split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- --rollout.kv.layout paged \
-      ${SLOTS:+--rollout.kv.slots $SLOTS} --optim.packing ;;
-    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- --rollout.kv.layout paged \
-      ${SLOTS:+--rollout.kv.slots $SLOTS} --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} \
+    split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --optim.packing ;;
+    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} \
       ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     *) echo "unknown case $case" ;;
   esac > "$LOGS/$case.log" 2>&1

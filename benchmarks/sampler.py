@@ -63,7 +63,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
     knobs = ("page_size", "round_steps", "tail_slots")
-    kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages,
+    kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages, dtype=args.kv_dtype,
                        **{k: getattr(args, k) for k in knobs if getattr(args, k) is not None})
     for k in knobs:  # as run (the config's defaults where unset)
         setattr(args, k, getattr(kv, k))
@@ -123,11 +123,12 @@ def paged_memory(stats: dict, cfg, args) -> dict:
     """KV bytes of the dense layout and of the paged pool for this generation, and what the rows held at most
     (from a paged generation's counts)."""
     from jrl.rollout.jax_engine import row_bucket
+    from jrl.rollout.kv_config import KVCacheConfig
 
-    slot_bytes = cfg.kv_bytes_per_token()
-    page_bytes = slot_bytes * args.page_size
+    page_bytes = cfg.kv_bytes_per_token(KVCacheConfig(dtype=args.kv_dtype).pool_dtype(cfg.dtype)) * args.page_size
     gib = 2 ** 30
-    return dict(dense_kv_gib=round(row_bucket(args.rows) * (args.prompt + args.new) * slot_bytes / gib, 3),
+    dense_bytes = row_bucket(args.rows) * (args.prompt + args.new) * cfg.kv_bytes_per_token()
+    return dict(dense_kv_gib=round(dense_bytes / gib, 3),
                 pool_kv_gib=round(stats["pool"] * page_bytes / gib, 3),
                 peak_kv_gib=round((stats["peak_pages"] + stats["prompt_pages"]) * page_bytes / gib, 3),
                 preempted=stats["preempted"], rounds=stats["rounds"], shrinks=stats["shrinks"])
@@ -174,6 +175,7 @@ def main():
                     help="rollout.kv.tail_slots (paged; 0 = never shrink; default: the config's)")
     ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
     ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
+    ap.add_argument("--kv-dtype", default="model", help="rollout.kv.dtype (paged: model or float8_e4m3fn)")
     ap.add_argument("--carried", type=int, default=0,
                     help="paged: rows that continue earlier tokens besides --rows new ones (a partial rollout's carry)")
     ap.add_argument("--carried-mean", type=int, default=2500, help="mean length of the carried rows' earlier tokens")
@@ -217,7 +219,7 @@ def main():
                 new=args.new, generations=args.generations, carried=args.carried, groups_needed=args.groups_needed,
                 lora=args.lora, stop_fraction=args.stop_fraction,
                 kv=args.kv, **(dict(page_size=args.page_size, round_steps=args.round_steps, tail_slots=args.tail_slots,
-                                    slots=args.slots, pages=args.pages, **args.paged_stats)
+                                    slots=args.slots, pages=args.pages, kv_dtype=args.kv_dtype, **args.paged_stats)
                                if args.kv == "paged" else {}),
                 mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),

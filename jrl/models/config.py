@@ -315,9 +315,11 @@ class ModelConfig:
         """Whether decoder layer ``layer`` uses the MoE block (the family's rule)."""
         return self.is_moe and self.family.moe_layer(self, layer)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of one token's keys and values over all layers, in the compute dtype (what a KV cache holds)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * np.dtype(self.dtype).itemsize
+    def kv_bytes_per_token(self, dtype=None) -> int:
+        """Bytes of one token's keys and values over all layers, in ``dtype`` (default: the compute dtype, what a
+        dense KV cache holds)."""
+        itemsize = np.dtype(self.dtype if dtype is None else dtype).itemsize
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
 
     def num_params(self) -> int:
         """Parameter count (the exported tensors; tied embeddings counted once)."""

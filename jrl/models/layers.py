@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jrl.kernels.attention import (AttentionMask, attention, decode_attention, decode_attention_append,
-                                  paged_decode_attention_append)
+                                  paged_decode_attention_append, stored_as)
 from jrl.kernels.attention.mask import segment_starts
 from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.attention.rope import apply_rope
@@ -206,6 +206,11 @@ class PagedKV:
 
     k: jax.Array
     v: jax.Array
+
+    def as_stored(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values as this pool stores them: in its dtype, a float8 pool's clipped to the type's range
+        (:func:`jrl.kernels.attention.stored_as`)."""
+        return stored_as(k, self.k.dtype), stored_as(v, self.v.dtype)
 
 
 @jax.tree_util.register_dataclass

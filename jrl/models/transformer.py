@@ -371,11 +371,13 @@ class Transformer(nnx.Module):
             new_cache.append(layer_cache)
         return self.final_norm(x), tuple(new_cache)
 
-    def init_pages(self, num_pages: int, page_size: int) -> tuple[PagedKV, ...]:
-        """An empty (zero) paged KV cache: a pool of ``num_pages`` pages of ``page_size`` slots per layer."""
+    def init_pages(self, num_pages: int, page_size: int, dtype=None) -> tuple[PagedKV, ...]:
+        """An empty (zero) paged KV cache: a pool of ``num_pages`` pages of ``page_size`` slots per layer, in
+        ``dtype`` (default: the compute dtype)."""
         c = self.config
         shape = (c.num_key_value_heads, num_pages, page_size, c.head_dim)
-        return tuple(PagedKV(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
+        dtype = c.dtype if dtype is None else dtype
+        return tuple(PagedKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                      for _ in range(c.num_hidden_layers))
 
     def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: tuple[PagedKV, ...],

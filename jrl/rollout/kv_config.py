@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jrl.validation import check_int, invalid
 
 KV_LAYOUTS = ("dense", "paged")
+KV_DTYPES = ("model", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +44,23 @@ class KVCacheConfig:
     it; a power of two of pages). Fewer saves memory: when a growing row finds no free page, the row admitted last
     gives its pages back and starts again later (its tokens come out the same: each row samples from a key of its
     own). Too few for one whole row is an error that names the minimum."""
+    dtype: str = "model"
+    """Element type of the pool's keys and values (``paged``): ``model`` (the sampler's compute dtype) or
+    ``float8_e4m3fn``: one byte each, half a bfloat16 pool's memory and half the bytes a decode step's attention reads;
+    each key and value is rounded to 3 mantissa bits (and clipped to +-448), so the sampler's log-probs move a little
+    away from the learner's (the per-token importance ratio of the loss sees the difference). On a GPU the fused
+    decode kernel reads it (on an H200 at the speed of a bfloat16 pool, not faster: it widens each block in registers;
+    benchmarks/RESULTS.md); elsewhere the reference attention does."""
+
+    def pool_dtype(self, model_dtype) -> jnp.dtype:
+        """The pool's element type for a model computing in ``model_dtype``."""
+        return jnp.dtype(model_dtype if self.dtype == "model" else self.dtype)
 
     def __post_init__(self):
         if self.layout not in KV_LAYOUTS:
             raise invalid("KVCacheConfig", "layout", self.layout, f"use one of {KV_LAYOUTS}")
+        if self.dtype not in KV_DTYPES:
+            raise invalid("KVCacheConfig", "dtype", self.dtype, f"use one of {KV_DTYPES}")
         check_int(self, "page_size", lo=1)
         check_int(self, "round_steps", lo=1)
         check_int(self, "slots", lo=0, fix="use 0 (every row at once) or a slot count")

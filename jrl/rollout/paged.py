@@ -111,9 +111,9 @@ class PagedProgram:
 PREFILL_TOKENS = 32768
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size"))
-def _empty_pool(graphdef, state, *, pool: int, page_size: int) -> tuple[PagedKV, ...]:
-    return nnx.merge(graphdef, state).init_pages(pool, page_size)
+@functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size", "dtype"))
+def _empty_pool(graphdef, state, *, pool: int, page_size: int, dtype) -> tuple[PagedKV, ...]:
+    return nnx.merge(graphdef, state).init_pages(pool, page_size, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"), donate_argnames=("cache",))
@@ -133,8 +133,8 @@ def _prefill(graphdef, state, cache, ids: jax.Array, mask: jax.Array, page_ids: 
         return x.reshape(p, length // page_size, page_size, k, d).transpose(3, 0, 1, 2, 4).reshape(
             k, -1, page_size, d)
 
-    pages = tuple(PagedKV(_set_pages(c.k, flat, paged(d.k)), _set_pages(c.v, flat, paged(d.v)))
-                  for c, d in zip(cache, dense, strict=True))
+    stored = [c.as_stored(paged(d.k), paged(d.v)) for c, d in zip(cache, dense, strict=True)]
+    pages = tuple(PagedKV(_set_pages(c.k, flat, k), _set_pages(c.v, flat, v)) for c, (k, v) in zip(cache, stored))
     return pages, logits
 
 
@@ -506,7 +506,8 @@ class _Generation:
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
         self.graphdef, self.state = nnx.split(view)
         self.device = _device(self.state)
-        page_bytes = view.config.kv_bytes_per_token() * page
+        pool_dtype = kv.pool_dtype(view.config.dtype)
+        page_bytes = view.config.kv_bytes_per_token(pool_dtype) * page
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
                                prompt_bucket_pages=sum(count * (w // page) for w, _, count in buckets)
                                + sum(pages_for(self.lengths[i], page) for i in placed),
@@ -515,7 +516,7 @@ class _Generation:
         starts = np.cumsum([1] + [pages_for(n, page) for n in self.lengths])  # prompt pages from page 1 on, in order
         self.prompt_pages = [list(range(a, b)) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
         free = list(range(int(starts[-1]), self.pool))
-        self.cache = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page)
+        self.cache = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page, dtype=pool_dtype)
         logits, offset = [], 0
         at = np.zeros(slot_bucket(len(sequences)), np.int32)  # sequence -> its row of the buckets' logits
         for width, idx, count in buckets:
@@ -645,7 +646,9 @@ class _Generation:
             length = self.lengths[seq] + (len(self.tokens[row]) if row in in_slot else 0)
             if row in in_slot:
                 slot = in_slot[row]
-                assert int(sched.lengths[slot]) == length, (row, int(sched.lengths[slot]), length)
+                if int(sched.lengths[slot]) != length:  # kept pages must hold exactly the row's tokens
+                    raise RuntimeError(f"paged sampler bookkeeping: row {row}'s slot holds {int(sched.lengths[slot])} "
+                                       f"slots, its prompt and tokens {length}")
                 ids = sched.page_table[slot, :pages_for(length, page)].tolist()
             else:
                 ids = self.prompt_pages[seq]

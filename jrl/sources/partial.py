@@ -32,6 +32,7 @@ import logging
 from jrl.data.pipeline import PromptBatch
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.rollout.paged import KeptRow, RowGroup, rollout_of, row_arrays, slot_occupancy
+from jrl.sources.prefetch import is_checkpoint_step
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class PartialRollouts:
         carried_tokens = sum(len(r.tokens) for g in groups for r in g.rows)
         ready = sum(g.finished for g in groups)
         # After a checkpoint step the rows are prefilled again, as a run resumed from that checkpoint does.
-        placed = self.keep_kv and not (self.checkpoint_every and step % self.checkpoint_every == 0)
+        placed = self.keep_kv and not is_checkpoint_step(step, self.checkpoint_every)
         decoded = {}
         if ready < self.per_step:
             groups, decoded = self._decode(engine, groups, params, seed=seed, version=version,

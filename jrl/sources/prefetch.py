@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 
 
+def is_checkpoint_step(step: int, every: int) -> bool:
+    """Whether a run that checkpoints every ``every`` steps (0: never, but at its end) writes one after ``step``."""
+    return every > 0 and step % every == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSchedule:
     """When the rollout engine gets new weights and which version generates each batch (module docstring)."""
@@ -74,7 +79,7 @@ class RolloutSchedule:
     def is_sync_step(self, version: int) -> bool:
         """Whether the trainer syncs the engine after the step that makes ``version``."""
         return (version == self.start or version % self.sync_interval == 0
-                or (self.checkpoint_every > 0 and version % self.checkpoint_every == 0))
+                or is_checkpoint_step(version, self.checkpoint_every))
 
     def generating_version(self, index: int) -> int:
         """The policy version the engine holds when it generates rollout batch ``index`` (>= start)."""

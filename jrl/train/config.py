@@ -269,7 +269,7 @@ class TrainConfig(Generic[AlgoConfigT]):
         reject_unused(self, engine.ignores, f"rollout.backend={self.rollout.backend!r}")
         if self.rollout.kv.layout == "dense":
             reject_unused(self, ("rollout.kv.page_size", "rollout.kv.round_steps", "rollout.kv.slots",
-                                 "rollout.kv.tail_slots", "rollout.kv.pages"),
+                                 "rollout.kv.tail_slots", "rollout.kv.pages", "rollout.kv.dtype"),
                           "rollout.kv.layout='dense'", "set rollout.kv.layout='paged'")
         missing = sorted(algorithm.engine_needs - engine.capabilities)
         if missing:

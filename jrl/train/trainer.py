@@ -66,6 +66,7 @@ from jrl.rewards.functions import best_total, load_reward_functions
 from jrl.train.policy_loading import load_policy
 from jrl.train.preemption import stop_requests
 from jrl.train.watchdog import StepWatchdog
+from jrl.sources.prefetch import is_checkpoint_step
 from jrl.sources.rollout import RolloutSource, make_rollout_engine
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class Trainer:
                     bar.set_postfix(algorithm.progress_postfix(metrics))
                     if self.step % cfg.log_every == 0:
                         logger.info("step %d: %s loss %.5f", self.step, algorithm.log_summary(metrics), metrics["loss"])
-                    if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    if is_checkpoint_step(self.step, cfg.save_every) and self.step < cfg.max_steps:
                         self.save()
                     stopping = any_process(stop.signal is not None)  # every process stops after the same step
                 if self.checkpointer.latest_step() != self.step:

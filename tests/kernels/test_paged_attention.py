@@ -4,7 +4,7 @@ multi-head. The reference is checked against :func:`decode_attention` over the d
 from; ``pallas_gpu`` (JAX's Pallas paged attention) against the reference, in interpret mode on CPU and compiled
 on a GPU (``-m gpu``); ``pallas_tpu`` (bfloat16 only) in Pallas TPU interpret mode. The step with its rope and
 page write (``paged_decode_attention_append``): the fused ``pallas_gpu`` kernel against rope, write and reference
-attention in plain JAX, output and both pools."""
+attention in plain JAX, output and both pools, on pools of the queries' dtype and on float8 pools."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.kernels.attention import decode_attention, paged_decode_attention, paged_decode_attention_append
+from jrl.kernels.attention import (decode_attention, paged_decode_attention, paged_decode_attention_append,
+                                   stored_as)
 from kernels_testlib import assert_close, assert_step_close, lower_for, rng_for
 
 
@@ -144,6 +145,54 @@ def test_paged_append_kernel_matches_rope_write_and_reference_attention(request,
                                        f"block_k={block_k}")
 
 
+F8 = jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_a_float8_pool_is_widened_on_read_and_clipped_on_write(request, dtype, splits):
+    """A float8 pool (``rollout.kv.dtype``): the reference reads it as the same pool widened to float16 under float16
+    queries (the output in the queries' dtype), stores the step's keys and values clipped to the type's range (values
+    of 1000 become 448, not NaN), and the fused kernel (interpret mode) matches it: the output to float16's tolerance
+    (bfloat16's under bfloat16 queries), the values exactly, the keys to one float8 rounding where rope's float32
+    arithmetic rounds differently."""
+    qkv, cos, sin, kp, vp, table, lengths, page, offset = _append_inputs(rng_for(request), 6, 9, 16, 2, 4, 32, dtype)
+    kv = kp.shape[0]
+    qkv = qkv.at[:, -kv:, :3].set(1000.0)  # the step's values past float8's range
+    kp8, vp8 = stored_as((kp * 30).at[:, :, 0, 0].set(-1000.0), F8), stored_as(vp, F8)  # keys of ~30, some past it
+    assert kp8.dtype == F8 and float(jnp.max(jnp.abs(kp8.astype(jnp.float32)))) == 448.0
+    q = qkv[:, :-2 * kv]
+    f16 = jnp.float16
+    widened = paged_decode_attention(q.astype(f16), kp8.astype(f16), vp8.astype(f16), table, lengths,
+                                     impl="reference")
+    assert np.array_equal(np.asarray(paged_decode_attention(q, kp8, vp8, table, lengths, impl="reference")),
+                          np.asarray(widened.astype(dtype)))
+    ref = paged_decode_attention_append(qkv, cos, sin, kp8, vp8, table, lengths, page, offset, impl="reference")
+    written = np.asarray(ref[2][:, np.asarray(page), np.asarray(offset)], np.float32)  # [K, B, D]
+    assert ref[0].dtype == dtype and ref[1].dtype == ref[2].dtype == F8
+    assert (written[..., :3] == 448.0).all() and np.isfinite(np.asarray(ref[1], np.float32)).all()
+    out = paged_decode_attention_append(qkv, cos, sin, kp8, vp8, table, lengths, page, offset, impl="pallas_gpu",
+                                        interpret=True, splits=splits)
+    assert all(o.dtype == r.dtype for o, r in zip(out, ref)) and np.isfinite(np.asarray(out[0], np.float32)).all()
+    # Both read in float16: the tolerance of the coarser of float16 and the queries' dtype.
+    assert_close(out[0][:-1], ref[0][:-1], dtype, f"float8 pool, splits={splits}: output",
+                 tol=1e-2 if dtype == jnp.bfloat16 else 1e-3)
+    assert_close(out[1], ref[1], jnp.bfloat16, f"float8 pool, splits={splits}: keys", tol=2e-2)
+    assert_close(out[2], ref[2], dtype, f"float8 pool, splits={splits}: values", tol=0.0)
+
+
+def test_jaxs_paged_kernels_refuse_a_float8_pool_and_auto_reads_it_on_the_reference(request, monkeypatch):
+    from jrl.kernels import _dispatch
+
+    q, _, _, kp, vp, table, lengths = _paged(rng_for(request), 4, 3, 16, 2, 2, 16, jnp.bfloat16)
+    kp8, vp8 = stored_as(kp, F8), stored_as(vp, F8)
+    with pytest.raises(Exception, match=r"pallas_gpu.*float8_e4m3fn pool under bfloat16 queries"):
+        paged_decode_attention(q, kp8, vp8, table, lengths, impl="pallas_gpu", interpret=True)
+    ref = paged_decode_attention(q, kp8, vp8, table, lengths, impl="reference")
+    monkeypatch.setattr(_dispatch, "backend", lambda: "gpu")
+    assert np.array_equal(np.asarray(paged_decode_attention(q, kp8, vp8, table, lengths)), np.asarray(ref))
+
+
 def test_long_tables_split_each_row_over_several_programs():
     from jrl.kernels.attention.decode_pallas_gpu import split_count
 
@@ -227,6 +276,20 @@ def test_gpu_paged_append_kernel_matches_reference(request, m, splits):
     assert_step_close(paged_decode_attention_append(*inputs, impl="pallas_gpu", splits=splits),
                       paged_decode_attention_append(*inputs, impl="reference"), jnp.bfloat16,
                       f"compiled paged append, {m} pages per row, splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 4])
+def test_gpu_paged_append_kernel_on_a_float8_pool_matches_reference(request, splits):
+    qkv, cos, sin, kp, vp, table, lengths, page, offset = _append_inputs(rng_for(request), 16, 64, 16, 8, 4, 64,
+                                                                         jnp.bfloat16)
+    inputs = (qkv, cos, sin, stored_as(kp, F8), stored_as(vp, F8), table, lengths, page, offset)
+    out = paged_decode_attention_append(*inputs, impl="pallas_gpu", splits=splits)
+    ref = paged_decode_attention_append(*inputs, impl="reference")
+    assert all(o.dtype == r.dtype for o, r in zip(out, ref)) and out[1].dtype == F8
+    assert_close(out[0][:-1], ref[0][:-1], jnp.bfloat16, f"compiled, float8 pool, splits={splits}: output")
+    assert_close(out[1], ref[1], jnp.bfloat16, f"compiled, float8 pool, splits={splits}: keys", tol=2e-2)
+    assert_close(out[2], ref[2], jnp.bfloat16, f"compiled, float8 pool, splits={splits}: values", tol=0.0)
 
 
 @pytest.mark.gpu

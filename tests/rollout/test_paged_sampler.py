@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
 import numpy as np
 import pytest
 from rollout_testlib import (PAD, continue_from_kept, full_forward_logprobs, greedy_by_full_forward, random_prompts,
@@ -179,6 +180,29 @@ def test_paged_errors_name_the_knob():
         engine.start_session(prompts, params, num_generations=1, seed=0)
     with pytest.raises(ValueError, match=r"KVCacheConfig\.layout"):
         KVCacheConfig(layout="blocked")
+    with pytest.raises(ValueError, match=r"KVCacheConfig\.dtype.*float8_e4m3fn"):
+        KVCacheConfig(layout="paged", dtype="int4")
+
+
+def test_a_float8_pool_holds_one_byte_per_value_and_samples_near_the_model(monkeypatch):
+    """``rollout.kv.dtype = float8_e4m3fn``: the pool (every layer's keys and values) is float8, and the sampled
+    log-probs stay near a full forward of the model over the same tokens (the keys and values it reads are rounded to
+    3 mantissa bits: near, not equal, where a pool of the model's dtype agrees to 1e-4 above)."""
+    from jrl.rollout import paged
+
+    pools = []
+    real = paged._empty_pool
+    monkeypatch.setattr(paged, "_empty_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(4), LENGTHS)
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=4, dtype="float8_e4m3fn")
+    batch = _batch(model, prompts, params, kv)
+    assert pools and {leaf.dtype.name for pool in pools for leaf in jax.tree.leaves(pool)} == {"float8_e4m3fn"}
+    mask = batch.completion_mask.astype(bool)
+    gap = np.abs(batch.sampling_logprobs - full_forward_logprobs(model, batch, 0.7))[mask]
+    assert mask.sum() > 50 and np.isfinite(gap).all()
+    assert 1e-3 < gap.mean() < 0.3 and gap.max() < 3.0, (gap.mean(), gap.max())
 
 
 def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would_have():

@@ -40,6 +40,10 @@ per row):
 kernel (`pallas_gpu`: rope, the write to the reserved page slot and the attention, as :func:`decode_attention_append`
 does for a contiguous cache); elsewhere, and for calls the kernel refuses, the rope and the write in plain JAX and
 the attention through :func:`paged_decode_attention` under the same ``impl``.
+
+A pool may be narrower than the queries (float8 keys and values, half a bfloat16 pool's bytes): the fused kernel and
+the reference widen each block as they read it; JAX's kernels (`pallas_gpu` and `pallas_tpu` above) take a pool of
+the queries' dtype only, so such calls fall back to the reference.
 """
 
 from __future__ import annotations
@@ -219,8 +223,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       **kwargs: implementation options (``interpret=`` for the Pallas kernels).
 
     Returns:
-      [B, N, D] in v's dtype; scores and softmax in float32. The output of a row of length 0 is unspecified
-      (finite).
+      [B, N, D] in q's dtype; scores and softmax in float32 (a float8 pool read in float16, the queries too:
+      :func:`jrl.kernels.attention.paged_reference.read_dtype`).
+      The output of a row of length 0 is unspecified (finite).
     """
     b, n, d = q.shape
     if (k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.shape[3] != d or n % k_pages.shape[0]
@@ -265,7 +270,8 @@ def paged_decode_attention_append(qkv: jax.Array, cos: jax.Array, sin: jax.Array
       scale, window, kwargs: as :func:`paged_decode_attention`.
 
     Returns:
-      (output [B, N, D] in the pool's dtype, k_pages, v_pages with the step's keys and values written).
+      (output [B, N, D] in qkv's dtype, k_pages, v_pages with the step's keys and values written in the pool's
+      dtype, a float8 pool's clipped to its finite range: :func:`jrl.kernels.attention.paged_reference.stored_as`).
     """
     kv = k_pages.shape[0] if k_pages.ndim == 4 else 0
     b, n = qkv.shape[0], (qkv.shape[1] - 2 * kv if qkv.ndim == 3 else 0)

@@ -15,7 +15,7 @@ XLA kernels for rope and the cache writes before the attention.
 :func:`paged_decode_attention_append` is that step over a paged cache (a pool of fixed-size pages, a page table per
 row): each block's slots are gathered through the row's table in one load (the pool seen as rows of a head's
 pages one after another) and the step's key and value are written to the page and offset the caller reserved for
-them.
+them. The pool may be narrower than the queries (float8 keys and values): blocks are widened as they are loaded.
 
 Off GPU all three run in Pallas interpret mode (tests compare them with :mod:`.reference` and
 :mod:`.paged_reference`).
@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jrl.kernels.attention.paged_reference import read_dtype, stored_as
 
 _MIN_ROWS = 16
 """Triton's matrix product needs at least 16 rows: a program loads 16 query rows from its KV head's first
@@ -82,19 +84,19 @@ def _cache_blocks(k_ref, v_ref, allowed_ref, block_k: int):
     return load, lambda j, m: plgpu.load(allowed_ref.at[window(j)], mask=m, other=0) != 0
 
 
-def _page_blocks(k_ref, v_ref, table_ref, page_size: int, block_k: int):
+def _page_blocks(k_ref, v_ref, table_ref, page_size: int, block_k: int, dtype):
     """Block loaders of a paged cache: k_ref / v_ref [P x page_size, D] (one KV head's pool, its pages one after
     another), table_ref [M] (the row's pages in order, padded with the scratch page to whole blocks); every slot in
-    range is allowed. A block's ``block_k`` slots are gathered row by row (slot t of the row is row
-    ``table[t // page_size] x page_size + t % page_size`` of the pool), so a block may span several pages or part
-    of one and the loads need no reshape. Slots out of range are read (the table's padding points at a real page)
-    and get no weight."""
+    range is allowed; blocks are read in ``dtype`` (:func:`read_dtype`). A block's ``block_k`` slots are gathered row
+    by row (slot t of the row is row ``table[t // page_size] x page_size + t % page_size`` of the pool), so a block
+    may span several pages or part of one and the loads need no reshape. Slots out of range are read (the table's
+    padding points at a real page) and get no weight."""
     offsets = jnp.arange(block_k)
 
     def load(j, m):
         slot = j * block_k + offsets
         rows = table_ref[slot // page_size] * page_size + slot % page_size
-        return k_ref[rows, :], v_ref[rows, :]
+        return k_ref[rows, :].astype(dtype), v_ref[rows, :].astype(dtype)
 
     return load, lambda j, m: m
 
@@ -171,9 +173,10 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
                  plgpu.load(qkv_ref.at[head_rows, partner], mask=row_ok, other=0.0), cos, sin, dtype)
     key = n + pl.program_id(1)
     k_at, v_at = new_slot(False), new_slot(True)
-    k_new = _rotated(qkv_ref[pl.ds(key, 1), :], qkv_ref[key + jnp.zeros_like(partner), partner], cos, sin,
-                     dtype).astype(k_at.dtype)  # [1, D]
-    v_new = qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :].astype(v_at.dtype)  # [1, D]
+    k_new = stored_as(_rotated(qkv_ref[pl.ds(key, 1), :], qkv_ref[key + jnp.zeros_like(partner), partner], cos, sin,
+                               dtype), k_at.dtype)  # [1, D], as the cache keeps it
+    v_new = stored_as(qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :], v_at.dtype)  # [1, D]
+    q = q.astype(read_dtype(dtype, k_at.dtype))
     acc, m, l = _attend_blocks(q, blocks, lo, hi, scale=scale, block_k=block_k)
     f32 = jnp.float32
     s = jnp.sum(q.astype(f32) * k_new.astype(f32), axis=1)
@@ -181,7 +184,7 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp(m - m_new)
     p = jnp.where(new_ok, jnp.exp(s - m_new), 0.0)
-    p_rounded = p.astype(v_new.dtype).astype(f32)  # as the loop's probabilities before their product with V
+    p_rounded = p.astype(q.dtype).astype(f32)  # as the loop's probabilities before their product with V
     acc = acc * alpha[:, None] + p_rounded[:, None] * v_new.astype(f32)
     store(heads, row_ok, acc, m_new, l * alpha + p)
     plgpu.store(k_at, k_new)
@@ -224,8 +227,8 @@ def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref
         split = pl.program_id(2)
         per = pl.cdiv(pl.cdiv(filled, block_k), splits) * block_k
         lo, hi, first, store = split * per, jnp.minimum((split + 1) * per, filled), split == 0, _parts_into(*outs)
-    _step_with_new_token(qkv_ref, cos_ref, sin_ref, outs[0].shape[0],
-                         _page_blocks(k_ref, v_ref, table_ref, page_size, block_k), lo, hi, first, new_slot, store,
+    blocks = _page_blocks(k_ref, v_ref, table_ref, page_size, block_k, read_dtype(qkv_ref.dtype, k_ref.dtype))
+    _step_with_new_token(qkv_ref, cos_ref, sin_ref, outs[0].shape[0], blocks, lo, hi, first, new_slot, store,
                          scale=scale, block_k=block_k, group=group)
 
 
@@ -329,17 +332,28 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))
 
 
+def paged_blocks(pool_dtype) -> tuple[int, int]:
+    """The paged kernel's default (``block_k``, ``num_warps``) for a pool of ``pool_dtype``: 64 slots and 2 warps
+    (fastest on an H100 and an H200 for bfloat16 pools, ``benchmarks/decode_attention.py --paged``), 128 slots and 4
+    warps for a float8 pool (its blocks are widened in registers, which takes more of them per program; on an H200,
+    512 long-tailed rows: 605 us per layer against 735 at 64 slots and 2 warps; benchmarks/RESULTS.md)."""
+    return (128, 4) if jnp.dtype(pool_dtype).itemsize == 1 else (64, 2)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "num_warps", "num_stages", "interpret"))
 def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, lengths, page, offset, *,
-                                  scale: float, block_k: int = 64, splits: int | None = None, num_warps: int = 2,
-                                  num_stages: int = 2, interpret: bool | None = None):
+                                  scale: float, block_k: int | None = None, splits: int | None = None,
+                                  num_warps: int | None = None, num_stages: int = 2, interpret: bool | None = None):
     """See :func:`jrl.kernels.attention.api.paged_decode_attention_append`: the step's rope, its write to the
     pool and the attention over the row's pages in one kernel (inside a jitted decoding loop the pools are updated
     in place). One program per (row, KV head, split); a block is ``block_k`` slots gathered through the table (any
     power-of-two page size: small pages do not make small matrix products). ``splits`` (None: from the
     table's width, :func:`split_count`) divides each row's blocks over that many programs, whose parts are combined
     after the kernel: a long row is read by several programs at once (the few long rows a long-tailed generation
-    ends with would otherwise be read one block after another by one program per head)."""
+    ends with would otherwise be read one block after another by one program per head). ``block_k`` and
+    ``num_warps`` default to :func:`paged_blocks`."""
+    default_block, default_warps = paged_blocks(k_pages.dtype)
+    block_k, num_warps = block_k or default_block, num_warps or default_warps
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
     per_block = max(block_k // page_size, 1)  # the table padded to whole blocks
@@ -351,7 +365,7 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     pages = pl.BlockSpec((None, pool * page_size, d), lambda i, h, s: (h, 0, 0))
     if splits == 1:
         out_specs = [pl.BlockSpec((None, n, d), lambda i, h, s: (i, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, n, d), v_pages.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((b, n, d), qkv.dtype)]
     else:
         out_specs = [pl.BlockSpec((None, None, n, d), lambda i, h, s: (i, s, 0, 0))] + 2 * [
             pl.BlockSpec((None, None, n), lambda i, h, s: (i, s, 0))]
@@ -371,7 +385,7 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
         input_output_aliases={5: len(out_shape), 6: len(out_shape) + 1},
         name="jrl_paged_decode_attention_append", **_params(num_warps, num_stages, interpret),
     )(bounds, page_table, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), flat, v_pages.reshape(flat.shape))
-    out = outs[0] if splits == 1 else _combine_splits(*outs, v_pages.dtype)
+    out = outs[0] if splits == 1 else _combine_splits(*outs, qkv.dtype)
     return out, k_pages.reshape(kv, pool, page_size, d), v_pages.reshape(kv, pool, page_size, d)
 
 

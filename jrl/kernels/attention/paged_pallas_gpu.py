@@ -21,6 +21,8 @@ def unavailable_reason() -> str | None:
 
 def call_unsupported(q: jax.Array, k_pages: jax.Array) -> str | None:
     d, page = q.shape[-1], k_pages.shape[2]
+    if k_pages.dtype != q.dtype:
+        return f"a {k_pages.dtype} pool under {q.dtype} queries (the kernel multiplies them as they are)"
     if d % 16 or page % 16:
         return f"head_dim {d} and page_size {page} must be multiples of 16 (Triton's matrix product)"
     return None
@@ -49,4 +51,4 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     out = jax_paged.paged_attention((q * scale).astype(q.dtype), k_pages, v_pages, table,
                                     jnp.maximum(lengths, 1).astype(jnp.int32), k_splits=splits,
                                     pages_per_compute_block=block, interpret=interpret)
-    return out.astype(v_pages.dtype)
+    return out.astype(q.dtype)

@@ -38,4 +38,4 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
         out = jax_paged((q * scale).astype(q.dtype), k_pages, v_pages, jnp.maximum(lengths, 1).astype(jnp.int32),
                         page_table.astype(jnp.int32), pages_per_compute_block=block)
-    return out.astype(v_pages.dtype)
+    return out.astype(q.dtype)

@@ -202,8 +202,8 @@ def time_paged(args):
         profile = (kernel_profile(call, trace_dir=f"{args.profile}/{splits}_{bk}_{w}_{st}", top=8)
                    if args.profile else None)
         report(dict(bench="paged_decode_attention_append", splits=splits, block_k=bk, num_warps=w,
-                    num_stages=st, kv_dtype=args.kv_dtype, rows=b, mean_filled=round(float(lengths.mean()), 1), table_slots=width * page,
-                    page_size=page, steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
+                    num_stages=st, kv_dtype=args.kv_dtype, rows=b, mean_filled=round(float(lengths.mean()), 1),
+                    table_slots=width * page, page_size=page, steps=args.steps, kv_heads=kv, group=args.group, head_dim=d,
                     us_per_layer=round(1e3 * per_layer, 2),
                     filled_kv_tbs=round(kv_bytes / (per_layer * 1e-3) / 1e12, 2),
                     **({"profile": profile} if profile else {}), env=env_line()), args.out)

@@ -63,7 +63,8 @@ for case in "$@"; do
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD ;;
     split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --optim.packing ;;
-    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} \
+    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --rollout.partial --optim.packing \
+      ${STALENESS:+--rollout.max-staleness $STALENESS} \
       ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     *) echo "unknown case $case" ;;
   esac > "$LOGS/$case.log" 2>&1

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jrl.kernels.attention.paged_reference import read_dtype, stored_as
+from jrl.kernels.attention.paged_reference import is_float8, read_dtype, stored_as
 
 _MIN_ROWS = 16
 """Triton's matrix product needs at least 16 rows: a program loads 16 query rows from its KV head's first
@@ -337,7 +337,7 @@ def paged_blocks(pool_dtype) -> tuple[int, int]:
     (fastest on an H100 and an H200 for bfloat16 pools, ``benchmarks/decode_attention.py --paged``), 128 slots and 4
     warps for a float8 pool (its blocks are widened in registers, which takes more of them per program; on an H200,
     512 long-tailed rows: 605 us per layer against 735 at 64 slots and 2 warps; benchmarks/RESULTS.md)."""
-    return (128, 4) if jnp.dtype(pool_dtype).itemsize == 1 else (64, 2)
+    return (128, 4) if is_float8(pool_dtype) else (64, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "num_warps", "num_stages", "interpret"))

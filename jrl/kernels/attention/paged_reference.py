@@ -13,11 +13,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def is_float8(dtype) -> bool:
+    """Whether a pool of ``dtype`` holds float8 keys and values (stored clipped, read widened)."""
+    dtype = jnp.dtype(dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
 def stored_as(x: jax.Array, dtype) -> jax.Array:
     """``x`` as a pool of ``dtype`` stores it: a float8 pool's values clipped to the type's finite range first (a
     conversion past it gives NaN in XLA; the GPU kernel's conversion saturates the same way)."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+    if is_float8(dtype):
         top = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -top, top)
     return x.astype(dtype)
@@ -26,10 +32,7 @@ def stored_as(x: jax.Array, dtype) -> jax.Array:
 def read_dtype(query_dtype, pool_dtype) -> jnp.dtype:
     """The dtype a decode step's attention reads a pool in: float16 for a float8 pool (every float8 value is exact in
     float16, and a GPU widens a pair of them in one instruction, where bfloat16 takes three), else the queries'."""
-    pool_dtype = jnp.dtype(pool_dtype)
-    if pool_dtype.itemsize == 1 and jnp.issubdtype(pool_dtype, jnp.floating):
-        return jnp.dtype(jnp.float16)
-    return jnp.dtype(query_dtype)
+    return jnp.dtype(jnp.float16 if is_float8(pool_dtype) else query_dtype)
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
-from jrl.kernels.decode_linear.pallas_gpu import config
+from jrl.kernels.decode_linear.pallas_gpu import DEFAULTS, FEW_ROWS, FEW_ROWS_DEFAULTS, config
 from kernels_testlib import assert_close, lower_for, rng_for
 
 
@@ -50,6 +50,10 @@ def test_config_fits_shared_memory_and_the_contraction():
     big = config(256, 8192, 2048)
     assert 2 * big["num_stages"] * big["block_k"] * (256 + big["block_n"]) <= 220 * 1024
     assert config(16, 64, 64)["split_k"] == 1  # one contraction block: nothing to split
+    # a few rows (up to FEW_ROWS after padding) take their own blocks, more rows the defaults
+    few, many = config(FEW_ROWS, 2048, 2048), config(FEW_ROWS + 1, 2048, 2048)
+    assert {k: few[k] for k in FEW_ROWS_DEFAULTS} == FEW_ROWS_DEFAULTS
+    assert {k: many[k] for k in DEFAULTS} == DEFAULTS
 
 
 @pytest.mark.gpu

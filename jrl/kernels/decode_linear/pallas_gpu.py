@@ -32,6 +32,11 @@ output, 1.45x faster for its down projection, `benchmarks/RESULTS.md`); the disp
 DEFAULTS = dict(split_k=2, block_k=256, block_n=32, num_warps=4, num_stages=4)
 """Block configuration of :func:`matmul_add` (``benchmarks/decode_linear.py --sweep`` on an H100: best for
 both the attention output and the MLP down projection of the 1B shape at 64 rows)."""
+FEW_ROWS = 32
+FEW_ROWS_DEFAULTS = dict(split_k=4, block_k=128, block_n=64, num_warps=4, num_stages=4)
+"""Block configuration of :func:`matmul_add` for at most :data:`FEW_ROWS` rows (a long generation's tail):
+more, shorter contraction splits keep enough loads in flight when each program's product is small
+(``--sweep`` on an H200, 1B shape at 16 and 32 rows, ``benchmarks/RESULTS.md``)."""
 SWIGLU_DEFAULTS = dict(split_k=1, block_k=64, block_n=64, num_warps=4, num_stages=4)
 """Block configuration of :func:`matmul_swiglu` (``benchmarks/decode_linear.py --ops gate_up --sweep`` on an
 H100, 1B shape at 64 rows; no split: the MLP is wide enough to give every SM programs)."""
@@ -50,10 +55,15 @@ def _rows(m: int) -> int:
 
 def config(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> dict:
     """The block configuration for ``rows`` x ``k`` times ``weights`` matrices ``k`` x ``n``: the defaults
-    (:data:`DEFAULTS`, with two weights :data:`SWIGLU_DEFAULTS`) updated by ``overrides``, blocks no larger
-    than the matrix, no more splits than contraction blocks, and (unless given) the contraction block halved,
-    down to 32, while the pipeline's buffers exceed :data:`SHARED_MEMORY`."""
-    c = {**(DEFAULTS if weights == 1 else SWIGLU_DEFAULTS), **overrides}
+    (:data:`DEFAULTS`, or :data:`FEW_ROWS_DEFAULTS` for a few rows; with two weights :data:`SWIGLU_DEFAULTS`)
+    updated by ``overrides``, blocks no larger than the matrix, no more splits than contraction blocks, and
+    (unless given) the contraction block halved, down to 32, while the pipeline's buffers exceed
+    :data:`SHARED_MEMORY`."""
+    if weights != 1:
+        defaults = SWIGLU_DEFAULTS
+    else:
+        defaults = FEW_ROWS_DEFAULTS if _rows(rows) <= FEW_ROWS else DEFAULTS
+    c = {**defaults, **overrides}
     c["block_k"], c["block_n"] = min(c["block_k"], k), min(c["block_n"], n)
     c["split_k"] = max(1, min(c["split_k"], k // c["block_k"]))
     while ("block_k" not in overrides and c["block_k"] > 32

@@ -86,7 +86,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
         print(f"call {rep + 1} of {args.reps + 1}: {times[-1]:.2f} s, mean length {lengths[-1]:.1f}",
               file=sys.stderr, flush=True)
     if args.kv == "paged":
-        args.paged_stats = paged_memory(stats, cfg, args) | {
+        args.paged_stats = paged_memory(stats, cfg, args, kv.pool_dtype(cfg.dtype)) | {
             k: round(statistics.median(t[k] for t in timings[1:]), 4) for k in timings[0]}
     profile = None
     if args.profile:
@@ -119,13 +119,12 @@ def paged_generation_groups(args, prompts) -> list:
     return carried + fresh
 
 
-def paged_memory(stats: dict, cfg, args) -> dict:
-    """KV bytes of the dense layout and of the paged pool for this generation, and what the rows held at most
-    (from a paged generation's counts)."""
+def paged_memory(stats: dict, cfg, args, pool_dtype) -> dict:
+    """KV bytes of the dense layout and of the paged pool (of ``pool_dtype``) for this generation, and what the rows
+    held at most (from a paged generation's counts)."""
     from jrl.rollout.jax_engine import row_bucket
-    from jrl.rollout.kv_config import KVCacheConfig
 
-    page_bytes = cfg.kv_bytes_per_token(KVCacheConfig(dtype=args.kv_dtype).pool_dtype(cfg.dtype)) * args.page_size
+    page_bytes = cfg.kv_bytes_per_token(pool_dtype) * args.page_size
     gib = 2 ** 30
     dense_bytes = row_bucket(args.rows) * (args.prompt + args.new) * cfg.kv_bytes_per_token()
     return dict(dense_kv_gib=round(dense_bytes / gib, 3),

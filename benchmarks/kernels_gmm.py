@@ -2,7 +2,7 @@
 matmul of the same FLOPs, forward and forward+backward, uniform and skewed group sizes.
 
     python benchmarks/kernels_gmm.py [--T 32768] [--K 2048] [--N 1024] [--E 8,64,128]
-                                     [--impls triton,reference] [--sweep]
+                                     [--impls triton,reference] [--sweep [triton,mosaic_gpu]]
 
 ``--impls`` may also name ``tokamax:mosaic`` / ``tokamax:triton``: tokamax's ``ragged_dot`` with that
 implementation (default configs, no autotuning), for comparison (tokamax must be installed; it is not a jrl
@@ -10,7 +10,9 @@ dependency).
 
 ``--sweep`` first times each Triton pass (fwd, dlhs, tgmm) alone over a few tile configs, per E (uniform
 groups), and uses the fastest per pass and E for the main table (and prints them); without it the
-implementation's default tile table is used. Times are medians of back-to-back dispatches
+implementation's default tile table is used. ``--sweep mosaic_gpu`` (or ``--sweep`` with ``mosaic_gpu`` among
+``--impls``) times the Mosaic kernel's passes (fwd, dlhs) alone over a few configs and only prints them (the main
+table runs its shipped config). Times are medians of back-to-back dispatches
 (see kernels_common.bench); TFLOP/s counts 2*T*K*N per matmul (x3 for forward+backward). "skewed":
 expert e gets a share proportional to (e+1)^-1.2, the last quarter of the experts get no tokens.
 Prints markdown tables.
@@ -78,6 +80,30 @@ def sweep(lhs, rhs, gs, dout, log):
     return T.Configs(fwd=best["fwd"], dlhs=best["dlhs"], tgmm=best["tgmm"])
 
 
+def sweep_mosaic(lhs, rhs, gs, dout, log):
+    """Time the Mosaic kernel's forward and input-gradient passes alone over a few configs (printed only)."""
+    import jax
+
+    from jrl.kernels.moe import mosaic_gpu_kernel as MK
+
+    cands = [MK.MosaicGmmConfig(), MK.MosaicGmmConfig(delay_release=1), MK.MosaicGmmConfig(stages=3, out_slots=2),
+             MK.MosaicGmmConfig(split="m"), MK.MosaicGmmConfig(tile_n=64, stages=5)]
+    for pass_ in ("fwd", "dlhs"):
+        transpose = pass_ == "dlhs"
+        a = dout if transpose else lhs
+        for cfg in cands:
+            reason = MK.unsupported_reason(a.shape, a.dtype, rhs.shape, rhs.dtype, transpose_rhs=transpose, cfg=cfg)
+            if reason:
+                log(f"| sweep | mosaic {pass_} | {cfg} | skipped: {reason} |")
+                continue
+            f = jax.jit(lambda a, b, g, cfg=cfg, tr=transpose: MK.gmm_call(a, b, g, transpose_rhs=tr,
+                                                                          out_dtype=a.dtype, cfg=cfg))
+            try:
+                log(f"| sweep | mosaic {pass_} | {cfg} | {C.bench(f, a, rhs, gs, reps=5)['ms']:.3f} |")
+            except Exception as e:  # noqa: BLE001  (a config that does not compile/fit is skipped)
+                log(f"| sweep | mosaic {pass_} | {cfg} | failed: {type(e).__name__}: {str(e)[:200]} |")
+
+
 def _op(impl: str, kw: dict):
     """``(lhs, rhs, group_sizes) -> out`` of a jrl gmm implementation or of ``tokamax:<implementation>``."""
     if impl.startswith("tokamax:"):
@@ -97,7 +123,8 @@ def main():
     ap.add_argument("--E", default="8,64,128")
     ap.add_argument("--dists", default="uniform,skewed")
     ap.add_argument("--impls", default="triton,reference")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="triton,mosaic_gpu", default="",
+                    help="implementations whose tile configs to sweep first (bare flag: both, where in --impls)")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
 
@@ -114,13 +141,19 @@ def main():
     lhs = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
     dout = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16)
     configs_by_e = {}
-    if args.sweep and "triton" in args.impls:
+    impls = args.impls.split(",")
+    swept = [x for x in args.sweep.split(",") if x and x in impls]
+    if swept:
         log("| sweep E | pass | config | ms |\n|---|---|---|---|")
         for e in [int(x) for x in args.E.split(",")]:
             rhs = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.bfloat16)
-            configs_by_e[e] = sweep(lhs, rhs, jnp.asarray(group_sizes(t, e, "uniform")), dout,
-                                    lambda s, e=e: log(s.replace("| sweep |", f"| {e} |", 1)))
-            log(f"\nE={e}: chosen per-pass configs: {configs_by_e[e]}\n")
+            gs = jnp.asarray(group_sizes(t, e, "uniform"))
+            elog = lambda s, e=e: log(s.replace("| sweep |", f"| {e} |", 1))  # noqa: E731
+            if "triton" in swept:
+                configs_by_e[e] = sweep(lhs, rhs, gs, dout, elog)
+                log(f"\nE={e}: chosen per-pass configs: {configs_by_e[e]}\n")
+            if "mosaic_gpu" in swept:
+                sweep_mosaic(lhs, rhs, gs, dout, elog)
 
     flops = 2.0 * t * k * n
     w2 = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
@@ -139,7 +172,7 @@ def main():
             gs = jnp.asarray(group_sizes(t, e, dist))
             ref_out = None
             configs = configs_by_e.get(e)
-            for impl in sorted(args.impls.split(","), key=lambda x: x != "reference"):  # reference first
+            for impl in sorted(impls, key=lambda x: x != "reference"):  # reference first
                 kw = {"configs": configs} if (impl == "triton" and configs is not None) else {}
                 op = _op(impl, kw)
                 f = jax.jit(op)

@@ -3,7 +3,8 @@ groups, rows past ``sum(group_sizes)``, dims that are not a multiple of any tile
 gradients.
 
 CPU: reference vs a numpy loop, pallas_tpu (megablox) in interpret mode, the Triton kernels under
-Triton's interpreter (subprocess). GPU (``-m gpu``): the triton implementation on the device.
+Triton's interpreter (subprocess), the Mosaic GPU kernel lowered for CUDA. GPU (``-m gpu``): the triton and
+mosaic_gpu implementations on the device.
 """
 
 from __future__ import annotations
@@ -187,6 +188,53 @@ def test_tile_schedule_covers_every_row_once(request):
             np.testing.assert_array_equal(owner, expect)
 
 
+def test_block_schedule_covers_every_row_once(request):
+    from jrl.kernels.moe.schedule import block_schedule
+
+    rng = rng_for(request)
+    for t, e, bm in [(100, 7, 16), (64, 4, 64), (5, 3, 128), (1000, 64, 128), (256, 2, 128)]:
+        for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32)]:
+            g, blk, lo, hi, live = (np.asarray(a) for a in block_schedule(jnp.asarray(gs), t, bm))
+            assert live.shape == (1,) and live[0] <= -(-t // bm) + e
+            owner = np.full(t, -1)
+            for i in range(live[0]):
+                assert blk[i] * bm <= lo[i] < hi[i] <= (blk[i] + 1) * bm, "pair rows outside its block"
+                assert np.all(owner[lo[i]:hi[i]] == -1), "row covered twice"
+                owner[lo[i]:hi[i]] = g[i]
+            expect = np.concatenate([np.repeat(np.arange(e), gs), np.full(t - gs.sum(), e)])
+            np.testing.assert_array_equal(owner, expect)
+
+
+# --- Mosaic GPU kernel (lowered for CUDA here; run under -m gpu) ---------------------------------
+
+
+def test_mosaic_gpu_kernel_lowers_for_cuda():
+    """The Hopper kernel traces and lowers to a Mosaic GPU custom call without a GPU: forward, transposed rhs
+    (the input gradient), the M split with a float32 output."""
+    from jrl.kernels.moe import mosaic_gpu_kernel as mk
+
+    t, k, n, e = 512, 256, 512, 8
+    for cfg, transpose, out_dtype in [(mk.DEFAULT_CONFIG, False, jnp.bfloat16), (mk.DEFAULT_CONFIG, True, jnp.bfloat16),
+                                      (mk.MosaicGmmConfig(split="m", stages=3), True, jnp.float32)]:
+        rhs = jax.ShapeDtypeStruct((e, n, k) if transpose else (e, k, n), jnp.bfloat16)
+        assert mk.unsupported_reason((t, k), jnp.bfloat16, rhs.shape, rhs.dtype, transpose_rhs=transpose, cfg=cfg) \
+            is None
+        f = jax.jit(lambda a, b, g, cfg=cfg, transpose=transpose, od=out_dtype: mk.gmm_call(
+            a, b, g, transpose_rhs=transpose, out_dtype=od, cfg=cfg, num_sms=132))
+        text = f.trace(jax.ShapeDtypeStruct((t, k), jnp.bfloat16), rhs,
+                       jax.ShapeDtypeStruct((e,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and f"tensor<{t}x{n}x{'f32' if out_dtype == jnp.float32 else 'bf16'}>" in text
+
+
+def test_mosaic_gpu_kernel_names_what_does_not_fit():
+    from jrl.kernels.moe.mosaic_gpu_kernel import unsupported_reason
+
+    assert "bf16/f16" in unsupported_reason((512, 256), jnp.float32, (8, 256, 512), jnp.float32)
+    assert "T=500" in unsupported_reason((500, 256), jnp.bfloat16, (8, 256, 512), jnp.bfloat16)
+    assert "N=96" in unsupported_reason((512, 256), jnp.bfloat16, (8, 256, 96), jnp.bfloat16)
+    assert "N=96" in unsupported_reason((512, 256), jnp.bfloat16, (8, 96, 256), jnp.bfloat16, transpose_rhs=True)
+
+
 # --- dispatch -------------------------------------------------------------------------------
 
 
@@ -250,11 +298,55 @@ def test_gpu_triton_tgmm_and_lora(request):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_picks_triton():
-    from jrl.kernels import _dispatch
+def test_gpu_auto_picks_mosaic_where_its_tiles_fit():
+    from jrl.kernels.moe import mosaic_gpu
 
-    name, _ = _dispatch.select("gmm", moe.api.IMPLS, moe.api.ORDER, "auto")
-    assert name == "triton"
+    hopper = mosaic_gpu.unavailable_reason() is None
+    fits = (jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16), jnp.zeros((4,), jnp.int32))
+    odd = (jnp.zeros((500, 256), jnp.bfloat16), jnp.zeros((4, 256, 96), jnp.bfloat16), jnp.zeros((4,), jnp.int32))
+    assert moe.api._select("auto", *fits)[0] == ("mosaic_gpu" if hopper else "triton")
+    assert moe.api._select("auto", *odd)[0] == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,n,e", [(1024, 512, 512, 8), (2048, 256, 768, 64), (640, 512, 256, 3)])
+def test_gpu_mosaic_matches_reference(request, t, k, n, e):
+    """Forward on the Mosaic kernel, the input gradient on it too where K fits its tiles (K % 256), the weight
+    gradient on Triton; ragged groups with an empty one, and a sum below T (rows past it must be zero)."""
+    from jrl.kernels.moe import mosaic_gpu
+
+    if mosaic_gpu.unavailable_reason():
+        pytest.skip(mosaic_gpu.unavailable_reason())
+    rng = rng_for(request)
+    with jax.default_matmul_precision("highest"):
+        for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32)]:
+            check_gmm("mosaic_gpu", rng, t, k, n, e, jnp.bfloat16, gs)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_kernel_float32_output_and_m_split(request):
+    from jrl.kernels.moe import mosaic_gpu, mosaic_gpu_kernel as mk
+
+    if mosaic_gpu.unavailable_reason():
+        pytest.skip(mosaic_gpu.unavailable_reason())
+    rng = rng_for(request)
+    t, k, n, e = 1024, 256, 512, 8
+    for cfg in (mk.DEFAULT_CONFIG, mk.MosaicGmmConfig(split="m", stages=3)):
+        for gs in group_sizes_cases(t, e, rng).values():
+            lhs, rhs, gsj, _ = make(rng, t, k, n, e, jnp.bfloat16, gs)
+            out = mk.gmm_call(lhs, rhs, gsj, transpose_rhs=False, out_dtype=jnp.float32, cfg=cfg)
+            assert out.dtype == jnp.float32
+            # bf16 operands, float32 accumulation and output: the float64 product of the bf16 values
+            assert_close(out, np_gmm(lhs, rhs, gs), jnp.float32, f"{cfg.split} f32 out")
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_refuses_float32_by_name():
+    from jrl.kernels._dispatch import ImplUnavailable
+
+    with pytest.raises(ImplUnavailable, match="bf16/f16"):
+        moe.gmm(jnp.zeros((512, 256)), jnp.zeros((4, 256, 512)), jnp.array([512, 0, 0, 0], jnp.int32),
+                impl="mosaic_gpu")
 
 
 @pytest.mark.gpu

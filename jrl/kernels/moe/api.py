@@ -5,8 +5,11 @@
 | `reference`  | anywhere                      | ``jax.lax.ragged_dot`` (the truth; slow on NVIDIA GPUs)   |
 | `pallas_tpu` | TPU (interpret mode elsewhere) | megablox gmm/tgmm with per-pass tiles                    |
 | `triton`     | NVIDIA GPU + jax_triton       | Triton grouped GEMM + transposed GEMM (jax-triton)       |
+| `mosaic_gpu` | Hopper GPU + jax_triton       | Mosaic GPU gmm (TMA, warp-specialised) for the forward and |
+|              |                               | the input gradient; the weight gradient on Triton        |
 
-``impl="auto"`` order: TPU: pallas_tpu, reference. GPU: triton, reference. CPU: reference.
+``impl="auto"`` order: TPU: pallas_tpu, reference. GPU: mosaic_gpu (where its tiles fit the shapes), triton,
+reference. CPU: reference.
 The pick is logged once per (backend, shapes, dtypes) on the ``jrl.kernels`` logger.
 """
 
@@ -22,10 +25,11 @@ IMPLS = {
     "reference": Impl("reference", "jrl.kernels.moe.reference", ("cpu", "gpu", "tpu")),
     "pallas_tpu": Impl("pallas_tpu", "jrl.kernels.moe.pallas_tpu", ("tpu",), interpret_ok=True),
     "triton": Impl("triton", "jrl.kernels.moe.triton", ("gpu",)),
+    "mosaic_gpu": Impl("mosaic_gpu", "jrl.kernels.moe.mosaic_gpu", ("gpu",)),
 }
 ORDER = {
     "tpu": ("pallas_tpu", "reference"),
-    "gpu": ("triton", "reference"),
+    "gpu": ("mosaic_gpu", "triton", "reference"),
     "cpu": ("reference",),
     "default": ("reference",),
 }
@@ -36,9 +40,17 @@ def available_impls() -> list[str]:
     return ["auto", *IMPLS]
 
 
-def _select(impl: str, lhs, rhs, group_sizes):
+def _select(impl: str, lhs, rhs, group_sizes, forward: bool = True):
     config = ("gmm", tuple(lhs.shape), str(lhs.dtype), tuple(rhs.shape), str(rhs.dtype), int(group_sizes.shape[0]))
-    return _dispatch.select("gmm", IMPLS, ORDER, impl, config=config)
+
+    def call_check(name: str) -> str | None:
+        if name == "mosaic_gpu" and forward:  # its tiles must fit the forward's shapes
+            from jrl.kernels.moe import mosaic_gpu_kernel as mosaic_gpu
+
+            return mosaic_gpu.unsupported_reason(lhs.shape, lhs.dtype, rhs.shape, rhs.dtype)
+        return None
+
+    return _dispatch.select("gmm", IMPLS, ORDER, impl, config=config, call_check=call_check)
 
 
 def _check(lhs, rhs, group_sizes, name="rhs"):
@@ -71,7 +83,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, impl: str =
     if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
         raise ValueError(f"tgmm needs lhs [T, K] and dout [T, N]; got {lhs.shape} and {dout.shape}")
     fake_rhs = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], dout.shape[1]), dout.dtype)
-    _, mod = _select(impl, lhs, fake_rhs, group_sizes)
+    _, mod = _select(impl, lhs, fake_rhs, group_sizes, forward=False)
     return mod.tgmm(lhs, dout, group_sizes, preferred_element_type=preferred_element_type, **kwargs)
 
 

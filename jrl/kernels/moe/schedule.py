@@ -38,3 +38,29 @@ def group_bounds(group_sizes: jax.Array, num_rows: int):
     ends = jnp.minimum(jnp.cumsum(gs), num_rows).astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     return starts, ends
+
+
+def block_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
+    """(group, row block) pairs for kernels whose row tiles must start at multiples of ``block_m`` (TMA loads
+    whose offsets come from memory).
+
+    Returns (pair_group, pair_block, row_lo, row_hi), each int32 [cdiv(num_rows, block_m) + E], and the
+    number of live pairs (int32 [1]); pair i covers rows ``[row_lo, row_hi)`` of group ``pair_group``, all
+    inside row block ``pair_block``. A block that two groups share appears once per group (each stores its
+    own rows). Live pairs come first, in row order; rows past ``sum(group_sizes)`` form the sentinel group
+    E (written as zeros). Group ends are clamped to ``num_rows``.
+    """
+    e = group_sizes.shape[0]
+    starts, ends = group_bounds(group_sizes, num_rows)
+    starts = jnp.concatenate([starts, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+    first = starts // block_m
+    blocks = jnp.where(ends > starts, (ends + block_m - 1) // block_m - first, 0)
+    cum = jnp.cumsum(blocks)
+    max_pairs = -(-num_rows // block_m) + e
+    i = jnp.arange(max_pairs, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e).astype(jnp.int32)
+    block = first[g] + i - (cum[g] - blocks[g])
+    lo = jnp.maximum(starts[g], block * block_m)
+    hi = jnp.minimum(ends[g], (block + 1) * block_m)
+    return g, block.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), cum[-1:].astype(jnp.int32)

@@ -159,32 +159,43 @@ def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
     return run(lhs, dout, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm(lhs, rhs, group_sizes, out_dtype, cfgs: Configs):
-    return gmm_call(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=out_dtype, cfg=cfgs.fwd)
+def differentiable_gmm(call):
+    """The public ``gmm`` (same contract as ``reference.gmm``, differentiable wrt ``lhs`` and ``rhs``) for a forward
+    pass and input gradient computed by ``call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs)``; the
+    weight gradient is :func:`tgmm_call`. ``configs`` are the Triton tiles (``default_configs`` when None)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def _gmm(lhs, rhs, group_sizes, out_dtype, cfgs: Configs):
+        return call(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=out_dtype, cfgs=cfgs)
+
+    def _gmm_fwd(lhs, rhs, group_sizes, out_dtype, cfgs):
+        return _gmm(lhs, rhs, group_sizes, out_dtype, cfgs), (lhs, rhs, group_sizes)
+
+    def _gmm_bwd(out_dtype, cfgs, res, g):
+        lhs, rhs, group_sizes = res
+        g = g.astype(lhs.dtype)
+        dlhs = call(g, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, cfgs=cfgs)
+        drhs = tgmm_call(lhs, g, group_sizes, out_dtype=rhs.dtype, cfg=cfgs.tgmm)
+        return dlhs, drhs, None
+
+    _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+    def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):
+        cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
+        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+        cfgs = configs or default_configs(lhs.shape[0], rhs.shape[0])
+        return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype, cfgs)
+
+    return gmm
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, out_dtype, cfgs):
-    return _gmm(lhs, rhs, group_sizes, out_dtype, cfgs), (lhs, rhs, group_sizes)
+def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs):
+    return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                    cfg=cfgs.dlhs if transpose_rhs else cfgs.fwd)
 
 
-def _gmm_bwd(out_dtype, cfgs, res, g):
-    lhs, rhs, group_sizes = res
-    g = g.astype(lhs.dtype)
-    dlhs = gmm_call(g, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, cfg=cfgs.dlhs)
-    drhs = tgmm_call(lhs, g, group_sizes, out_dtype=rhs.dtype, cfg=cfgs.tgmm)
-    return dlhs, drhs, None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):
-    """Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``."""
-    cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
-    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    cfgs = configs or default_configs(lhs.shape[0], rhs.shape[0])
-    return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype, cfgs)
+gmm = differentiable_gmm(_call)
+gmm.__doc__ = "Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``."
 
 
 def tgmm(lhs, dout, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):

@@ -1,0 +1,35 @@
+"""GPU grouped matmul on Hopper: the Mosaic GPU kernel (``mosaic_gpu_kernel.py``) for the forward pass and the
+input gradient, the Triton kernels (``triton.py``) for the weight gradient and for shapes the Mosaic kernel's
+tiles do not fit (:func:`mosaic_gpu_kernel.unsupported_reason`). Needs an NVIDIA Hopper GPU (wgmma) and jax_triton.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jrl.kernels.moe import triton as fallback
+from jrl.kernels.moe.mosaic_gpu_kernel import gmm_call, unsupported_reason
+
+
+def unavailable_reason() -> str | None:
+    devs = [d for d in jax.devices() if d.platform == "gpu"]
+    if not devs:
+        return "needs a GPU"
+    cc = getattr(devs[0], "compute_capability", "")
+    if cc != "9.0":
+        return f"needs a Hopper GPU (compute capability 9.0; wgmma), found {cc or 'unknown'}"
+    return None
+
+
+def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs):
+    """The Mosaic kernel where it takes the operands, else the Triton one."""
+    if unsupported_reason(lhs.shape, lhs.dtype, rhs.shape, rhs.dtype, transpose_rhs=transpose_rhs) is None:
+        return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    return fallback.gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                             cfg=cfgs.dlhs if transpose_rhs else cfgs.fwd)
+
+
+gmm = fallback.differentiable_gmm(_call)
+gmm.__doc__ = ("Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``; "
+               "``configs`` are the Triton tiles for what runs there.")
+tgmm = fallback.tgmm

@@ -233,6 +233,7 @@ def test_mosaic_gpu_kernel_names_what_does_not_fit():
     assert "T=500" in unsupported_reason((500, 256), jnp.bfloat16, (8, 256, 512), jnp.bfloat16)
     assert "N=96" in unsupported_reason((512, 256), jnp.bfloat16, (8, 256, 96), jnp.bfloat16)
     assert "N=96" in unsupported_reason((512, 256), jnp.bfloat16, (8, 96, 256), jnp.bfloat16, transpose_rhs=True)
+    assert "empty" in unsupported_reason((0, 256), jnp.bfloat16, (8, 256, 512), jnp.bfloat16)
 
 
 # --- dispatch -------------------------------------------------------------------------------

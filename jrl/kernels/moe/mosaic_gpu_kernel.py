@@ -65,6 +65,8 @@ def unsupported_reason(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, *, transpose_
         return f"needs bf16/f16 operands of one dtype, got {jnp.dtype(lhs_dtype)} and {jnp.dtype(rhs_dtype)}"
     t, k = lhs_shape
     n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
+    if not (t and k and n):
+        return f"an empty dimension (T={t}, K={k}, N={n})"
     if t % cfg.cta_m or k % cfg.tile_k or n % cfg.cta_n:
         return (f"needs T % {cfg.cta_m} == 0, K % {cfg.tile_k} == 0 and N % {cfg.cta_n} == 0, "
                 f"got T={t}, K={k}, N={n}")

@@ -8,13 +8,14 @@ matmul of the same FLOPs, forward and forward+backward, uniform and skewed group
 implementation (default configs, no autotuning), for comparison (tokamax must be installed; it is not a jrl
 dependency).
 
-``--sweep`` first times each Triton pass (fwd, dlhs, tgmm) alone over a few tile configs, per E (uniform
-groups), and uses the fastest per pass and E for the main table (and prints them); without it the
+``--sweep`` first times each Triton pass (fwd, dlhs, tgmm) alone over a few tile configs, per E (groups of the
+first of ``--dists``), and uses the fastest per pass and E for the main table (and prints them); without it the
 implementation's default tile table is used. ``--sweep mosaic_gpu`` (or ``--sweep`` with ``mosaic_gpu`` among
 ``--impls``) times the Mosaic kernel's passes (fwd, dlhs) alone over a few configs and only prints them (the main
 table runs its shipped config). Times are medians of back-to-back dispatches
 (see kernels_common.bench); TFLOP/s counts 2*T*K*N per matmul (x3 for forward+backward). "skewed":
-expert e gets a share proportional to (e+1)^-1.2, the last quarter of the experts get no tokens.
+expert e gets a share proportional to (e+1)^-1.2, the last quarter of the experts get no tokens; "routed":
+multinomial counts of equal expected size (a router's), so group boundaries fall anywhere.
 Prints markdown tables.
 """
 
@@ -32,6 +33,8 @@ def group_sizes(t: int, e: int, dist: str):
 
     if dist == "uniform":
         gs = np.full(e, t // e)
+    elif dist == "routed":  # multinomial: group boundaries anywhere, as a router's counts
+        gs = np.random.default_rng(e).multinomial(t, np.full(e, 1.0 / e))
     elif dist == "skewed":
         live = e - e // 4
         p = np.zeros(e)
@@ -87,7 +90,7 @@ def sweep_mosaic(lhs, rhs, gs, dout, log):
     from jrl.kernels.moe import mosaic_gpu_kernel as MK
 
     cands = [MK.MosaicGmmConfig(), MK.MosaicGmmConfig(delay_release=1), MK.MosaicGmmConfig(stages=3, out_slots=2),
-             MK.MosaicGmmConfig(split="m"), MK.MosaicGmmConfig(tile_n=64, stages=5)]
+             MK.MosaicGmmConfig(split="m"), MK.MosaicGmmConfig(tile_n=64, stages=5), MK.MosaicGmmConfig(row_align=8)]
     for pass_ in ("fwd", "dlhs"):
         transpose = pass_ == "dlhs"
         a = dout if transpose else lhs
@@ -147,7 +150,7 @@ def main():
         log("| sweep E | pass | config | ms |\n|---|---|---|---|")
         for e in [int(x) for x in args.E.split(",")]:
             rhs = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.bfloat16)
-            gs = jnp.asarray(group_sizes(t, e, "uniform"))
+            gs = jnp.asarray(group_sizes(t, e, args.dists.split(",")[0]))
             elog = lambda s, e=e: log(s.replace("| sweep |", f"| {e} |", 1))  # noqa: E731
             if "triton" in swept:
                 configs_by_e[e] = sweep(lhs, rhs, gs, dout, elog)

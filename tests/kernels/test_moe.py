@@ -188,21 +188,31 @@ def test_tile_schedule_covers_every_row_once(request):
             np.testing.assert_array_equal(owner, expect)
 
 
-def test_block_schedule_covers_every_row_once(request):
-    from jrl.kernels.moe.schedule import block_schedule
+def test_aligned_tile_schedule_covers_every_row_once(request):
+    """Every row stored by exactly one tile of its group (rows past the sum by the sentinel group), each tile's stored
+    rows inside the rows it loads, every load start a multiple of ``align`` inside the array; with ``align`` equal to
+    the tile height the tiles are the row blocks."""
+    from jrl.kernels.moe.schedule import aligned_tile_schedule
 
     rng = rng_for(request)
-    for t, e, bm in [(100, 7, 16), (64, 4, 64), (5, 3, 128), (1000, 64, 128), (256, 2, 128)]:
+    for t, e, bm, align in [(96, 7, 16, 8), (64, 4, 64, None), (128, 3, 128, 8), (1024, 64, 128, None),
+                            (1024, 64, 128, 8), (256, 2, 128, 32)]:
         for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32)]:
-            g, blk, lo, hi, live = (np.asarray(a) for a in block_schedule(jnp.asarray(gs), t, bm))
-            assert live.shape == (1,) and live[0] <= -(-t // bm) + e
+            g, start, lo, hi, live = (np.asarray(a) for a in aligned_tile_schedule(jnp.asarray(gs), t, bm, align))
+            a = align or bm
+            lead = 0 if a == bm else (e + 1) * (a - 1)
+            assert live.shape == (1,) and live[0] <= g.shape[0] == -(-(t + lead) // bm) + e + 1
             owner = np.full(t, -1)
             for i in range(live[0]):
-                assert blk[i] * bm <= lo[i] < hi[i] <= (blk[i] + 1) * bm, "pair rows outside its block"
+                assert start[i] <= lo[i] < hi[i] <= start[i] + bm, "stored rows outside the loaded ones"
+                assert start[i] % a == 0 and 0 <= start[i] <= t - bm, "load start unaligned or out of range"
                 assert np.all(owner[lo[i]:hi[i]] == -1), "row covered twice"
                 owner[lo[i]:hi[i]] = g[i]
             expect = np.concatenate([np.repeat(np.arange(e), gs), np.full(t - gs.sum(), e)])
             np.testing.assert_array_equal(owner, expect)
+            if a == bm:  # row blocks: as many tiles as (group, block) intersections
+                blocks = {(k, r // bm) for k, r in zip(expect, range(t))}
+                assert live[0] == len(blocks)
 
 
 # --- Mosaic GPU kernel (lowered for CUDA here; run under -m gpu) ---------------------------------
@@ -210,12 +220,13 @@ def test_block_schedule_covers_every_row_once(request):
 
 def test_mosaic_gpu_kernel_lowers_for_cuda():
     """The Hopper kernel traces and lowers to a Mosaic GPU custom call without a GPU: forward, transposed rhs
-    (the input gradient), the M split with a float32 output."""
+    (the input gradient), the M split with a float32 output, tiles starting at 8-row offsets."""
     from jrl.kernels.moe import mosaic_gpu_kernel as mk
 
     t, k, n, e = 512, 256, 512, 8
     for cfg, transpose, out_dtype in [(mk.DEFAULT_CONFIG, False, jnp.bfloat16), (mk.DEFAULT_CONFIG, True, jnp.bfloat16),
-                                      (mk.MosaicGmmConfig(split="m", stages=3), True, jnp.float32)]:
+                                      (mk.MosaicGmmConfig(split="m", stages=3), True, jnp.float32),
+                                      (mk.MosaicGmmConfig(row_align=8), False, jnp.bfloat16)]:
         rhs = jax.ShapeDtypeStruct((e, n, k) if transpose else (e, k, n), jnp.bfloat16)
         assert mk.unsupported_reason((t, k), jnp.bfloat16, rhs.shape, rhs.dtype, transpose_rhs=transpose, cfg=cfg) \
             is None
@@ -227,13 +238,15 @@ def test_mosaic_gpu_kernel_lowers_for_cuda():
 
 
 def test_mosaic_gpu_kernel_names_what_does_not_fit():
-    from jrl.kernels.moe.mosaic_gpu_kernel import unsupported_reason
+    from jrl.kernels.moe.mosaic_gpu_kernel import MosaicGmmConfig, unsupported_reason
 
     assert "bf16/f16" in unsupported_reason((512, 256), jnp.float32, (8, 256, 512), jnp.float32)
     assert "T=500" in unsupported_reason((500, 256), jnp.bfloat16, (8, 256, 512), jnp.bfloat16)
     assert "N=96" in unsupported_reason((512, 256), jnp.bfloat16, (8, 256, 96), jnp.bfloat16)
     assert "N=96" in unsupported_reason((512, 256), jnp.bfloat16, (8, 96, 256), jnp.bfloat16, transpose_rhs=True)
     assert "empty" in unsupported_reason((0, 256), jnp.bfloat16, (8, 256, 512), jnp.bfloat16)
+    assert "row_align=12" in unsupported_reason((512, 256), jnp.bfloat16, (8, 256, 512), jnp.bfloat16,
+                                                cfg=MosaicGmmConfig(row_align=12))
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -325,20 +338,24 @@ def test_gpu_mosaic_matches_reference(request, t, k, n, e):
 
 
 @pytest.mark.gpu
-def test_gpu_mosaic_kernel_float32_output_and_m_split(request):
+def test_gpu_mosaic_kernel_configs_float32_output(request):
     from jrl.kernels.moe import mosaic_gpu, mosaic_gpu_kernel as mk
 
     if mosaic_gpu.unavailable_reason():
         pytest.skip(mosaic_gpu.unavailable_reason())
     rng = rng_for(request)
     t, k, n, e = 1024, 256, 512, 8
-    for cfg in (mk.DEFAULT_CONFIG, mk.MosaicGmmConfig(split="m", stages=3)):
+    for cfg in (mk.DEFAULT_CONFIG, mk.MosaicGmmConfig(split="m", stages=3), mk.MosaicGmmConfig(row_align=8),
+                mk.MosaicGmmConfig(split="m", stages=3, row_align=8)):
         for gs in group_sizes_cases(t, e, rng).values():
             lhs, rhs, gsj, _ = make(rng, t, k, n, e, jnp.bfloat16, gs)
             out = mk.gmm_call(lhs, rhs, gsj, transpose_rhs=False, out_dtype=jnp.float32, cfg=cfg)
             assert out.dtype == jnp.float32
             # bf16 operands, float32 accumulation and output: the float64 product of the bf16 values
-            assert_close(out, np_gmm(lhs, rhs, gs), jnp.float32, f"{cfg.split} f32 out")
+            assert_close(out, np_gmm(lhs, rhs, gs), jnp.float32, f"{cfg} f32 out")
+            rhs_t = jnp.swapaxes(rhs, 1, 2)  # [E, N, K]: the input gradient's operand, read transposed
+            out_t = mk.gmm_call(lhs, rhs_t, gsj, transpose_rhs=True, out_dtype=jnp.float32, cfg=cfg)
+            assert_close(out_t, np_gmm(lhs, rhs, gs), jnp.float32, f"{cfg} transposed f32 out")
 
 
 @pytest.mark.gpu

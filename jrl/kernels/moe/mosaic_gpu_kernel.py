@@ -2,13 +2,14 @@
 ``mosaic_gpu.py`` makes it an implementation of ``jrl.kernels.moe``, and the CPU tests lower it for CUDA).
 
 ``gmm(lhs, rhs)`` over rows sorted by group, done the way CUTLASS's grouped GEMM does it: one persistent program
-per SM walks (row block, n-tile) pairs of a block schedule (``schedule.block_schedule``); in each program a memory
-warpgroup streams ``lhs`` and ``rhs[g]`` blocks through a ring of shared-memory stages with TMA while two compute
-warpgroups run ``wgmma`` on them, each owning half of the program's tile. Row blocks start at multiples of the
-tile height (a TMA load's offset read from memory must be a block index); a block shared by two groups is computed
-once per group and each stores only its own rows: whole blocks in one swizzled store, partial ones through a
-ladder of power-of-two-row stores (a TMA box has a static size). Rows past ``sum(group_sizes)`` are written as
-zeros. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
+per SM walks (row tile, n-tile) pairs of a schedule (``schedule.aligned_tile_schedule``); in each program a
+memory warpgroup streams ``lhs`` and ``rhs[g]`` blocks through a ring of shared-memory stages with TMA while two compute
+warpgroups run ``wgmma`` on them, each owning half of the program's tile. Row tiles start at multiples of the
+tile height (``MosaicGmmConfig.row_align``: or of 8 rows; a TMA load's row offset read from memory must be visibly
+aligned), so a tile may begin with rows of the previous group (with row blocks, a block shared by two groups is
+computed once per group); each tile stores only its own group's rows: whole tiles in one swizzled store, partial
+ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past ``sum(group_sizes)``
+are written as zeros. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jrl.kernels.moe.schedule import block_schedule
+from jrl.kernels.moe.schedule import aligned_tile_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,9 @@ class MosaicGmmConfig:
     delay_release: int = 0
     # registers left to the memory warpgroup (it only issues TMA copies)
     memory_registers: int = 40
+    # where a group's row tiles may start: a multiple of this (None: of the tile height, so tiles are row blocks and
+    # a block two groups share is computed for each; 8: at most 7 rows of the previous group per first tile)
+    row_align: int | None = None
 
     @property
     def cta_m(self) -> int:
@@ -67,6 +71,8 @@ def unsupported_reason(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, *, transpose_
     n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
     if not (t and k and n):
         return f"an empty dimension (T={t}, K={k}, N={n})"
+    if cfg.row_align is not None and (cfg.row_align % 8 or cfg.cta_m % cfg.row_align):
+        return f"row_align={cfg.row_align} must be a multiple of 8 dividing the tile height {cfg.cta_m}"
     if t % cfg.cta_m or k % cfg.tile_k or n % cfg.cta_n:
         return (f"needs T % {cfg.cta_m} == 0, K % {cfg.tile_k} == 0 and N % {cfg.cta_n} == 0, "
                 f"got T={t}, K={k}, N={n}")
@@ -97,13 +103,20 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
 
     in_transforms = swizzled(lhs.dtype, tk)
 
-    def pipeline(step, context, block=0):
+    # A tile's first row is read from memory in units of ``align`` rows and reaches the TMA load as a block index (row
+    # blocks) or as that count times ``align``, an element offset visibly a multiple of 8 (Mosaic's layout inference
+    # takes no other data-dependent offset into swizzled tiles).
+    align = cfg.row_align or cta_m
+    blocked = cfg.row_align is None
+
+    def pipeline(step, context, units=0):
         return plgpu.emit_pipeline_warp_specialized(
             step,
             grid=(k_iters,),
             memory_registers=cfg.memory_registers,
             in_specs=[
-                plgpu.BlockSpec((cta_m, tk), lambda kk: (block, kk), transforms=in_transforms,
+                plgpu.BlockSpec((cta_m, tk) if blocked else (pl.Element(cta_m), tk),
+                                lambda kk: (units if blocked else units * align, kk), transforms=in_transforms,
                                 memory_space=plgpu.SMEM, delay_release=cfg.delay_release),
                 plgpu.BlockSpec((cta_n, tk) if transpose_rhs else (tk, cta_n),
                                 (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
@@ -115,7 +128,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
             compute_context=context,
         )
 
-    def body(live_ref, group_ref, block_ref, lo_ref, hi_ref, lhs_gmem, rhs_gmem, out_gmem):
+    def body(live_ref, group_ref, units_ref, lo_ref, hi_ref, lhs_gmem, rhs_gmem, out_gmem):
         ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
         # Two store slots per warpgroup, seen two ways: swizzled (bank-conflict-free register stores) for a chunk
         # whose rows all belong to the pair, plain (any row offset) for the ladder of a partial chunk.
@@ -137,10 +150,10 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
             def _tiles(info):
                 (lin,) = info.index
                 mt, nt = lin // n_iters, lax.rem(lin, n_iters)
-                g, block, lo = group_ref[mt], block_ref[mt], lo_ref[mt]
+                g, units, lo = group_ref[mt], units_ref[mt], lo_ref[mt]
                 sentinel = g >= e
                 # this warpgroup's rows of the block: [row0, row0 + tm); the pair's rows in them: [first, last)
-                row0 = block * cta_m + (wg * tm if split_m else 0)
+                row0 = units * align + (wg * tm if split_m else 0)
                 first = jnp.clip(lo - row0, 0, tm)
                 last = jnp.clip(hi_ref[mt] - row0, 0, tm)
                 full = jnp.logical_and(jnp.logical_and(first == 0, last == tm), jnp.logical_not(sentinel))
@@ -202,7 +215,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
                     plgpu.wgmma_wait(cfg.delay_release)
                     return acc_ref
 
-                pipeline(step, context, block)(
+                pipeline(step, context, units)(
                     lhs_gmem,
                     (rhs_gmem.at[jnp.minimum(g, e - 1)].at[pl.ds(nt * cta_n, cta_n), :] if transpose_rhs
                      else rhs_gmem.at[jnp.minimum(g, e - 1)].at[:, pl.ds(nt * cta_n, cta_n)]),
@@ -223,7 +236,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
 
     @jax.custom_batching.sequential_vmap  # the kernel has no batching rule: vmap loops over the batch
     def run(lhs, rhs, group_sizes):
-        schedule = block_schedule(group_sizes, t, cta_m)
-        return kernel(schedule[4], *schedule[:4], lhs, rhs)
+        group, start, lo, hi, live = aligned_tile_schedule(group_sizes, t, cta_m, align)
+        return kernel(live, group, start // align, lo, hi, lhs, rhs)
 
     return run(lhs, rhs, group_sizes)

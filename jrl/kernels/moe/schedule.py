@@ -40,27 +40,38 @@ def group_bounds(group_sizes: jax.Array, num_rows: int):
     return starts, ends
 
 
-def block_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
-    """(group, row block) pairs for kernels whose row tiles must start at multiples of ``block_m`` (TMA loads
-    whose offsets come from memory).
+def aligned_tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int,
+                          align: int | None = None):
+    """Row tiles for kernels whose tile offsets, read from memory, must be multiples of ``align`` (TMA loads;
+    default ``block_m``: tiles are the row blocks).
 
-    Returns (pair_group, pair_block, row_lo, row_hi), each int32 [cdiv(num_rows, block_m) + E], and the
-    number of live pairs (int32 [1]); pair i covers rows ``[row_lo, row_hi)`` of group ``pair_group``, all
-    inside row block ``pair_block``. A block that two groups share appears once per group (each stores its
-    own rows). Live pairs come first, in row order; rows past ``sum(group_sizes)`` form the sentinel group
-    E (written as zeros). Group ends are clamped to ``num_rows``.
+    A group's tiles start at its first row rounded down to ``align``, then every ``block_m`` rows; rows of a tile
+    outside its group (at most ``align - 1`` before it, and the tail of the last tile) are computed but not stored,
+    so with ``align = block_m`` a block that two groups share appears once per group.
+
+    Returns (tile_group, tile_start, row_lo, row_hi), each int32 [cdiv(num_rows + lead, block_m) + E + 1] (lead:
+    (E + 1)(align - 1), 0 for row blocks), and the number of live tiles (int32 [1]). Tile i loads rows
+    ``[tile_start, tile_start + block_m)`` and stores rows ``[row_lo, row_hi)`` of group ``tile_group``;
+    ``tile_start`` is clamped to ``num_rows - block_m`` (the last tiles read earlier rows instead of rows past the
+    end), so it is a multiple of ``align`` when ``num_rows`` is a multiple of ``block_m`` and of ``align``. Live
+    tiles come first, in row order; rows past ``sum(group_sizes)`` form the sentinel group E (written as zeros).
+    Group ends are clamped to ``num_rows``.
     """
+    align = block_m if align is None else align
     e = group_sizes.shape[0]
     starts, ends = group_bounds(group_sizes, num_rows)
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
-    first = starts // block_m
-    blocks = jnp.where(ends > starts, (ends + block_m - 1) // block_m - first, 0)
-    cum = jnp.cumsum(blocks)
-    max_pairs = -(-num_rows // block_m) + e
-    i = jnp.arange(max_pairs, dtype=jnp.int32)
+    first = starts // align * align
+    tiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
+    cum = jnp.cumsum(tiles)
+    # each of the E + 1 groups adds at most one partial tile, and align - 1 leading rows when align < block_m
+    lead = 0 if align == block_m else (e + 1) * (align - 1)
+    max_tiles = -(-(num_rows + lead) // block_m) + e + 1
+    i = jnp.arange(max_tiles, dtype=jnp.int32)
     g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e).astype(jnp.int32)
-    block = first[g] + i - (cum[g] - blocks[g])
-    lo = jnp.maximum(starts[g], block * block_m)
-    hi = jnp.minimum(ends[g], (block + 1) * block_m)
-    return g, block.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), cum[-1:].astype(jnp.int32)
+    tile = first[g] + (i - (cum[g] - tiles[g])) * block_m
+    lo = jnp.maximum(starts[g], tile)
+    hi = jnp.minimum(ends[g], tile + block_m)
+    start = jnp.maximum(jnp.minimum(tile, num_rows - block_m), 0)
+    return g, start.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), cum[-1:].astype(jnp.int32)

@@ -368,15 +368,20 @@ def test_gpu_mosaic_refuses_float32_by_name():
 
 
 @pytest.mark.gpu
-def test_gpu_triton_under_vmap_and_grad(request):
+@pytest.mark.parametrize("impl,t,k,n", [("triton", 300, 64, 96), ("mosaic_gpu", 512, 256, 256)])
+def test_gpu_under_vmap_and_grad(request, impl, t, k, n):
+    from jrl.kernels.moe import mosaic_gpu
+
+    if impl == "mosaic_gpu" and mosaic_gpu.unavailable_reason():
+        pytest.skip(mosaic_gpu.unavailable_reason())
     rng = rng_for(request)
-    b, t, k, n, e = 2, 300, 64, 96, 4
+    b, e = 2, 4
     lhs = jnp.asarray(rng.standard_normal((b, t, k)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((e, k, n)) / 8, jnp.bfloat16)
     gs = jnp.asarray(np.stack([group_sizes_cases(t, e, rng)["ragged"] for _ in range(b)]), jnp.int32)
 
-    def f(x, w):  # vmap over the batch (the triton wrappers loop over it)
-        y = jax.vmap(lambda a, g: moe.gmm(a, w, g, impl="triton"))(x, gs)
+    def f(x, w):  # vmap over the batch (the kernel wrappers loop over it)
+        y = jax.vmap(lambda a, g: moe.gmm(a, w, g, impl=impl))(x, gs)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     def f_ref(x, w):  # ragged_dot cannot vmap over batched group sizes: a Python loop

@@ -45,9 +45,9 @@ def _select(impl: str, lhs, rhs, group_sizes, forward: bool = True):
 
     def call_check(name: str) -> str | None:
         if name == "mosaic_gpu" and forward:  # its tiles must fit the forward's shapes
-            from jrl.kernels.moe import mosaic_gpu_kernel as mosaic_gpu
+            from jrl.kernels.moe.mosaic_gpu_kernel import unsupported_reason
 
-            return mosaic_gpu.unsupported_reason(lhs.shape, lhs.dtype, rhs.shape, rhs.dtype)
+            return unsupported_reason(lhs.shape, lhs.dtype, rhs.shape, rhs.dtype)
         return None
 
     return _dispatch.select("gmm", IMPLS, ORDER, impl, config=config, call_check=call_check)

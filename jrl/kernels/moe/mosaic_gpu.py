@@ -12,10 +12,10 @@ from jrl.kernels.moe.mosaic_gpu_kernel import gmm_call, unsupported_reason
 
 
 def unavailable_reason() -> str | None:
-    devs = [d for d in jax.devices() if d.platform == "gpu"]
-    if not devs:
-        return "needs a GPU"
-    cc = getattr(devs[0], "compute_capability", "")
+    reason = fallback.unavailable_reason()  # a GPU at all
+    if reason:
+        return reason
+    cc = getattr(next(d for d in jax.devices() if d.platform == "gpu"), "compute_capability", "")
     if cc != "9.0":
         return f"needs a Hopper GPU (compute capability 9.0; wgmma), found {cc or 'unknown'}"
     return None

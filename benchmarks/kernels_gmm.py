@@ -89,8 +89,9 @@ def sweep_mosaic(lhs, rhs, gs, dout, log):
 
     from jrl.kernels.moe import mosaic_gpu_kernel as MK
 
-    cands = [MK.MosaicGmmConfig(), MK.MosaicGmmConfig(delay_release=1), MK.MosaicGmmConfig(stages=3, out_slots=2),
-             MK.MosaicGmmConfig(split="m"), MK.MosaicGmmConfig(tile_n=64, stages=5), MK.MosaicGmmConfig(row_align=8)]
+    cands = [MK.MosaicGmmConfig(), MK.MosaicGmmConfig(row_align=None), MK.MosaicGmmConfig(delay_release=1),
+             MK.MosaicGmmConfig(stages=3, out_slots=2), MK.MosaicGmmConfig(split="m"),
+             MK.MosaicGmmConfig(tile_n=64, stages=5)]
     for pass_ in ("fwd", "dlhs"):
         transpose = pass_ == "dlhs"
         a = dout if transpose else lhs

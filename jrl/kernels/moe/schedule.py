@@ -58,7 +58,8 @@ def aligned_tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int,
     lead = 0 if align == block_m else (e + 1) * (align - 1)
     max_tiles = -(-(num_rows + lead) // block_m) + e + 1
     i = jnp.arange(max_tiles, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(cum, i, side="right"), e).astype(jnp.int32)
+    # compare_all: one fused comparison (the default binary search is a while loop: ~50 us of launches on a GPU)
+    g = jnp.minimum(jnp.searchsorted(cum, i, side="right", method="compare_all"), e).astype(jnp.int32)
     tile = first[g] + (i - (cum[g] - tiles[g])) * block_m
     lo = jnp.maximum(starts[g], tile)
     hi = jnp.minimum(ends[g], tile + block_m)

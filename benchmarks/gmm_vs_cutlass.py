@@ -45,8 +45,7 @@ def jrl_sides(names, t, schedule_probe):
             sides[name] = jax.jit(lambda a, b, g, impl=name: moe.gmm(a, b, g, impl=impl))
     if schedule_probe:
         cfg = MK.DEFAULT_CONFIG
-        align = cfg.row_align or cfg.cta_m
-        sides["schedule alone"] = jax.jit(lambda a, b, g: S.aligned_tile_schedule(g, t, cfg.cta_m, align))
+        sides["schedule alone"] = jax.jit(lambda a, b, g: S.aligned_tile_schedule(g, t, cfg.cta_m, cfg.tile_align))
     return sides
 
 

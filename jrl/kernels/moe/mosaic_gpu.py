@@ -25,8 +25,8 @@ def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs):
     """The Mosaic kernel where it takes the operands, else the Triton one."""
     if unsupported_reason(lhs.shape, lhs.dtype, rhs.shape, rhs.dtype, transpose_rhs=transpose_rhs) is None:
         return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-    return fallback.gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                             cfg=cfgs.dlhs if transpose_rhs else cfgs.fwd)
+    return fallback.configured_gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                                        cfgs=cfgs)
 
 
 gmm = fallback.differentiable_gmm(_call)

@@ -7,9 +7,9 @@ memory warpgroup streams ``lhs`` and ``rhs[g]`` blocks through a ring of shared-
 warpgroups run ``wgmma`` on them, each owning half of the program's tile. A group's row tiles start at its first
 row rounded down to 8 rows (``MosaicGmmConfig.row_align``; or to the tile height; a TMA load's row offset read from
 memory must be visibly aligned), so a tile may begin with rows of the previous group (with row blocks, a block
-shared by two groups is computed once per group); each tile stores only its own group's rows: whole tiles in one swizzled store, partial
-ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past ``sum(group_sizes)``
-are written as zeros. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
+shared by two groups is computed once per group); each tile stores only its own group's rows: whole tiles in one
+swizzled store, partial ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past
+``sum(group_sizes)`` are written as zeros. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class MosaicGmmConfig:
     @property
     def cta_n(self) -> int:
         return self.tile_n * (2 if self.split == "n" else 1)
+
+    @property
+    def tile_align(self) -> int:
+        """What a row tile's first row is a multiple of (the schedule's ``align``)."""
+        return self.row_align or self.cta_m
 
 
 # Chosen on an H200 against 3-stage, two-slot, delayed-release and M-split variants (T=32768, K=2048, N=1024,
@@ -107,7 +112,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
     # A tile's first row is read from memory in units of ``align`` rows and reaches the TMA load as a block index (row
     # blocks) or as that count times ``align``, an element offset visibly a multiple of 8 (Mosaic's layout inference
     # takes no other data-dependent offset into swizzled tiles).
-    align = cfg.row_align or cta_m
+    align = cfg.tile_align
     blocked = cfg.row_align is None
 
     def pipeline(step, context, units=0):
@@ -131,8 +136,9 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
 
     def body(live_ref, group_ref, units_ref, lo_ref, hi_ref, lhs_gmem, rhs_gmem, out_gmem):
         ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
-        # Two store slots per warpgroup, seen two ways: swizzled (bank-conflict-free register stores) for a chunk
-        # whose rows all belong to the pair, plain (any row offset) for the ladder of a partial chunk.
+        # ``out_slots`` store slots for each of the two compute warpgroups, seen two ways: swizzled (bank-conflict-free
+        # register stores) for a chunk whose rows all belong to the pair, plain (any row offset) for the ladder of a
+        # partial chunk.
         slots = (2, cfg.out_slots, tm, epi_n)
         out_smem = plgpu.RefUnion(plgpu.SMEM(slots, out_dtype),
                                   plgpu.SMEM(slots, out_dtype, transforms=swizzled(out_dtype, epi_n)))

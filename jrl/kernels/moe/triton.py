@@ -189,12 +189,13 @@ def differentiable_gmm(call):
     return gmm
 
 
-def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs):
+def configured_gmm_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs: Configs):
+    """:func:`gmm_call` with the tiles ``cfgs`` hold for the pass (forward, or the transposed input gradient)."""
     return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                     cfg=cfgs.dlhs if transpose_rhs else cfgs.fwd)
 
 
-gmm = differentiable_gmm(_call)
+gmm = differentiable_gmm(configured_gmm_call)
 gmm.__doc__ = "Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``."
 
 

@@ -1,6 +1,6 @@
 """jrl's grouped-matmul forward against PyTorch's CUTLASS kernel (``torch._grouped_mm``) in one process, in
-alternation: every round times every side once, so a GPU whose clock drifts between runs (the H200s lent here
-move by up to 15% from one call to the next) moves all sides alike. Prints, per shape, each side's min and
+alternation: every round times every side once, so a GPU whose clock drifts between runs (CUTLASS's own
+forward moved by up to 13% between calls on one H200) moves all sides alike. Prints, per shape, each side's min and
 median over the rounds and CUTLASS's time over the side's (speed ratio: above 1, the side is faster).
 
     python benchmarks/gmm_vs_cutlass.py [--rounds 4] [--sides mosaic_gpu,mosaic_gpu:row_blocks,triton]

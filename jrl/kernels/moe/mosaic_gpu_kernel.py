@@ -63,7 +63,7 @@ class MosaicGmmConfig:
 
 
 # Chosen on an H200 against 3-stage, two-slot, delayed-release and M-split variants (T=32768, K=2048, N=1024,
-# E in {8, 64, 128}) and row blocks (8-row starts: 3-6% faster on routed group sizes, the Qwen3-30B-A3B layer 3%;
+# E in {8, 64, 128}) and row blocks (8-row starts: 4-6% faster on routed group sizes, the Qwen3-30B-A3B layer 3%;
 # benchmarks/RESULTS.md).
 DEFAULT_CONFIG = MosaicGmmConfig()
 

@@ -34,7 +34,9 @@ layouts over every device run; process 0 reports.
 efficiency against the run's one-device time, when ``--devices`` has 1) on
 one device, on ``n`` devices with the experts gathered over ``fsdp`` (``expert=1``), and with ``expert=n``
 (expert parallelism: the tokens gathered over ``expert``); and the time of one dispatch alone (``exchange``); with
-``--profile DIR`` each layout's kernels as for ``train``.
+``--profile DIR`` each layout's kernels as for ``train``. ``moe --own-experts EP`` times instead, on one device,
+what one device of ``expert=EP`` computes between its collectives against the same work at ``EP = 1``
+(:func:`own_experts`): expert parallelism's own overhead, measurable without ``EP`` GPUs.
 
 ``exchange``: one device's dispatch of ``tokens`` tokens to ``expert=n``: the all-gather of the tokens that
 ``jrl.models.expert_parallel`` runs, against a padded ``all_to_all`` of their ``tokens x top_k`` rows (``n x tokens
@@ -49,6 +51,7 @@ first).
     python benchmarks/scaling.py train --devices 1,2 --micro-batches 8 --grad-sync micro_batch,update
     python benchmarks/scaling.py train --shape qwen3_30b_a3b --mode lora --init device --devices 4 --layouts fsdp,expert:4
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
+    python benchmarks/scaling.py moe --own-experts 4 [--expert-capacity 1.25]      # one GPU
     python benchmarks/scaling.py exchange --devices 2,4,8 --out scaling.jsonl
 
 On CPU (fake devices show the mechanism and the numerics, not speed):
@@ -335,6 +338,51 @@ def moe(args) -> None:
             jax.clear_caches()
 
 
+def own_experts(args) -> None:
+    """One expert-parallel device's work between its collectives, on one device (``moe --own-experts EP``): the
+    forward + backward of :func:`jrl.models.expert_parallel.own_experts` for device 0 of ``EP`` over ``EP x
+    --tokens-per-device`` tokens and its ``E / EP`` experts, against the same function at ``EP = 1`` over
+    ``--tokens-per-device`` tokens and every expert: the work a perfectly scaled layer would leave each device. Their
+    ratio is the expert-parallel layer's efficiency before its collectives, timed on one GPU."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jrl.models.expert_parallel import capacity_rows, own_experts as own
+    from jrl.models.moe import MoE, ROUTERS
+
+    config = moe_config(args)
+    capacity = args.expert_capacity or 0.0
+    block = MoE(config, rngs=nnx.Rngs(0))
+    params, _ = block.experts.arrays()
+    baseline = None
+    for ep in (1, args.own_experts):
+        local = config.num_experts // ep
+        x = jax.random.normal(jax.random.key(1), (ep * args.tokens_per_device, args.hidden), jnp.bfloat16)
+        weights, ids = ROUTERS[config.router](block.router_logits(x), None, config)
+        rows = capacity_rows(capacity, ids.size, ep)
+
+        @jax.jit
+        def forward_backward(params, x, weights=weights, ids=ids, rows=rows, local=local):
+            def loss(params, x):
+                y, _ = own(x, weights, ids, block.experts.compute, params, device=0, local_count=local, rows=rows)
+                return jnp.sum(y ** 2)
+            return jax.grad(loss, argnums=(0, 1))(params, x)
+
+        mine = tuple(p[:local] for p in params)
+        ms = C.bench(forward_backward, mine, x)["ms"]
+        baseline = ms if ep == 1 else baseline
+        row = dict(bench="scaling_moe_own_experts", ep=ep, experts=args.experts, local_experts=local,
+                   expert_capacity=capacity, buffer_rows=rows or ids.size, top_k=args.top_k, hidden=args.hidden,
+                   expert_size=args.expert_size, tokens_per_device=args.tokens_per_device, fwd_bwd_ms=round(ms, 3),
+                   efficiency=round(baseline / ms, 4), device=jax.devices()[0].device_kind,
+                   versions=f"jax {jax.__version__}")
+        if args.profile:
+            row["profile"] = C.kernel_profile(forward_backward, mine, x, top=12,
+                                              trace_dir=os.path.join(args.profile, f"own_experts_ep{ep}"))
+        C.report(row, args.out)
+
+
 def torch_sides(args) -> None:
     """The PyTorch peers of ``train``: transformers' model under FSDP2 (``fully_shard`` per decoder layer and the
     root) or DDP, bf16, fused AdamW, the same batch shape and loss, one process per GPU under torchrun."""
@@ -549,8 +597,12 @@ def main() -> None:
     moe_args.add_argument("--top-k", type=int, default=8)
     moe_args.add_argument("--hidden", type=int, default=2048)
     moe_args.add_argument("--expert-size", type=int, default=768)
+    moe_args.add_argument("--own-experts", type=int, default=0, metavar="EP",
+                          help="moe: time one expert-parallel device's own work at EP devices, on one device")
     args = ap.parse_args()
-    if args.what == "moe":
+    if args.what == "moe" and args.own_experts:
+        own_experts(args)
+    elif args.what == "moe":
         moe(args)
     elif args.what == "exchange":
         exchange(args)

@@ -146,16 +146,35 @@ def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Ex
                    capacity: float, other_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
     """One device's tokens ``x`` [B, S, H] (routed to ``ids`` [B, S, K] with ``weights``) through every expert: the
     tokens of the devices along ``axis`` gathered (when ``tokens_split``), each device runs its own experts on the
-    rows routed to them (the other rows sort last, past the groups, weighted 0; with a ``capacity`` only the first
-    :func:`capacity_rows` sorted rows are copied and run, the rest dropped), and the partial sums of every token's
-    experts are added over ``axis`` and handed back to the device that owns the token. Also returns the share of
-    the routed rows dropped (every device's, the same on each)."""
-    local_count = num_experts // ep
+    rows routed to them (:func:`own_experts`), and the partial sums of every token's experts are added over ``axis``
+    and handed back to the device that owns the token. Also returns the share of the routed rows dropped (every
+    device's, the same on each)."""
     if tokens_split:
         x, weights, ids = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, ids))
-    local = ids - jax.lax.axis_index(axis) * local_count
-    mine = (local >= 0) & (local < local_count)
     rows = capacity_rows(capacity, ids.size, ep)
+    y, mine = own_experts(x, weights, ids, experts, params, device=jax.lax.axis_index(axis),
+                          local_count=num_experts // ep, rows=rows)
+    y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
+    if mlp_axes:
+        y = jax.lax.psum(y, mlp_axes)
+    dropped = jnp.zeros((), jnp.float32)
+    if rows is not None:  # this device's rows past its buffer, over its token group's rows, averaged over the groups
+        dropped = jax.lax.psum(jnp.maximum(jnp.sum(mine) - rows, 0).astype(jnp.float32), axis) / ids.size
+        dropped = jax.lax.pmean(dropped, other_axes) if other_axes else dropped
+    return y.astype(x.dtype), dropped
+
+
+def own_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: ExpertsFn, params, *, device,
+                local_count: int, rows: int | None) -> tuple[jax.Array, jax.Array]:
+    """What expert-parallel device ``device`` computes between its collectives: the tokens ``x`` [..., H] of every
+    device on its axis (routed to ``ids`` [..., K] with ``weights``) through this device's ``local_count`` experts
+    (``params``, experts ``device x local_count ..`` of the model), float32 partial sums per token (zero for a token
+    none of whose experts are here), and the mask of the (token, expert) rows routed here. The other rows sort last,
+    past the groups, weighted 0; with ``rows`` (:func:`capacity_rows`) only the first ``rows`` sorted rows are copied
+    and run, the rest dropped. One device's work alone, so it can be timed without the others
+    (``benchmarks/scaling.py moe --own-experts``)."""
+    local = ids - device * local_count
+    mine = (local >= 0) & (local < local_count)
 
     def run(sorted_rows, counts):
         counts = counts[:local_count]
@@ -166,14 +185,7 @@ def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Ex
     # A token's partial sum over this device's experts stays float32 until the sums of every device are added.
     y = routed(x, jnp.where(mine, weights, 0), jnp.where(mine, local, local_count), local_count + 1, run,
                dtype=jnp.float32, capacity=rows)
-    y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
-    if mlp_axes:
-        y = jax.lax.psum(y, mlp_axes)
-    dropped = jnp.zeros((), jnp.float32)
-    if rows is not None:  # this device's rows past its buffer, over its token group's rows, averaged over the groups
-        dropped = jax.lax.psum(jnp.maximum(jnp.sum(mine) - rows, 0).astype(jnp.float32), axis) / ids.size
-        dropped = jax.lax.pmean(dropped, other_axes) if other_axes else dropped
-    return y.astype(x.dtype), dropped
+    return y, mine
 
 
 def capacity_rows(capacity: float, slots: int, ep: int) -> int | None:

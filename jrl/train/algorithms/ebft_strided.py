@@ -40,6 +40,7 @@ from jrl.models import strided as st
 from jrl.models.features import feature_layer_indices, feature_layers
 from jrl.rollout.base import SamplingParams
 from jrl.train.algorithms.base import ALGORITHMS
+from jrl.train.algorithms.ebft_structured import ebft_progress_postfix
 from jrl.train.ebft_config import EBFTConfig
 from jrl.train.learner import LossTerm, reduce_metrics
 
@@ -247,8 +248,8 @@ def block_rewards(gen_emb: np.ndarray, gt_emb: np.ndarray, valid: np.ndarray, eb
 
 
 
-#: Metrics shown on the progress bar, with the direction they should move.
-PROGRESS = (("align↑", "ebft/alignment"), ("cfm↓", "ebft/cfm_loss"), ("reward↑", "ebft/reward"))
+#: The metrics a step's log line names (the progress bar's: :func:`ebft_structured.ebft_progress_postfix`).
+PROGRESS = (("align", "ebft/alignment"), ("cfm", "ebft/cfm_loss"), ("reward", "ebft/reward"))
 
 
 @ALGORITHMS.register("ebft_strided")
@@ -350,7 +351,7 @@ class EBFTStrided:
         return int(rollout.layout.valid.sum()) * n * g
 
     def progress_postfix(self, metrics: dict[str, float]) -> dict[str, str]:
-        return {label: f"{metrics[key]:+.3f}" for label, key in PROGRESS}
+        return ebft_progress_postfix(metrics)
 
     def log_summary(self, metrics: dict[str, float]) -> str:
         return " ".join(f"{label} {metrics[key]:+.4f}" for label, key in PROGRESS)

@@ -111,6 +111,12 @@ def _reduction(name: str) -> str:
     return "sum" if name in ("loss", "ebft/ce_loss") else metric_reduction(name)
 
 
+def ebft_progress_postfix(metrics: dict[str, float]) -> dict[str, str]:
+    """An EBFT step's progress-bar fields (structured and strided alike), each with the direction it should move."""
+    return {"align": f"{metrics['ebft/alignment']:+.3f} ↑", "cfm": f"{metrics['ebft/cfm_loss']:.3f} ↓",
+            "reward": f"{metrics['ebft/reward']:+.3f} ↑", "loss": f"{metrics['loss']:.4f}"}
+
+
 @ALGORITHMS.register("ebft_structured")
 class EBFTStructured:
     """GRPO with EBFT's feature-matching reward (see the module docstring)."""
@@ -255,8 +261,7 @@ class EBFTStructured:
         return int(np.asarray(rollout.completion_mask).sum())
 
     def progress_postfix(self, metrics: dict[str, float]) -> dict[str, str]:
-        return {"align": f"{metrics['ebft/alignment']:+.3f} ↑", "cfm": f"{metrics['ebft/cfm_loss']:.3f} ↓",
-                "reward": f"{metrics['ebft/reward']:+.3f} ↑", "loss": f"{metrics['loss']:.4f}"}
+        return ebft_progress_postfix(metrics)
 
     def log_summary(self, metrics: dict[str, float]) -> str:
         return f"reward {metrics['reward/mean']:.4f}"

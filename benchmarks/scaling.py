@@ -51,7 +51,7 @@ first).
     python benchmarks/scaling.py train --devices 1,2 --micro-batches 8 --grad-sync micro_batch,update
     python benchmarks/scaling.py train --shape qwen3_30b_a3b --mode lora --init device --devices 4 --layouts fsdp,expert:4
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
-    python benchmarks/scaling.py moe --own-experts 4 [--expert-capacity 1.25]      # one GPU
+    python benchmarks/scaling.py moe --own-experts 4 [--expert-capacity 1.25]    # on one GPU
     python benchmarks/scaling.py exchange --devices 2,4,8 --out scaling.jsonl
 
 On CPU (fake devices show the mechanism and the numerics, not speed):

@@ -251,8 +251,7 @@ def test_gpu_matches_reference(request, impl, kw, dtype, n, h, v):
         from jrl.kernels.logprobs import triton as lp_triton
 
         extra["config"] = lp_triton.Config(**kw, chunk_v=2048)
-    with jax.default_matmul_precision("highest"):
-        check_against_reference(impl, rng_for(request), n, h, v, dtype, **extra)
+    check_against_reference(impl, rng_for(request), n, h, v, dtype, **extra)
 
 
 @pytest.mark.gpu
@@ -261,16 +260,15 @@ def test_gpu_triton_options(request, with_entropy):
     from jrl.kernels.logprobs import triton as lp_triton
 
     rng = rng_for(request)
-    with jax.default_matmul_precision("highest"):
-        check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
-                                temperature=1.0)
-        check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
-                                lm_head_f32=True)
-        saving = lp_triton.Config(save_probs=True)
-        check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
-                                temperature=1.0, config=saving)
-        check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
-                                lm_head_f32=True, config=saving)
+    check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
+                            temperature=1.0)
+    check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
+                            lm_head_f32=True)
+    saving = lp_triton.Config(save_probs=True)
+    check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
+                            temperature=1.0, config=saving)
+    check_against_reference("triton", rng, 300, 256, 3001, jnp.bfloat16, with_entropy=with_entropy,
+                            lm_head_f32=True, config=saving)
 
 
 @pytest.mark.gpu
@@ -282,9 +280,8 @@ def test_gpu_triton_save_probs_large_logits(request):
     rng = rng_for(request)
     hidden, lm_head, *_ = make_inputs(rng, 200, 128, 2000, jnp.bfloat16, scale=2.5)
     assert float(jnp.max(jnp.abs(reference.logits_f32(hidden, lm_head)))) > 20, "inputs too tame for this test"
-    with jax.default_matmul_precision("highest"):
-        check_against_reference("triton", rng, 200, 128, 2000, jnp.bfloat16, temperature=1.0, scale=2.5,
-                                config=lp_triton.Config(save_probs=True))
+    check_against_reference("triton", rng, 200, 128, 2000, jnp.bfloat16, temperature=1.0, scale=2.5,
+                            config=lp_triton.Config(save_probs=True))
 
 
 @pytest.mark.gpu

@@ -215,7 +215,6 @@ def test_aligned_tile_schedule_covers_every_row_once(request):
                 assert live[0] == len(blocks)
 
 
-
 def test_tile_schedule_lowers_without_a_loop():
     """The schedule runs before every grouped-matmul launch: lowered for CUDA it has no ``while`` (a binary search
     there cost ~0.05 ms per launch on an H200, a launch per iteration with the condition read back by the host)."""
@@ -225,6 +224,7 @@ def test_tile_schedule_lowers_without_a_loop():
         text = jax.jit(lambda g, a=align: aligned_tile_schedule(g, 65536, 128, a)).trace(
             jax.ShapeDtypeStruct((128,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "stablehlo.while" not in text and "stablehlo.case" not in text
+
 
 # --- Mosaic GPU kernel (lowered for CUDA here; run under -m gpu) ---------------------------------
 
@@ -295,9 +295,8 @@ def test_auto_on_cpu_is_reference_and_logged_once(request, caplog):
 @pytest.mark.parametrize("t,k,n,e", [(1000, 256, 320, 8), (777, 200, 96, 64), (64, 48, 40, 3)])
 def test_gpu_triton_matches_reference(request, dtype, t, k, n, e):
     rng = rng_for(request)
-    with jax.default_matmul_precision("highest"):
-        for gs in group_sizes_cases(t, e, rng).values():
-            check_gmm("triton", rng, t, k, n, e, dtype, gs)
+    for gs in group_sizes_cases(t, e, rng).values():
+        check_gmm("triton", rng, t, k, n, e, dtype, gs)
 
 
 @pytest.mark.gpu
@@ -306,20 +305,19 @@ def test_gpu_triton_tgmm_and_lora(request):
     t, k, n, e, r = 900, 128, 192, 16, 8
     gs = group_sizes_cases(t, e, rng)["sum<T"]
     lhs, rhs, gsj, dout = make(rng, t, k, n, e, jnp.bfloat16, gs)
-    with jax.default_matmul_precision("highest"):
-        assert_close(moe.tgmm(lhs, dout.astype(jnp.bfloat16), gsj, impl="triton"),
-                     reference.tgmm(lhs, dout.astype(jnp.bfloat16), gsj), jnp.bfloat16, "tgmm")
-        a = jnp.asarray(rng.standard_normal((e, k, r)) / 8, jnp.bfloat16)
-        b = jnp.asarray(rng.standard_normal((e, r, n)) / 2, jnp.bfloat16)
+    assert_close(moe.tgmm(lhs, dout.astype(jnp.bfloat16), gsj, impl="triton"),
+                 reference.tgmm(lhs, dout.astype(jnp.bfloat16), gsj), jnp.bfloat16, "tgmm")
+    a = jnp.asarray(rng.standard_normal((e, k, r)) / 8, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((e, r, n)) / 2, jnp.bfloat16)
 
-        def loss(impl):
-            return jax.vjp(lambda x, w, a_, b_: moe.gmm_lora(x, w, a_, b_, 2.0, gsj, impl=impl), lhs, rhs, a, b)
+    def loss(impl):
+        return jax.vjp(lambda x, w, a_, b_: moe.gmm_lora(x, w, a_, b_, 2.0, gsj, impl=impl), lhs, rhs, a, b)
 
-        out, vjp = loss("triton")
-        ref, vjp_ref = loss("reference")
-        assert_close(out, ref, jnp.bfloat16, "lora out")
-        for name, g, gr in zip(["x", "W", "A", "B"], vjp(out), vjp_ref(out)):
-            assert_close(g, gr, jnp.bfloat16, f"lora d{name}")
+    out, vjp = loss("triton")
+    ref, vjp_ref = loss("reference")
+    assert_close(out, ref, jnp.bfloat16, "lora out")
+    for name, g, gr in zip(["x", "W", "A", "B"], vjp(out), vjp_ref(out)):
+        assert_close(g, gr, jnp.bfloat16, f"lora d{name}")
 
 
 @pytest.mark.gpu
@@ -343,9 +341,8 @@ def test_gpu_mosaic_matches_reference(request, t, k, n, e):
     if mosaic_gpu.unavailable_reason():
         pytest.skip(mosaic_gpu.unavailable_reason())
     rng = rng_for(request)
-    with jax.default_matmul_precision("highest"):
-        for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32)]:
-            check_gmm("mosaic_gpu", rng, t, k, n, e, jnp.bfloat16, gs)
+    for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32)]:
+        check_gmm("mosaic_gpu", rng, t, k, n, e, jnp.bfloat16, gs)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ row rounded down to 8 rows (``MosaicGmmConfig.row_align``; or to the tile height
 memory must be visibly aligned), so a tile may begin with rows of the previous group (with row blocks, a block
 shared by two groups is computed once per group); each tile stores only its own group's rows: whole tiles in one
 swizzled store, partial ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past
-``sum(group_sizes)`` are written as zeros. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
+``sum(group_sizes)`` are written as zeros. ``rhs`` may be read transposed in place (the input gradient's
+``dout @ rhs[g].T``).
 """
 
 from __future__ import annotations

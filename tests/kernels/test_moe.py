@@ -335,13 +335,15 @@ def test_gpu_auto_picks_mosaic_where_its_tiles_fit():
 @pytest.mark.parametrize("t,k,n,e", [(1024, 512, 512, 8), (2048, 256, 768, 64), (640, 512, 256, 3)])
 def test_gpu_mosaic_matches_reference(request, t, k, n, e):
     """Forward on the Mosaic kernel, the input gradient on it too where K fits its tiles (K % 256), the weight
-    gradient on Triton; ragged groups with an empty one, and a sum below T (rows past it must be zero)."""
+    gradient on Triton; ragged groups with an empty one, a sum below T (rows past it must be zero, written without a
+    product) and a quarter of the rows routed (an expert-parallel device's buffer: most tiles are such rows)."""
     from jrl.kernels.moe import mosaic_gpu
 
     if mosaic_gpu.unavailable_reason():
         pytest.skip(mosaic_gpu.unavailable_reason())
     rng = rng_for(request)
-    for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32)]:
+    quarter = rng.multinomial(t // 4, np.full(e, 1.0 / e)).astype(np.int32)
+    for gs in [*group_sizes_cases(t, e, rng).values(), np.full(e, t // e, np.int32), quarter]:
         check_gmm("mosaic_gpu", rng, t, k, n, e, jnp.bfloat16, gs)
 
 

@@ -9,8 +9,8 @@ row rounded down to 8 rows (``MosaicGmmConfig.row_align``; or to the tile height
 memory must be visibly aligned), so a tile may begin with rows of the previous group (with row blocks, a block
 shared by two groups is computed once per group); each tile stores only its own group's rows: whole tiles in one
 swizzled store, partial ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past
-``sum(group_sizes)`` are written as zeros. ``rhs`` may be read transposed in place (the input gradient's
-``dout @ rhs[g].T``).
+``sum(group_sizes)`` are written as zeros without a product (an expert-parallel device's buffer is mostly such
+rows). ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
 """
 
 from __future__ import annotations
@@ -159,13 +159,31 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
                 (lin,) = info.index
                 mt, nt = lin // n_iters, lax.rem(lin, n_iters)
                 g, units, lo = group_ref[mt], units_ref[mt], lo_ref[mt]
-                sentinel = g >= e
                 # this warpgroup's rows of the block: [row0, row0 + tm); the pair's rows in them: [first, last)
                 row0 = units * align + (wg * tm if split_m else 0)
                 first = jnp.clip(lo - row0, 0, tm)
                 last = jnp.clip(hi_ref[mt] - row0, 0, tm)
-                full = jnp.logical_and(jnp.logical_and(first == 0, last == tm), jnp.logical_not(sentinel))
+                full = jnp.logical_and(first == 0, last == tm)
                 col0 = nt * cta_n + (0 if split_m else wg * tn)
+
+                def free_slot():
+                    # the slot's previous chunk has been read (slots are taken in turn within a tile and, when the
+                    # chunk count is a multiple of the slot count, across tiles too)
+                    plgpu.wait_smem_to_gmem(cfg.out_slots - 1 if chunks % cfg.out_slots == 0 else 0,
+                                            wait_read_only=True)
+
+                def store_rows(c, value):
+                    # rows [first, last) of chunk c through a plain slot, as stores of 2^j rows, largest first
+                    slot = plain_smem.at[wg, c % cfg.out_slots]
+                    slot[...] = value
+                    plgpu.commit_smem()
+                    count, off, size = last - first, first, tm
+                    while size >= 1:
+                        plgpu.copy_smem_to_gmem(slot.at[pl.ds(off, size)],
+                                                out_gmem.at[pl.ds(row0 + off, size), pl.ds(col0 + c * epi_n, epi_n)],
+                                                predicate=(count & size) != 0, commit_group=False)
+                        off = off + (count & size)
+                        size //= 2
 
                 def context(run_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
@@ -174,42 +192,21 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
                         plgpu.wgmma_wait(0)
                         acc = acc_ref[...].astype(out_dtype)
                         for c in range(chunks):
-                            dst_cols = pl.ds(col0 + c * epi_n, epi_n)
                             value = acc[:, c * epi_n:(c + 1) * epi_n]
-                            # the slot's previous chunk has been read (slots are taken in turn within a tile and,
-                            # when the chunk count is a multiple of the slot count, across tiles too)
-                            plgpu.wait_smem_to_gmem(cfg.out_slots - 1 if chunks % cfg.out_slots == 0 else 0,
-                                                    wait_read_only=True)
+                            free_slot()
 
                             @pl.when(full)
                             def _whole():
                                 slot = swizzled_smem.at[wg, c % cfg.out_slots]
                                 slot[...] = value
                                 plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(slot, out_gmem.at[pl.ds(row0, tm), dst_cols],
-                                                        commit_group=False)
+                                plgpu.copy_smem_to_gmem(
+                                    slot, out_gmem.at[pl.ds(row0, tm), pl.ds(col0 + c * epi_n, epi_n)],
+                                    commit_group=False)
 
                             @pl.when(jnp.logical_not(full))
                             def _rows():
-                                slot = plain_smem.at[wg, c % cfg.out_slots]
-
-                                @pl.when(sentinel)
-                                def _zeros():
-                                    slot[...] = jnp.zeros((tm, epi_n), out_dtype)
-
-                                @pl.when(jnp.logical_not(sentinel))
-                                def _values():
-                                    slot[...] = value
-
-                                plgpu.commit_smem()
-                                # rows [first, last) as stores of 2^j rows, largest first
-                                count, off, size = last - first, first, tm
-                                while size >= 1:
-                                    plgpu.copy_smem_to_gmem(slot.at[pl.ds(off, size)],
-                                                            out_gmem.at[pl.ds(row0 + off, size), dst_cols],
-                                                            predicate=(count & size) != 0, commit_group=False)
-                                    off = off + (count & size)
-                                    size //= 2
+                                store_rows(c, value)
 
                             plgpu.commit_smem_to_gmem_group()
 
@@ -223,12 +220,22 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
                     plgpu.wgmma_wait(cfg.delay_release)
                     return acc_ref
 
-                pipeline(step, context, units)(
-                    lhs_gmem,
-                    (rhs_gmem.at[jnp.minimum(g, e - 1)].at[pl.ds(nt * cta_n, cta_n), :] if transpose_rhs
-                     else rhs_gmem.at[jnp.minimum(g, e - 1)].at[:, pl.ds(nt * cta_n, cta_n)]),
-                    allocations=allocs,
-                )
+                @pl.when(g < e)
+                def _product():
+                    pipeline(step, context, units)(
+                        lhs_gmem,
+                        (rhs_gmem.at[g].at[pl.ds(nt * cta_n, cta_n), :] if transpose_rhs
+                         else rhs_gmem.at[g].at[:, pl.ds(nt * cta_n, cta_n)]),
+                        allocations=allocs,
+                    )
+
+                # the sentinel group's rows (past sum(group_sizes)): zeros from the compute warpgroups, no product
+                @pl.when(jnp.logical_and(g >= e, wg < 2))
+                def _zeros():
+                    for c in range(chunks):
+                        free_slot()
+                        store_rows(c, jnp.zeros((tm, epi_n), out_dtype))
+                        plgpu.commit_smem_to_gmem_group()
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -49,6 +49,7 @@ first).
     python benchmarks/scaling.py train --shape llama1b --devices 8 --processes 8 --out scaling.jsonl
     python benchmarks/scaling.py train --shape llama1b --devices 1,4 --micro-batches 8    # accumulate, then update
     python benchmarks/scaling.py train --devices 1,2 --micro-batches 8 --grad-sync micro_batch,update
+    python benchmarks/scaling.py train --devices 1,2,4 --grad-sync micro_batch,update    # one micro-batch per step
     python benchmarks/scaling.py train --shape qwen3_30b_a3b --mode lora --init device --devices 4 --layouts fsdp,expert:4
     python benchmarks/scaling.py moe --devices 1,8 --out scaling.jsonl
     python benchmarks/scaling.py moe --own-experts 4 [--expert-capacity 1.25]    # on one GPU
@@ -155,7 +156,7 @@ def train(args) -> None:
     names = args.layouts.split(",") + ([f"tensor:{args.tensor}"] if args.tensor > 1 else [])
     syncs = args.grad_sync.split(",")
     runs = [(n, sizes, sync) for n, sizes in _layouts(devices, names, count)
-            for sync in (syncs if n > 1 and args.micro_batches > 1 else syncs[:1])]
+            for sync in (syncs if n > 1 else syncs[:1])]
     for n, sizes, sync in runs:
         mesh, rules = _mesh(n, sizes, args.rules)
         micro = n * args.rows_per_device if args.micro_batches > 1 else None
@@ -174,7 +175,7 @@ def train(args) -> None:
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
-                   micro_batches=args.micro_batches, grad_sync=sync if n > 1 and micro else None,
+                   micro_batches=args.micro_batches, grad_sync=sync if n > 1 else None,
                    expert_capacity=args.expert_capacity,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.active_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
@@ -564,8 +565,7 @@ def main() -> None:
                             help="micro-batches of --rows-per-device rows per GPU in a step (>1: gradients "
                                  "accumulated, then one optimizer update, as a GRPO step of many rows runs)")
     train_args.add_argument("--grad-sync", default="auto",
-                            help="comma list of OptimConfig.grad_sync values, each run on every multi-device layout "
-                                 "(with --micro-batches > 1)")
+                            help="comma list of OptimConfig.grad_sync values, each run on every multi-device layout")
     train_args.add_argument("--check-rows", type=int, default=8,
                             help="rows of the numerics batch every layout updates on (divisible by every fsdp size)")
     train_args.add_argument("--layouts", default="fsdp",

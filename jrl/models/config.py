@@ -176,9 +176,10 @@ class ModelConfig:
     factor. 0 = dropless: every row runs (a buffer of ``expert`` x tokens x top-k row slots, exact). Runtime only:
     not part of the HF config."""
     grad_reduce_dtype: str | None = None
-    """Dtype in which the per-device path (:attr:`fsdp_prefetch`) reduce-scatters weight gradients: ``None`` =
-    ``param_dtype``, ``float32`` to sum bf16 weights' gradients in float32 (twice the bytes). Weights are always
-    gathered in the compute ``dtype``. Runtime only: not part of the HF config."""
+    """Dtype in which the per-device path (:attr:`fsdp_prefetch`) and an update accumulated per device
+    (``OptimConfig.grad_sync``) reduce-scatter weight gradients: ``None`` = ``param_dtype``, ``float32`` to sum bf16
+    weights' gradients in float32 (twice the bytes). Weights are always gathered in the compute ``dtype``. Runtime
+    only: not part of the HF config."""
 
     def __post_init__(self):
         def fix(name, value):

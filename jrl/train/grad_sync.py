@@ -70,7 +70,7 @@ def local_axes(mode: str, mesh: Mesh | None, rules: Mapping, *, is_moe: bool, lo
     reduce every micro-batch's gradient. ``update`` that cannot run raises naming why."""
     if mode == "micro_batch" or (mode == "auto" and not auto_local):
         return None
-    if mesh is None or mesh.size == 1 or len(row_counts) < 2:
+    if mesh is None or mesh.size == 1 or (mode == "auto" and len(row_counts) < 2):
         return None
     why = refusal(mesh, rules, is_moe, losses, row_counts)
     if why is not None:

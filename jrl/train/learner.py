@@ -41,8 +41,8 @@ from jrl.sharding import DEFAULT_RULES, HostPack, batch_sharding, from_host, on_
 from jrl.train.grad_sync import auto_takes_update, local_axes
 from jrl.train.optim_config import OptimConfig
 from jrl.train.update_programs import (Flat, Scalars, Static, apply_update, copy_tree, evaluate, gathered,
-                                       local_accumulator, local_micro_step, micro_step, micro_step_and_apply,
-                                       reduce_and_apply, respelled, zeros_like)
+                                       local_accumulator, local_micro_step, local_step_and_apply, micro_step,
+                                       micro_step_and_apply, reduce_and_apply, respelled, zeros_like)
 
 
 class LossTerm(NamedTuple):
@@ -164,6 +164,7 @@ class Learner:
         self._params, self._frozen = Flat.of(respelled(params)), Flat.of(frozen)
         self._static_graphdef = Static(graphdef)
         self._is_moe = bool(config is not None and config.is_moe)
+        self._reduce_dtype = getattr(config, "grad_reduce_dtype", None)
         # Whether grad_sync="auto" takes per-device accumulation where an update can: the weights' sizes decide, and
         # they do not change.
         self._auto_local = (mesh is not None and optim.grad_sync == "auto"
@@ -208,7 +209,7 @@ class Learner:
 
     @opt_state.setter
     def opt_state(self, value) -> None:
-        self._opt_state = Flat.of(value)
+        self._opt_state = Flat.of(respelled(value))
 
     @property
     def graphdef(self) -> nnx.GraphDef:
@@ -357,25 +358,34 @@ class Learner:
     def step(self, terms: list[LossTerm]) -> tuple[UpdateMetrics, int]:
         """One optimizer update on ``terms``: (per-micro-batch metrics plus ``learning_rate`` and
         ``grad_norm``, number of skipped micro-batches). An update of a single micro-batch runs as one
-        program (gradient and optimizer together, no accumulator); one of several micro-batches accumulating per
-        device (``OptimConfig.grad_sync``) has each device's metrics of each micro-batch as one value."""
+        program (gradient and optimizer together, no accumulator); an update accumulating per device
+        (``OptimConfig.grad_sync``) has each device's metrics of each micro-batch as one value."""
         plan, skipped = self._plan(terms)
         with on_host():
             learning_rate = self.schedule(self.num_updates)
         collected = UpdateMetrics(learning_rate=[learning_rate])
+        axes = self._local_axes(plan)
         if len(plan) == 1:
             (_, term, sl), = plan
             batch = self._put_micro_batch(take_rows(term.rows, sl), term.aux)
             with uninitialized_scan_outputs(self._unfilled_scans, per_device_only=self._unfilled_per_device):
-                self._params, self._opt_state, part = micro_step_and_apply(
-                    self._params, self._opt_state, self._frozen, batch,
-                    graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router)
+                if axes is None:
+                    self._params, self._opt_state, part = micro_step_and_apply(
+                        self._params, self._opt_state, self._frozen, batch,
+                        graphdef=self._static_graphdef, loss=term.loss, tx=self.tx, router=self._router)
+                else:
+                    self._params, self._opt_state, part, gnorm = local_step_and_apply(
+                        self._params, self._opt_state, self._frozen, batch, graphdef=self._local_graphdef,
+                        loss=term.loss, tx=self.tx, router=self._router, mesh=self.mesh, axes=axes,
+                        layout=self._layout, reduce_dtype=self._reduce_dtype)
+                    collected.add(gnorm)
             self.num_updates += 1
             collected.add(part)
-        elif (axes := self._local_axes(plan)) is not None:
+        elif axes is not None:
             acc = self._accumulate(plan, collected, axes)
             self._params, self._opt_state, gnorm = reduce_and_apply(self._params, self._opt_state, acc, tx=self.tx,
-                                                                    layout=self._layout)
+                                                                    layout=self._layout,
+                                                                    reduce_dtype=self._reduce_dtype)
             self.num_updates += 1
             collected.add(gnorm)
         else:

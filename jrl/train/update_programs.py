@@ -12,7 +12,8 @@ Two ways to accumulate the gradients of an update's micro-batches on a mesh (``O
   slices into the parameters' layout (one reduce-scatter) before the optimizer update. No collective runs between
   micro-batches, at the memory of the whole weights and a whole gradient per device (ZeRO-2 with the weights
   kept gathered over the update). The loss must be a sum over rows (each device sees only its own): see
-  :mod:`jrl.train.grad_sync`.
+  :mod:`jrl.train.grad_sync`. An update of one micro-batch runs it as one program (:func:`local_step_and_apply`):
+  one all-gather of the weights, the one-device program, one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -135,8 +136,9 @@ def optimizer_update(params, opt_state, grads, tx):
 # The programs below take and return the learner's trees as :class:`Flat`.
 def respelled(tree):
     """``tree``'s arrays with their shardings spelled as a program's output spells them (a :class:`NamedSharding`'s
-    spec without trailing Nones), rewrapped without a copy. The parameters come back from the first optimizer update
-    spelled so; had they been spelled otherwise before it, every program taking them would compile again."""
+    spec without trailing Nones), rewrapped without a copy. The parameters and the optimizer state come back from
+    the first optimizer update spelled so; had they been spelled otherwise before it, every program taking them
+    would compile again."""
     def one(x):
         if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
             return x
@@ -226,34 +228,76 @@ def local_accumulator(params: Flat, *, mesh: Mesh, axes: tuple[str, ...]) -> Fla
                                    for x in params.leaves])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router", "mesh", "axes"), donate_argnums=0)
-def local_micro_step(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_batches, *, graphdef, loss, router,
-                     mesh: Mesh, axes: tuple[str, ...]):
-    """Each device's gradient of its rows of one micro-batch added to its slice of ``acc`` (donated), with whole
-    ``params`` and ``frozen`` on every device and ``graphdef`` a model without a mesh (the one-device program);
-    each device's loss and metrics as one row of the returned :class:`Scalars` [d, k]; on a mesh of several
-    processes gathered onto every device, so that each process can read them all."""
+def _per_device_grads(graphdef, loss, router, mesh: Mesh, axes: tuple[str, ...], with_acc: bool):
+    """The ``shard_map`` of each device's gradient of its rows of one micro-batch, whole weights on every device
+    (``graphdef`` a model without a mesh: the one-device program): ``(acc, params, frozen, rows, aux,
+    micro_batches) -> (acc + gradient, per-device scalars)`` with ``with_acc``, else the same without ``acc`` and
+    the gradient alone. Gradients and ``acc`` have a leading device axis split over the batch ``axes``; each
+    device's loss and metrics are one row of the :class:`Scalars` [d, k], on a mesh of several processes gathered
+    onto every device, so that each process can read them all."""
     split, everywhere = PartitionSpec(axes), PartitionSpec()
     gather_metrics = jax.process_count() > 1
 
     def per_device(acc, params, frozen, rows, aux, micro_batches):
         (value, metrics), grads = grads_of(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss,
                                            router, micro_batches)
-        summed = [a + g[None] for a, g in zip(acc.leaves, params.like(grads).leaves, strict=True)]
+        grads = params.like(grads).leaves
+        summed = ([g[None] for g in grads] if acc is None
+                  else [a + g[None] for a, g in zip(acc.leaves, grads, strict=True)])
         scalars = Scalars.of({"loss": value, **metrics})
         values = jax.lax.all_gather(scalars.values, axes) if gather_metrics else scalars.values[None]
-        return Flat(acc.structure, summed), Scalars(scalars.names, values)
+        return Flat(params.structure, summed), Scalars(scalars.names, values)
 
-    fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
-                       in_specs=(split, everywhere, everywhere, split, everywhere, everywhere),
-                       out_specs=(split, everywhere if gather_metrics else split))
+    in_specs = (split, everywhere, everywhere, split, everywhere, everywhere)
+    out_specs = (split, everywhere if gather_metrics else split)
+    if with_acc:
+        return jax.shard_map(per_device, mesh=mesh, check_vma=False, in_specs=in_specs, out_specs=out_specs)
+    return jax.shard_map(functools.partial(per_device, None), mesh=mesh, check_vma=False, in_specs=in_specs[1:],
+                         out_specs=out_specs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router", "mesh", "axes"), donate_argnums=0)
+def local_micro_step(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_batches, *, graphdef, loss, router,
+                     mesh: Mesh, axes: tuple[str, ...]):
+    """Each device's gradient of its rows of one micro-batch added to its slice of ``acc`` (donated), with whole
+    ``params`` and ``frozen`` on every device (:func:`_per_device_grads`); each device's loss and metrics as one
+    row of the returned :class:`Scalars` [d, k]."""
+    fn = _per_device_grads(graphdef, loss, router, mesh, axes, with_acc=True)
     return fn(acc, params, frozen, rows, aux, micro_batches)
 
 
-@functools.partial(jax.jit, static_argnames=("tx", "layout"), donate_argnums=(0, 1))
-def reduce_and_apply(params: Flat, opt_state: Flat, acc: Flat, *, tx, layout: Static):
+def _summed(acc: Flat, layout: Static, reduce_dtype: str | None) -> Flat:
+    """The devices' gradients of ``acc`` (a leading device axis) added up into the parameters' ``layout``: one
+    reduce-scatter per array, in ``reduce_dtype`` (None: the gradient's own; ``ModelConfig.grad_reduce_dtype``).
+    ``jax.lax.reduce`` rather than ``sum``, which adds bfloat16 in float32 and so moved twice the bytes."""
+    def one(x):
+        y = x if reduce_dtype is None else x.astype(reduce_dtype)
+        return jax.lax.reduce(y, jnp.zeros((), y.dtype), jax.lax.add, (0,)).astype(x.dtype)
+
+    return laid_out(Flat(acc.structure, [one(x) for x in acc.leaves]), layout)
+
+
+@functools.partial(jax.jit, static_argnames=("tx", "layout", "reduce_dtype"), donate_argnums=(0, 1))
+def reduce_and_apply(params: Flat, opt_state: Flat, acc: Flat, *, tx, layout: Static, reduce_dtype: str | None):
     """The devices' gradient sums of ``acc`` (:func:`local_accumulator`) added up into the parameters' ``layout``
-    (one reduce-scatter per array), then one optimizer update (params and state donated); the global norm too."""
-    grads = laid_out(Flat(acc.structure, [x.sum(axis=0) for x in acc.leaves]), layout)
+    (one reduce-scatter per array, :func:`_summed`), then one optimizer update (params and state donated); the
+    global norm too."""
+    grads = _summed(acc, layout, reduce_dtype)
     new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads.tree, tx)
     return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router", "mesh", "axes", "layout",
+                                            "reduce_dtype"), donate_argnums=(0, 1))
+def local_step_and_apply(params: Flat, opt_state: Flat, frozen: Flat, batch, *, graphdef, loss, tx, router,
+                         mesh: Mesh, axes: tuple[str, ...], layout: Static, reduce_dtype: str | None):
+    """A whole update of one micro-batch accumulated per device, in one program: the weights gathered whole, each
+    device's gradient of its rows (:func:`_per_device_grads`), one reduce-scatter into the parameters' ``layout``
+    (:func:`_summed`), one optimizer update (params and state donated). Returns the per-device loss and metrics
+    [d, k] and the gradient's global norm."""
+    rows, aux = unpack(batch)
+    fn = _per_device_grads(graphdef, loss, router, mesh, axes, with_acc=False)
+    grads, part = fn(gathered(params, mesh=mesh), gathered(frozen, mesh=mesh), rows, aux, jnp.int32(1))
+    grads = _summed(grads, layout, reduce_dtype)
+    new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads.tree, tx)
+    return params.like(new_params), opt_state.like(new_state), part, Scalars.of({"grad_norm": gnorm})

@@ -55,6 +55,8 @@ first).
     python benchmarks/scaling.py moe --own-experts 4 [--expert-capacity 1.25]    # on one GPU
     python benchmarks/scaling.py exchange --devices 2,4,8 --out scaling.jsonl
 
+``benchmarks/scaling_gpu.sh`` runs the usual set (train, accum, torch, moe, own) on every GPU of a machine in one call.
+
 On CPU (fake devices show the mechanism and the numerics, not speed):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python benchmarks/scaling.py train \\

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The scale-out measurements of benchmarks/scaling.py in one device call, on every GPU of the machine, each stage
+# under its own time limit, results appended to $OUT/scaling.jsonl and summarised in $OUT/summary.md (a machine with
+# several GPUs is lent for a while and handed back when idle: one call measures everything).
+#   bash benchmarks/scaling_gpu.sh train accum torch moe own
+# stages: train (the 1B step, one micro-batch per GPU: the default per-layer FSDP and grad_sync=update gathering
+#         once), accum (8 micro-batches per GPU, both grad_sync values), torch (PyTorch FSDP2 and DDP peers),
+#         moe (the Qwen3-30B-A3B layer gathered and expert parallel, dropless, then with capacity 1.25),
+#         own (one expert-parallel device's own work at EP = the GPU count, on one GPU)
+# env: DEVICES (1,<all GPUs>), SHAPE (llama1b), STEPS (8), STAGE_TIMEOUT (300 s each), EXTRA (more scaling.py args)
+set -u
+OUT=${OUT:-$PWD/scaling_gpu_out}
+mkdir -p "$OUT"
+. benchmarks/gpu_env.sh
+N=$(python3 -c "import jax; print(jax.device_count())")
+DEVICES=${DEVICES:-1,$N}
+S="timeout ${STAGE_TIMEOUT:-300} python3 benchmarks/scaling.py"
+A="--out $OUT/scaling.jsonl ${EXTRA:-}"
+T="--shape ${SHAPE:-llama1b} --devices $DEVICES --steps ${STEPS:-8}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env.txt" 2>&1
+for stage in "$@"; do
+  start=$(date +%s)
+  case $stage in
+    train) $S train $T --grad-sync micro_batch,update $A ;;
+    accum) $S train $T --micro-batches 8 --grad-sync micro_batch,update $A ;;
+    torch) $S torch $T --wraps fsdp2,ddp $A ;;
+    moe) $S moe --devices "$DEVICES" $A && $S moe --devices "$N" --expert-capacity 1.25 $A ;;
+    own) $S moe --own-experts "$N" $A && $S moe --own-experts "$N" --expert-capacity 1.25 $A ;;
+    *) echo "unknown stage $stage" ;;
+  esac > "$OUT/$stage.log" 2>&1
+  echo "== $stage: exit $? in $(( $(date +%s) - start )) s"
+done
+[ -f "$OUT/scaling.jsonl" ] || { echo "no results: see $OUT/*.log"; exit 1; }
+python3 - "$OUT/scaling.jsonl" > "$OUT/summary.md" <<'PY'
+import json, sys
+
+FIELDS = ("bench", "wrap", "devices", "layout", "micro_batches", "grad_sync", "expert", "ep", "expert_capacity",
+          "step_s", "fwd_bwd_ms", "tokens_per_s_per_device", "efficiency", "mfu", "first_update_s",
+          "check_loss_rel_diff", "error")
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("| " + " | ".join(FIELDS) + " |")
+print("|" + "---|" * len(FIELDS))
+for r in rows:
+    print("| " + " | ".join("" if r.get(f) is None else str(r[f]) for f in FIELDS) + " |")
+PY
+cat "$OUT/summary.md"

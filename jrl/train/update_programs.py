@@ -228,32 +228,25 @@ def local_accumulator(params: Flat, *, mesh: Mesh, axes: tuple[str, ...]) -> Fla
                                    for x in params.leaves])
 
 
-def _per_device_grads(graphdef, loss, router, mesh: Mesh, axes: tuple[str, ...], with_acc: bool):
+def _per_device_grads(graphdef, loss, router, mesh: Mesh, axes: tuple[str, ...]):
     """The ``shard_map`` of each device's gradient of its rows of one micro-batch, whole weights on every device
-    (``graphdef`` a model without a mesh: the one-device program): ``(acc, params, frozen, rows, aux,
-    micro_batches) -> (acc + gradient, per-device scalars)`` with ``with_acc``, else the same without ``acc`` and
-    the gradient alone. Gradients and ``acc`` have a leading device axis split over the batch ``axes``; each
+    (``graphdef`` a model without a mesh: the one-device program): ``(params, frozen, rows, aux, micro_batches) ->
+    (gradient, per-device scalars)``. The gradient has a leading device axis split over the batch ``axes``; each
     device's loss and metrics are one row of the :class:`Scalars` [d, k], on a mesh of several processes gathered
     onto every device, so that each process can read them all."""
     split, everywhere = PartitionSpec(axes), PartitionSpec()
     gather_metrics = jax.process_count() > 1
 
-    def per_device(acc, params, frozen, rows, aux, micro_batches):
+    def per_device(params, frozen, rows, aux, micro_batches):
         (value, metrics), grads = grads_of(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss,
                                            router, micro_batches)
-        grads = params.like(grads).leaves
-        summed = ([g[None] for g in grads] if acc is None
-                  else [a + g[None] for a, g in zip(acc.leaves, grads, strict=True)])
         scalars = Scalars.of({"loss": value, **metrics})
         values = jax.lax.all_gather(scalars.values, axes) if gather_metrics else scalars.values[None]
-        return Flat(params.structure, summed), Scalars(scalars.names, values)
+        return params.like(jax.tree.map(lambda g: g[None], grads)), Scalars(scalars.names, values)
 
-    in_specs = (split, everywhere, everywhere, split, everywhere, everywhere)
-    out_specs = (split, everywhere if gather_metrics else split)
-    if with_acc:
-        return jax.shard_map(per_device, mesh=mesh, check_vma=False, in_specs=in_specs, out_specs=out_specs)
-    return jax.shard_map(functools.partial(per_device, None), mesh=mesh, check_vma=False, in_specs=in_specs[1:],
-                         out_specs=out_specs)
+    return jax.shard_map(per_device, mesh=mesh, check_vma=False,
+                         in_specs=(everywhere, everywhere, split, everywhere, everywhere),
+                         out_specs=(split, everywhere if gather_metrics else split))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "router", "mesh", "axes"), donate_argnums=0)
@@ -262,8 +255,8 @@ def local_micro_step(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_bat
     """Each device's gradient of its rows of one micro-batch added to its slice of ``acc`` (donated), with whole
     ``params`` and ``frozen`` on every device (:func:`_per_device_grads`); each device's loss and metrics as one
     row of the returned :class:`Scalars` [d, k]."""
-    fn = _per_device_grads(graphdef, loss, router, mesh, axes, with_acc=True)
-    return fn(acc, params, frozen, rows, aux, micro_batches)
+    grads, part = _per_device_grads(graphdef, loss, router, mesh, axes)(params, frozen, rows, aux, micro_batches)
+    return jax.tree.map(jnp.add, acc, grads), part
 
 
 def _summed(acc: Flat, layout: Static, reduce_dtype: str | None) -> Flat:
@@ -296,7 +289,7 @@ def local_step_and_apply(params: Flat, opt_state: Flat, frozen: Flat, batch, *, 
     (:func:`_summed`), one optimizer update (params and state donated). Returns the per-device loss and metrics
     [d, k] and the gradient's global norm."""
     rows, aux = unpack(batch)
-    fn = _per_device_grads(graphdef, loss, router, mesh, axes, with_acc=False)
+    fn = _per_device_grads(graphdef, loss, router, mesh, axes)
     grads, part = fn(gathered(params, mesh=mesh), gathered(frozen, mesh=mesh), rows, aux, jnp.int32(1))
     grads = _summed(grads, layout, reduce_dtype)
     new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads.tree, tx)

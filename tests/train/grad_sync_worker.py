@@ -59,11 +59,12 @@ def compiled(programs, run):
 def compare(mesh_cfg, *, packing=False, lora=False, micro_batch_size=8):
     """``micro_batch_size`` 16: an update of one micro-batch, its own program (``local_step_and_apply``)."""
     single, m1 = two_updates(None, OptimConfig(packing=packing), lora=lora)
-    program = "local_micro_step" if micro_batch_size < 16 else "local_step_and_apply"
+    micro_batches = 16 // micro_batch_size
+    program = "local_micro_step" if micro_batches > 1 else "local_step_and_apply"
     counts, (local, m2) = compiled([program], lambda: two_updates(mesh_cfg, OptimConfig(
         micro_batch_size=micro_batch_size, grad_sync="update", packing=packing), lora=lora))
     per_device = counts[program]
-    return dict(param_err=max_rel_err(local.params, single.params), micro_batches=16 // micro_batch_size,
+    return dict(param_err=max_rel_err(local.params, single.params), micro_batches=micro_batches,
                 loss=[[m["loss"] for m in m2], [m["loss"] for m in m1]],
                 grad_norm=[[m["grad_norm"] for m in m2], [m["grad_norm"] for m in m1]],
                 num_tokens=[[m["num_tokens"] for m in m2], [m["num_tokens"] for m in m1]],

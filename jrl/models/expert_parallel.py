@@ -9,8 +9,10 @@ an all-to-all dispatch, which the padded form (dropless without a ragged exchang
 Up to ``ep = top_k`` devices (Qwen3-MoE: top-8) this is the least traffic of the three; beyond, a ragged
 all-to-all would send less, but ``jax.lax.ragged_all_to_all`` ran 12-54x slower than the padded one on H100s with
 jax 0.11.2 and has no CPU implementation. By default dispatch is dropless: a device sorts all ``ep x tokens x top_k``
-rows of its peers' tokens, the rows of other devices' experts last, past its groups, where the grouped matmul skips
-them, and every op between the sort and the reduce-scatter runs over that whole buffer. With a capacity
+rows of its peers' tokens, the rows of other devices' experts last, past its groups (routed nowhere,
+:mod:`jrl.kernels.moe.routing`), and nothing between the sort and the reduce-scatter touches those rows on a GPU: the
+grouped matmuls neither compute nor write them, the SwiGLU and the row gathers stop at the rows in use
+(:mod:`jrl.kernels.moe.rows`), and the combine reads only routed rows. With a capacity
 (``ModelConfig.expert_capacity`` C >= 1) only the first ``C x tokens x top_k`` sorted rows are copied, run and
 combined (C times the device's even share); the device's own rows past them are dropped (capacity-factor routing).
 The expert MLP width may be split too (``expert_mlp`` on the ``tensor`` axis): the down projection's partial sums
@@ -37,8 +39,11 @@ from jrl.kernels.moe import permute, unpermute
 from jrl.sharding.collectives import gather_shards, only_axes, spec_gathers
 from jrl.sharding.rules import DEFAULT_RULES, logical_to_spec
 
-#: ``experts(rows [R, H], group_sizes [E_local], *expert_params) -> [R, H]``: the expert MLP on rows sorted by
-#: (local) expert; rows past ``sum(group_sizes)`` are padding whose output is discarded.
+#: ``experts(rows [R, H], group_sizes [E_local], *expert_params, rows_in_use=None) -> [R, H]``: the expert MLP on
+#: rows sorted by (local) expert; rows past ``sum(group_sizes)`` are padding whose output is discarded.
+#: ``rows_in_use`` (traced, ``sum(group_sizes)``) is passed where most of the buffer may be such padding (an
+#: expert-parallel device's), so that the matmuls and the elementwise work between them can skip it: the output's
+#: rows past it may then be left unwritten (the combine reads only routed rows).
 ExpertsFn = Callable[..., jax.Array]
 
 _TOKENS = ("batch", "activation_length", None)
@@ -170,21 +175,20 @@ def own_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Exper
     device on its axis (routed to ``ids`` [..., K] with ``weights``) through this device's ``local_count`` experts
     (``params``, experts ``device x local_count ..`` of the model), float32 partial sums per token (zero for a token
     none of whose experts are here), and the mask of the (token, expert) rows routed here. The other rows sort last,
-    past the groups, weighted 0; with ``rows`` (:func:`capacity_rows`) only the first ``rows`` sorted rows are copied
+    past the groups, and count as zeros; with ``rows`` (:func:`capacity_rows`) only the first ``rows`` sorted rows are copied
     and run, the rest dropped. One device's work alone, so it can be timed without the others
     (``benchmarks/scaling.py moe --own-experts``)."""
     local = ids - device * local_count
     mine = (local >= 0) & (local < local_count)
 
     def run(sorted_rows, counts):
-        counts = counts[:local_count]
         if rows is not None:  # the groups cut at the buffer's end: the rows past it are not there
             counts = jnp.diff(jnp.minimum(jnp.cumsum(counts), rows), prepend=0)
-        return experts(sorted_rows, counts, *params)
+        return experts(sorted_rows, counts, *params, rows_in_use=jnp.sum(counts))
 
-    # A token's partial sum over this device's experts stays float32 until the sums of every device are added.
-    y = routed(x, jnp.where(mine, weights, 0), jnp.where(mine, local, local_count), local_count + 1, run,
-               dtype=jnp.float32, capacity=rows)
+    # The other devices' rows are routed nowhere (``permute``). A token's partial sum over this device's experts
+    # stays float32 until the sums of every device are added.
+    y = routed(x, weights, jnp.where(mine, local, local_count), local_count, run, dtype=jnp.float32, capacity=rows)
     return y, mine
 
 

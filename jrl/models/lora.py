@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrl.kernels.moe import gmm, gmm_lora
+from jrl.kernels.moe import gmm, gmm_lora, swiglu
 from jrl.models.layers import TRAINED, Linear
 from jrl.models.moe import Experts
 from jrl.models.transformer import Transformer, named_params
@@ -150,19 +150,20 @@ class ExpertsLoRA(Experts):
                 axes + tuple(tuple(v.get_metadata()["logical_axes"])[-3:] for v in adapters))
 
     def compute(self, rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                *adapters: jax.Array) -> jax.Array:
+                *adapters: jax.Array, rows_in_use: jax.Array | None = None) -> jax.Array:
         if not adapters:
-            return super().compute(rows, group_sizes, gate, up, down)
+            return super().compute(rows, group_sizes, gate, up, down, rows_in_use=rows_in_use)
         it = iter(adapters)
+        fill = dict(fill_past_groups=rows_in_use is None)  # as Experts.compute
         if self.lora_gate_up_a is not None:
             a, b_gate, b_up = next(it), next(it), next(it)
-            h = (jax.nn.silu(gmm_lora(rows, gate, a, b_gate, self.scale, group_sizes))
-                 * gmm_lora(rows, up, a, b_up, self.scale, group_sizes))
+            h = swiglu(gmm_lora(rows, gate, a, b_gate, self.scale, group_sizes, **fill),
+                       gmm_lora(rows, up, a, b_up, self.scale, group_sizes, **fill), rows_in_use)
         else:
-            h = jax.nn.silu(gmm(rows, gate, group_sizes)) * gmm(rows, up, group_sizes)
+            h = swiglu(gmm(rows, gate, group_sizes, **fill), gmm(rows, up, group_sizes, **fill), rows_in_use)
         if self.lora_down_a is not None:
-            return gmm_lora(h, down, next(it), next(it), self.scale, group_sizes)
-        return gmm(h, down, group_sizes)
+            return gmm_lora(h, down, next(it), next(it), self.scale, group_sizes, **fill)
+        return gmm(h, down, group_sizes, **fill)
 
     def over(self, base: Experts) -> ExpertsLoRA:
         """These adapters (their arrays, no copy) on ``base``'s expert weights."""

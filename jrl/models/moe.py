@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrl.kernels.moe import gmm
+from jrl.kernels.moe import gmm, swiglu
 from jrl.models.config import ModelConfig
 from jrl.models.expert_parallel import expert_axis, moe_expert_parallel, moe_per_device, per_device_tokens, routed
 from jrl.models import router_stats
@@ -45,10 +45,13 @@ class Experts(nnx.Module):
                  self.down_proj[...].astype(self.dtype)), (_EXPERT_IN, _EXPERT_IN, _EXPERT_OUT))
 
     def compute(self, rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array,
-                down: jax.Array) -> jax.Array:
-        """SwiGLU of ``rows`` [R, H] sorted by expert (``group_sizes`` [E] rows each) with :meth:`arrays` [E, ...]."""
-        h = jax.nn.silu(gmm(rows, gate, group_sizes)) * gmm(rows, up, group_sizes)
-        return gmm(h, down, group_sizes)
+                down: jax.Array, *, rows_in_use: jax.Array | None = None) -> jax.Array:
+        """SwiGLU of ``rows`` [R, H] sorted by expert (``group_sizes`` [E] rows each) with :meth:`arrays` [E, ...];
+        ``rows_in_use`` as :data:`jrl.models.expert_parallel.ExpertsFn` says."""
+        # With rows_in_use nothing reads the rows past it (swiglu, routing.py's gathers): the matmuls skip them.
+        fill = dict(fill_past_groups=rows_in_use is None)
+        h = swiglu(gmm(rows, gate, group_sizes, **fill), gmm(rows, up, group_sizes, **fill), rows_in_use)
+        return gmm(h, down, group_sizes, **fill)
 
 
 #: ``router(logits [..., E] float32, score bias [E] or None, config) -> (weights [..., K] float32, ids [..., K] int32)``

@@ -402,3 +402,23 @@ def test_gpu_under_vmap_and_grad(request, impl, t, k, n):
     assert_close(v, v_r, jnp.bfloat16, "vmap value")
     assert_close(dx, dx_r, jnp.bfloat16, "vmap d lhs")
     assert_close(dw, dw_r, jnp.bfloat16, "vmap d rhs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_gpu_rows_past_the_groups_may_stay_unwritten(request, impl):
+    """``fill_past_groups=False``: the rows in use (output and input gradient) equal the reference's."""
+    rng = rng_for(request)
+    t, k, n, e = 2048, 256, 512, 8
+    gs = [100, 0, 300, 57, 3, 20, 0, 31]  # a quarter of the rows in use
+    used = sum(gs)
+    lhs, rhs, gsj, dout = make(rng, t, k, n, e, jnp.bfloat16, gs)
+
+    def run(impl_, fill):
+        out, vjp = jax.vjp(lambda a, b: moe.gmm(a, b, gsj, impl=impl_, fill_past_groups=fill), lhs, rhs)
+        return (out, *vjp(dout.astype(out.dtype)))
+
+    (out, dlhs, drhs), (ref, dlhs_ref, drhs_ref) = run(impl, False), run("reference", True)
+    assert_close(out[:used], ref[:used], jnp.bfloat16, f"{impl} out")
+    assert_close(dlhs[:used], dlhs_ref[:used], jnp.bfloat16, f"{impl} d lhs")
+    assert_close(drhs, drhs_ref, jnp.bfloat16, f"{impl} d rhs")

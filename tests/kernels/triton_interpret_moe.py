@@ -12,9 +12,23 @@ import torch  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
 from jrl.kernels.moe import triton_kernels as K  # noqa: E402
 from jrl.kernels.moe.schedule import group_bounds, tile_schedule  # noqa: E402
 from kernels_testlib import np_gmm, np_tgmm  # noqa: E402
+
+
+def _scalar_index_patch(patch):
+    """Triton 3.6's interpreter turns a loop bound into an int with ``int()`` of its one-element array, which NumPy
+    2.4 refuses (``for t0 in range(start, end, ...)`` in tgmm_kernel): read the element instead."""
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    return patched
+
+
+interpreter._patch_lang_tensor = _scalar_index_patch(interpreter._patch_lang_tensor)
 
 
 def schedule(group_sizes, t, bm):
@@ -45,12 +59,24 @@ def main():
         grid = (tg.shape[0] * (-(-nout // bn)),)
         K.gmm_kernel[grid](torch.from_numpy(lhs), torch.from_numpy(rhs), tg, rs, re_, out,
                            t, k, nout, e, rhs.shape[1] * rhs.shape[2], stride_rk, stride_rn,
-                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(k % bk == 0), IEEE=True)
+                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(k % bk == 0), IEEE=True, FILL=True)
         o = out.numpy()
         assert np.isfinite(o).all(), "gmm_kernel left unwritten (NaN) output"
-        err = relerr(o, np_gmm(lhs, rhs.transpose(0, 2, 1) if transpose else rhs, gs))
+        want = np_gmm(lhs, rhs.transpose(0, 2, 1) if transpose else rhs, gs)
+        err = relerr(o, want)
         print(f"gmm t={t} k={k} n={n} gs={gs} transpose={transpose}: relerr {err:.2e}")
         worst = max(worst, err)
+        used = sum(gs)
+        if used < t:  # FILL=False: the rows past the groups stay as they were (NaN), the others as with FILL
+            out = torch.full((t, nout), float("nan"), dtype=torch.float32)
+            K.gmm_kernel[grid](torch.from_numpy(lhs), torch.from_numpy(rhs), tg, rs, re_, out,
+                               t, k, nout, e, rhs.shape[1] * rhs.shape[2], stride_rk, stride_rn,
+                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(k % bk == 0), IEEE=True, FILL=False)
+            o = out.numpy()
+            assert np.isnan(o[used:]).all(), "gmm_kernel FILL=False wrote rows past the groups"
+            err = relerr(o[:used], want[:used])
+            print(f"gmm FILL=False rows in use: relerr {err:.2e}")
+            worst = max(worst, err)
         if not transpose:
             dout = rng.standard_normal((t, n)).astype(np.float32)
             outg = torch.full((e, k, n), float("nan"), dtype=torch.float32)
@@ -63,8 +89,51 @@ def main():
             err = relerr(o, np_tgmm(lhs, dout, gs))
             print(f"tgmm t={t} k={k} n={n} gs={gs}: relerr {err:.2e}")
             worst = max(worst, err)
+    worst = max(worst, check_row_kernels(rng))
     print(f"worst relerr {worst:.2e}")
     sys.exit(0 if worst < 1e-5 else 1)
+
+
+def check_row_kernels(rng) -> float:
+    """take_rows (with and without a scale, indices past the source) and the SwiGLU passes (rows past ``count``)
+    against numpy; outputs start as NaN so that a row left unwritten fails."""
+    worst = 0.0
+    nsrc, h, k, r = 7, 40, 3, 19
+    src = rng.standard_normal((nsrc, h)).astype(np.float32)
+    index = rng.permutation(nsrc * k + 4)[:r].astype(np.int32)  # some past nsrc * k: routed nowhere
+    scale = rng.random(nsrc * k).astype(np.float32)
+    for has_scale in (False, True):
+        out = torch.full((r, h), float("nan"), dtype=torch.float32)
+        K.take_rows_kernel[(-(-r // 8), -(-h // 16))](torch.from_numpy(src), torch.from_numpy(index),
+                                                      torch.from_numpy(scale), out, r, nsrc, h, k, has_scale,
+                                                      BLOCK_R=8, BLOCK_H=16)
+        live = index // k < nsrc
+        want = np.where(live[:, None], src[np.minimum(index // k, nsrc - 1)], 0)
+        if has_scale:
+            want = want * np.where(live, scale[np.minimum(index, nsrc * k - 1)], 0)[:, None]
+        got = out.numpy()
+        assert np.isfinite(got).all(), "take_rows_kernel left unwritten (NaN) output"
+        err = relerr(got, want)
+        print(f"take_rows scale={has_scale}: relerr {err:.2e}")
+        worst = max(worst, err)
+    r, f, count = 21, 24, 13
+    a, b, g = (rng.standard_normal((r, f)).astype(np.float32) for _ in range(3))
+    live = (np.arange(r) < count)[:, None]
+    sig = 1 / (1 + np.exp(-a))
+    wants = {"swiglu fwd": [np.where(live, a * sig * b, 0)],
+             "swiglu bwd": [np.where(live, g * b * sig * (1 + a * (1 - sig)), 0), np.where(live, g * a * sig, 0)]}
+    grid = (-(-r // 8), -(-f // 16))
+    for name, want in wants.items():
+        outs = [torch.full((r, f), float("nan"), dtype=torch.float32) for _ in want]
+        args = [torch.from_numpy(a), torch.from_numpy(b)] + ([torch.from_numpy(g)] if name == "swiglu bwd" else [])
+        kernel = K.swiglu_fwd_kernel if name == "swiglu fwd" else K.swiglu_bwd_kernel
+        kernel[grid](*args, torch.tensor([count], dtype=torch.int32), *outs, r, f, BLOCK_R=8, BLOCK_F=16)
+        for got, w in zip(outs, want):
+            assert np.isfinite(got.numpy()).all(), f"{name} left unwritten (NaN) output"
+            err = relerr(got.numpy(), w)
+            print(f"{name}: relerr {err:.2e}")
+            worst = max(worst, err)
+    return worst
 
 
 if __name__ == "__main__":

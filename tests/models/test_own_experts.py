@@ -14,8 +14,9 @@ from jrl.models.expert_parallel import own_experts, routed
 E, K, H, T = 8, 2, 16, 24
 
 
-def _experts(rows, counts, w):
+def _experts(rows, counts, w, rows_in_use=None):
     """Expert e multiplies its rows by w[e] (rows sorted by expert, ``counts`` per expert, rows past them zero)."""
+    assert rows_in_use is None or int(rows_in_use) == int(jnp.sum(counts))
     ends = jnp.cumsum(counts)
     expert = jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right")
     live = expert < w.shape[0]
@@ -43,3 +44,49 @@ def test_the_devices_partial_sums_add_up_to_every_experts_output(ep):
     assert bool(jnp.all(jnp.isfinite(total)))
     err = float(jnp.abs(total - want).max() / jnp.abs(want).max())
     assert err <= 1e-5, err
+
+
+@pytest.mark.gpu
+def test_gpu_expert_parallel_devices_add_up_to_the_layer_with_kernels():
+    """On the GPU kernels (grouped matmuls leaving the rows past the groups unwritten, the row kernels): the partial
+    sums of four emulated expert-parallel devices and their gradients equal one device's layer over every expert
+    (bf16). Memory freed after being filled with NaN first, so that a read of an unwritten row would show."""
+    from flax import nnx
+
+    from jrl.models import ModelConfig
+    from jrl.models.moe import Experts
+
+    e, k, h, i, t, ep = 16, 4, 256, 128, 512, 4
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=h, intermediate_size=h,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=128, qk_norm=True,
+                         num_experts=e, num_experts_per_tok=k, moe_intermediate_size=i, dtype="bfloat16",
+                         param_dtype="bfloat16")
+    experts = Experts(config, rngs=nnx.Rngs(0))
+    params, _ = experts.arrays()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+
+    @jax.jit
+    def layer(x, params):
+        return jax.vjp(lambda x_, p_: routed(x_, weights, ids, e, lambda r, c: experts.compute(r, c, *p_),
+                                             dtype=jnp.float32), x, params)[1](dy)
+
+    @jax.jit
+    def devices(x, params):
+        def total(x_, p_):
+            local = e // ep
+            return sum(own_experts(x_, weights, ids, experts.compute, tuple(w[d * local:(d + 1) * local] for w in p_),
+                                   device=d, local_count=local, rows=None)[0] for d in range(ep))
+        return jax.vjp(total, x, params)[1](dy)
+
+    want = layer(x, params)
+    jax.block_until_ready(jnp.full((256, 1024, 1024), jnp.nan, jnp.float32)).delete()
+    got = devices(x, params)
+    for name, g, w in zip(["d x", "d gate", "d up", "d down"], jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        err = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert err <= 1e-2, (name, err)

@@ -65,16 +65,19 @@ def _check(lhs, rhs, group_sizes, name="rhs"):
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
-        preferred_element_type=None, **kwargs) -> jax.Array:
+        preferred_element_type=None, fill_past_groups: bool = True, **kwargs) -> jax.Array:
     """Grouped matmul ``[T, K] x [E, K, N] -> [T, N]`` over rows sorted by group (see reference.gmm).
 
     Differentiable wrt ``lhs`` and ``rhs`` (the weight gradient is a transposed grouped matmul).
     ``impl``: "auto" or one of :func:`available_impls`; extra ``kwargs`` (e.g. ``configs=`` tile sizes,
-    ``interpret=``) go to the chosen implementation.
+    ``interpret=``) go to the chosen implementation. ``fill_past_groups=False``: the rows past
+    ``sum(group_sizes)`` of the output and of the input gradient are unspecified (the GPU kernels leave them
+    unwritten), for callers that never read them (an expert-parallel device's buffer, mostly such rows).
     """
     _check(lhs, rhs, group_sizes)
     _, mod = _select(impl, lhs, rhs, group_sizes)
-    return mod.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, **kwargs)
+    return mod.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                   fill_past_groups=fill_past_groups, **kwargs)
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
@@ -88,14 +91,14 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, impl: str =
 
 
 def gmm_lora(lhs: jax.Array, rhs: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale, group_sizes: jax.Array,
-             *, impl: str = "auto", preferred_element_type=None) -> jax.Array:
+             *, impl: str = "auto", preferred_element_type=None, fill_past_groups: bool = True) -> jax.Array:
     """Grouped matmul with a LoRA delta per expert: row t of group g gets ``x (W_g + s A_g B_g)``.
 
     Computed as ``gmm(x, W) + s * gmm(gmm(x, A), B)`` (never materializing the [E, K, N] deltas), with
     ``lora_a`` [E, K, r], ``lora_b`` [E, r, N] and ``scale`` a scalar (PEFT's ``alpha / r``). The
     rank-r intermediate is kept in float32 when ``lhs`` is float32, otherwise in ``lhs``'s dtype (as
     PEFT does). Gradients flow to ``lhs``, ``rhs``, ``lora_a`` and ``lora_b`` (freeze ``rhs`` with
-    ``jax.lax.stop_gradient`` for LoRA training).
+    ``jax.lax.stop_gradient`` for LoRA training). ``fill_past_groups`` as :func:`gmm`.
     """
     _check(lhs, rhs, group_sizes)
     _check(lhs, lora_a, group_sizes, "lora_a")
@@ -104,7 +107,8 @@ def gmm_lora(lhs: jax.Array, rhs: jax.Array, lora_a: jax.Array, lora_b: jax.Arra
         raise ValueError(f"gmm_lora: lora_b must be [E, r, N] = {(rhs.shape[0], lora_a.shape[2], rhs.shape[2])}, "
                          f"got {lora_b.shape}")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    base = gmm(lhs, rhs, group_sizes, impl=impl, preferred_element_type=jnp.float32)
-    xa = gmm(lhs, lora_a, group_sizes, impl=impl, preferred_element_type=lhs.dtype)
-    delta = gmm(xa, lora_b, group_sizes, impl=impl, preferred_element_type=jnp.float32)
+    fill = dict(impl=impl, fill_past_groups=fill_past_groups)
+    base = gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, **fill)
+    xa = gmm(lhs, lora_a, group_sizes, preferred_element_type=lhs.dtype, **fill)
+    delta = gmm(xa, lora_b, group_sizes, preferred_element_type=jnp.float32, **fill)
     return (base + jnp.asarray(scale, jnp.float32) * delta).astype(out_dtype)

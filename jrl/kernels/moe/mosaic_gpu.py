@@ -21,12 +21,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs):
+def _call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs, fill_past_groups):
     """The Mosaic kernel where it takes the operands, else the Triton one."""
     if unsupported_reason(lhs.shape, lhs.dtype, rhs.shape, rhs.dtype, transpose_rhs=transpose_rhs) is None:
-        return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+        return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                        fill_past_groups=fill_past_groups)
     return fallback.configured_gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                                        cfgs=cfgs)
+                                        cfgs=cfgs, fill_past_groups=fill_past_groups)
 
 
 gmm = fallback.differentiable_gmm(_call)

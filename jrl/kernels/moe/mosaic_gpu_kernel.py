@@ -10,7 +10,7 @@ memory must be visibly aligned), so a tile may begin with rows of the previous g
 shared by two groups is computed once per group); each tile stores only its own group's rows: whole tiles in one
 swizzled store, partial ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past
 ``sum(group_sizes)`` are written as zeros without a product (an expert-parallel device's buffer is mostly such
-rows). ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
+rows), or not at all (``fill_past_groups=False``) where nothing reads them. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def unsupported_reason(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, *, transpose_
 
 
 def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: MosaicGmmConfig = DEFAULT_CONFIG,
-             num_sms: int | None = None):
+             num_sms: int | None = None, fill_past_groups: bool = True):
     """One launch: ``lhs [T, K] x rhs -> [T, N]`` (``out_dtype``, float32 accumulation), ``rhs`` [E, K, N], or
     [E, N, K] read transposed; operands as :func:`unsupported_reason` allows. ``num_sms``: programs to launch
-    (default: the GPU's SM count)."""
+    (default: the GPU's SM count). ``fill_past_groups=False``: the rows past ``sum(group_sizes)`` are left
+    unwritten."""
     t, k = lhs.shape
     e = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -229,13 +230,15 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: Mosa
                         allocations=allocs,
                     )
 
-                # the sentinel group's rows (past sum(group_sizes)): zeros from the compute warpgroups, no product
-                @pl.when(jnp.logical_and(g >= e, wg < 2))
-                def _zeros():
-                    for c in range(chunks):
-                        free_slot()
-                        store_rows(c, jnp.zeros((tm, epi_n), out_dtype))
-                        plgpu.commit_smem_to_gmem_group()
+                if fill_past_groups:
+                    # the sentinel group's rows (past sum(group_sizes)): zeros from the compute warpgroups, no
+                    # product
+                    @pl.when(jnp.logical_and(g >= e, wg < 2))
+                    def _zeros():
+                        for c in range(chunks):
+                            free_slot()
+                            store_rows(c, jnp.zeros((tm, epi_n), out_dtype))
+                            plgpu.commit_smem_to_gmem_group()
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -121,8 +121,9 @@ def _interpret_default(interpret):
 
 
 def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs | None = None,
-        interpret: bool | None = None):
-    """Grouped matmul (same contract as ``reference.gmm``), differentiable wrt ``lhs`` and ``rhs``."""
+        interpret: bool | None = None, fill_past_groups: bool = True):
+    """Grouped matmul (same contract as ``reference.gmm``; the rows past the groups always zeros here),
+    differentiable wrt ``lhs`` and ``rhs``."""
     cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype,

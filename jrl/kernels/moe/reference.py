@@ -14,11 +14,13 @@ def _common_dtype(lhs: jax.Array, rhs: jax.Array):
     return jnp.promote_types(lhs.dtype, rhs.dtype)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None) -> jax.Array:
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None,
+        fill_past_groups: bool = True) -> jax.Array:
     """Grouped matmul for rows sorted by group.
 
     ``lhs`` [T, K] holds rows sorted by group, ``rhs`` [E, K, N] one matrix per group, ``group_sizes``
-    [E] int32 the number of rows of each group (sum <= T; rows past the sum give zeros).
+    [E] int32 the number of rows of each group (sum <= T; rows past the sum give zeros, whatever
+    ``fill_past_groups`` says: with False an implementation may leave them unwritten).
     Returns [T, N] where row t uses ``rhs[g(t)]``; float32 accumulation, output in
     ``preferred_element_type`` (default: ``lhs``'s dtype).
     """

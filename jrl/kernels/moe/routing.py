@@ -4,10 +4,18 @@ Both directions move rows with gathers only, forward and backward. Left to autod
 that copies each token into its experts' rows is a scatter-add of every sorted row into its token (atomic adds in
 the activations' dtype on a GPU), and undoing the sort by scattering materialises the sorted outputs a second time.
 Since the sort is a permutation, each of those is a gather through the inverse permutation instead, followed by
-a sum over a token's ``K`` rows in float32 (:func:`_gather_rows`).
+a sum over a token's ``K`` rows in float32 (:func:`_copy_rows`, :func:`_combine`).
 
 ``permute(..., capacity=C)`` keeps only the first ``C`` sorted rows (the caller knows that the rows it needs sort
 first); the dropped rows' outputs read as zeros in :func:`unpermute`.
+
+A (token, expert) pair whose expert id is ``num_experts`` or more is routed nowhere (an expert-parallel device's
+view of the pairs bound for its peers' experts): it sorts past the groups, and every gather takes its row as zeros
+through an out-of-range index instead of reading it. An expert-parallel device's buffer is mostly such rows. The
+two gathers that write the sorted buffer (the tokens copied in, the output's gradient copied back) run
+:func:`jrl.kernels.moe.rows.take_rows`, which stores zeros past the rows in use without loading anything; the two
+that sum into tokens stay XLA's (their rows routed nowhere all point at the same clamped row, read once from
+memory).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jrl.kernels.moe.rows import take_rows
 
 
 class Permutation(NamedTuple):
@@ -29,18 +39,18 @@ class Permutation(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gather_rows(x: jax.Array, rows: jax.Array, back: jax.Array, k: int) -> jax.Array:
-    """``x[rows // k]`` for ``rows`` the first entries of a permutation of ``range(n)`` and ``back`` its inverse:
-    row ``i`` of the result is row ``rows[i] // k`` of ``x`` (each row of ``x`` appears up to ``k`` times), or zeros
-    where ``rows[i] // k`` is past ``x``'s rows."""
-    return jnp.take(x, rows // k, axis=0, mode="fill", fill_value=0)
+def _copy_rows(x: jax.Array, rows: jax.Array, back: jax.Array, k: int) -> jax.Array:
+    """``x[rows // k]``: row ``i`` of the result is row ``rows[i] // k`` of ``x`` [T, H] (each row of ``x`` appears up
+    to ``k`` times), or zeros where that is past ``x``'s rows; ``rows`` are the first entries of a permutation of
+    ``range(T * k)`` and ``back`` its inverse, either of them ``T * k`` for a pair routed nowhere."""
+    return take_rows(x, rows, k=k)
 
 
-def _gather_rows_fwd(x, rows, back, k):
-    return _gather_rows(x, rows, back, k), (rows, back)
+def _copy_rows_fwd(x, rows, back, k):
+    return _copy_rows(x, rows, back, k), (rows, back)
 
 
-def _gather_rows_bwd(k, res, g):
+def _copy_rows_bwd(k, res, g):
     rows, back = res
     # Row t of x went to the result rows back[t*k : t*k + k] (those past the result were dropped): gather them and
     # add (in float32 when k > 1).
@@ -50,20 +60,51 @@ def _gather_rows_bwd(k, res, g):
     return dx, None, None
 
 
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+_copy_rows.defvjp(_copy_rows_fwd, _copy_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _combine(y_sorted: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array, dtype) -> jax.Array:
+    """``out[t] = sum_k weights[t, k] y_sorted[inverse[t*K + k]]`` in float32, as ``dtype``; a pair whose sorted row
+    is past ``y_sorted``'s rows adds zero. ``order`` is the permutation ``inverse`` undoes (for the gradient)."""
+    t, k = weights.shape
+    y = jnp.take(y_sorted, inverse, axis=0, mode="fill", fill_value=0).reshape(t, k, -1)
+    return (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).sum(1).astype(dtype)
+
+
+def _combine_fwd(y_sorted, weights, order, inverse, dtype):
+    return _combine(y_sorted, weights, order, inverse, dtype), (y_sorted, weights, order, inverse)
+
+
+def _combine_bwd(dtype, res, g):
+    y_sorted, weights, order, inverse = res
+    t, k = weights.shape
+    # Sorted row r came from pair order[r] = (token, slot): its gradient is that token's, times the pair's weight.
+    dy = take_rows(g, order[:y_sorted.shape[0]], k=k, scale=weights.reshape(-1), dtype=y_sorted.dtype)
+    y = jnp.take(y_sorted, inverse, axis=0, mode="fill", fill_value=0).reshape(t, k, -1)
+    dweights = (y.astype(jnp.float32) * g.astype(jnp.float32)[:, None, :]).sum(-1).astype(weights.dtype)
+    return dy, dweights, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def permute(x: jax.Array, expert_idx: jax.Array, num_experts: int, capacity: int | None = None) -> Permutation:
     """Replicate each token once per chosen expert and sort the copies by expert id.
 
-    ``x`` [T, H], ``expert_idx`` [T, K] int. The sort is stable, so within an expert rows keep token order.
-    ``capacity``: keep the first ``capacity`` sorted rows only (``group_sizes`` still counts every row).
+    ``x`` [T, H], ``expert_idx`` [T, K] int, ids ``>= num_experts`` routed nowhere (module docstring). The sort is
+    stable, so within an expert rows keep token order. ``capacity``: keep the first ``capacity`` sorted rows only
+    (``group_sizes`` still counts every row). ``order`` and ``inverse`` hold ``t * k`` for the sorted rows and the
+    pairs routed nowhere: an index past every array they gather from.
     """
     t, k = expert_idx.shape
     flat_expert = expert_idx.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=jnp.int32))
-    sorted_x = _gather_rows(x, order if capacity is None else order[:capacity], inverse, k)
+    routed = flat_expert < num_experts
+    order = jnp.where(jnp.arange(t * k) < jnp.sum(routed), order, t * k)
+    inverse = jnp.where(routed, inverse, t * k)
+    sorted_x = _copy_rows(x, order if capacity is None else order[:capacity], inverse, k)
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
     return Permutation(sorted_x, group_sizes, order, inverse)
 
@@ -74,7 +115,4 @@ def unpermute(y_sorted: jax.Array, perm: Permutation, weights: jax.Array, dtype=
     Weighting happens in float32; the result has ``dtype`` (default: ``y_sorted``'s). Rows that a capacity dropped
     give zeros.
     """
-    t, k = weights.shape
-    y = _gather_rows(y_sorted, perm.inverse, perm.order[:y_sorted.shape[0]], 1).reshape(t, k, -1)
-    out = (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).sum(1)
-    return out.astype(dtype or y_sorted.dtype)
+    return _combine(y_sorted, weights, perm.order, perm.inverse, jnp.dtype(dtype or y_sorted.dtype))

@@ -85,9 +85,10 @@ def _fit(block: int, dim: int) -> int:
     return min(block, _pow2_at_least(dim))
 
 
-def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmConfig):
+def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmConfig,
+             fill_past_groups: bool = True):
     """One launch of gmm_kernel: ``lhs [T, Kin] x rhs -> [T, Nout]`` (rhs [E, Kin, Nout], or [E, Nout, Kin]
-    read transposed)."""
+    read transposed); the rows past the groups zeros, or unwritten without ``fill_past_groups``."""
     t, kin = lhs.shape
     e = rhs.shape[0]
     if transpose_rhs:
@@ -122,6 +123,7 @@ def gmm_call(lhs, rhs, group_sizes, *, transpose_rhs: bool, out_dtype, cfg: GmmC
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             EVEN_K=(kin % bk == 0),
             IEEE=(lhs.dtype == jnp.float32),
+            FILL=fill_past_groups,
         )
 
     return run(lhs, rhs, group_sizes)
@@ -161,38 +163,44 @@ def tgmm_call(lhs, dout, group_sizes, *, out_dtype, cfg: TgmmConfig):
 
 def differentiable_gmm(call):
     """The public ``gmm`` (same contract as ``reference.gmm``, differentiable wrt ``lhs`` and ``rhs``) for a forward
-    pass and input gradient computed by ``call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs)``; the
-    weight gradient is :func:`tgmm_call`. ``configs`` are the Triton tiles (``default_configs`` when None)."""
+    pass and input gradient computed by ``call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs,
+    fill_past_groups)``; the weight gradient is :func:`tgmm_call`. ``configs`` are the Triton tiles
+    (``default_configs`` when None). ``fill_past_groups=False`` leaves the rows past the groups unwritten in the
+    output and in the input gradient."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-    def _gmm(lhs, rhs, group_sizes, out_dtype, cfgs: Configs):
-        return call(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=out_dtype, cfgs=cfgs)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+    def _gmm(lhs, rhs, group_sizes, out_dtype, cfgs: Configs, fill: bool):
+        return call(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=out_dtype, cfgs=cfgs,
+                    fill_past_groups=fill)
 
-    def _gmm_fwd(lhs, rhs, group_sizes, out_dtype, cfgs):
-        return _gmm(lhs, rhs, group_sizes, out_dtype, cfgs), (lhs, rhs, group_sizes)
+    def _gmm_fwd(lhs, rhs, group_sizes, out_dtype, cfgs, fill):
+        return _gmm(lhs, rhs, group_sizes, out_dtype, cfgs, fill), (lhs, rhs, group_sizes)
 
-    def _gmm_bwd(out_dtype, cfgs, res, g):
+    def _gmm_bwd(out_dtype, cfgs, fill, res, g):
         lhs, rhs, group_sizes = res
         g = g.astype(lhs.dtype)
-        dlhs = call(g, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, cfgs=cfgs)
+        dlhs = call(g, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, cfgs=cfgs, fill_past_groups=fill)
         drhs = tgmm_call(lhs, g, group_sizes, out_dtype=rhs.dtype, cfg=cfgs.tgmm)
         return dlhs, drhs, None
 
     _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
-    def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs | None = None):
+    def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, configs: Configs | None = None,
+            fill_past_groups: bool = True):
         cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
         out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
         cfgs = configs or default_configs(lhs.shape[0], rhs.shape[0])
-        return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype, cfgs)
+        return _gmm(lhs.astype(cdt), rhs.astype(cdt), group_sizes.astype(jnp.int32), out_dtype, cfgs,
+                    bool(fill_past_groups))
 
     return gmm
 
 
-def configured_gmm_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs: Configs):
+def configured_gmm_call(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, cfgs: Configs,
+                        fill_past_groups: bool = True):
     """:func:`gmm_call` with the tiles ``cfgs`` hold for the pass (forward, or the transposed input gradient)."""
     return gmm_call(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                    cfg=cfgs.dlhs if transpose_rhs else cfgs.fwd)
+                    cfg=cfgs.dlhs if transpose_rhs else cfgs.fwd, fill_past_groups=fill_past_groups)
 
 
 gmm = differentiable_gmm(configured_gmm_call)

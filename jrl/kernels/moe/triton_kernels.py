@@ -1,5 +1,6 @@
-"""Triton kernels for the grouped matmul (no JAX here: ``triton.py`` calls them through jax-triton, and
-the CPU tests run them under Triton's interpreter with torch tensors).
+"""Triton kernels for the MoE layer: the grouped matmul, and the row gather and SwiGLU that skip an expert-parallel
+buffer's unused rows (no JAX here: ``triton.py`` and ``rows_triton.py`` call them through jax-triton, and the CPU
+tests run them under Triton's interpreter with torch tensors).
 
 Conventions: every array is row-major and contiguous; ``lhs`` rows are sorted by group. Shapes and
 strides are compile-time constants (``tl.constexpr``): jax-triton does not specialize integer
@@ -13,10 +14,12 @@ to narrow, unpipelined loads (checked in the PTX: no ``cp.async``).
   ``BLOCK_M x K`` slab of ``lhs`` and group g's matrix are shared through L2 by neighbouring programs.
   The m-tiles come from a schedule (see ``triton.tile_schedule``): tile i covers rows
   ``[row_start[i], min(row_start[i] + BLOCK_M, row_end[i]))`` of group ``tile_group[i]``; group
-  ``num_groups`` is the sentinel for rows past ``sum(group_sizes)`` (written as zeros) and -1 marks an
-  unused slot of the (statically sized) schedule.
+  ``num_groups`` is the sentinel for rows past ``sum(group_sizes)`` (written as zeros, or left unwritten
+  without ``FILL``) and -1 marks an unused slot of the (statically sized) schedule.
 * :func:`tgmm_kernel` -- ``out[g] = lhs[rows of g].T @ dout[rows of g]`` ([E, K, N]), one program per
   (group, k-tile, n-tile), looping over the group's rows.
+* :func:`take_rows_kernel`, :func:`swiglu_fwd_kernel`, :func:`swiglu_bwd_kernel` -- row-block x column-block
+  programs that load only the rows in use and store zeros for the others (``rows.py``).
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ def gmm_kernel(
     T: tl.constexpr, KDIM: tl.constexpr, NDIM: tl.constexpr, num_groups: tl.constexpr,
     stride_re: tl.constexpr, stride_rk: tl.constexpr, stride_rn: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, FILL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(NDIM, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     g = tl.load(tile_group_ptr + pid_m)
-    if g >= 0:
+    if g >= 0 and (FILL or g < num_groups):
         row_start = tl.load(tile_row_ptr + pid_m)
         row_end = tl.load(tile_end_ptr + pid_m)
         rows = row_start + tl.arange(0, BLOCK_M)
@@ -109,3 +112,65 @@ def tgmm_kernel(
     out_ptrs = out_ptr + g.to(tl.int64) * KDIM * NDIM + ks[:, None] * NDIM + ns[None, :]
     mask = kmask[:, None] & nmask[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def take_rows_kernel(
+    src_ptr, index_ptr, scale_ptr, out_ptr,
+    R: tl.constexpr, NSRC: tl.constexpr, H: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """``out[r] = (scale[index[r]] *) src[index[r] // K]`` (``index >= 0``), zeros where ``index[r] // K`` is past
+    ``src``'s ``NSRC`` rows, without loading them."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < R
+    idx = tl.load(index_ptr + rows, mask=rmask, other=0)
+    src_row = idx // K
+    live = rmask & (src_row < NSRC)
+    cmask = cols < H
+    vals = tl.load(src_ptr + src_row.to(tl.int64)[:, None] * H + cols[None, :],
+                   mask=live[:, None] & cmask[None, :], other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + idx, mask=live, other=0.0)
+        vals = vals.to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _row_block(count_ptr, R: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """This program's block of an [R, F] array: element offsets, the mask of the block's elements inside the array,
+    and of those on rows ``< count``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    inside = (rows < R)[:, None] & (cols < F)[None, :]
+    return rows.to(tl.int64)[:, None] * F + cols[None, :], inside, inside & (rows < tl.load(count_ptr))[:, None]
+
+
+@triton.jit
+def swiglu_fwd_kernel(
+    a_ptr, b_ptr, count_ptr, out_ptr, R: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """``out = silu(a) * b`` on rows ``< count`` (float32 inside), zeros on the others without loading them."""
+    offs, inside, live = _row_block(count_ptr, R, F, BLOCK_R, BLOCK_F)
+    a = tl.load(a_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (a / (1.0 + tl.exp(-a)) * b).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def swiglu_bwd_kernel(
+    a_ptr, b_ptr, g_ptr, count_ptr, da_ptr, db_ptr, R: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """The gradients of :func:`swiglu_fwd_kernel` for ``g``: ``da = g b silu'(a)``, ``db = g silu(a)`` on rows
+    ``< count``, zeros on the others."""
+    offs, inside, live = _row_block(count_ptr, R, F, BLOCK_R, BLOCK_F)
+    a = tl.load(a_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-a))
+    tl.store(da_ptr + offs, (g * b * sig * (1.0 + a * (1.0 - sig))).to(da_ptr.dtype.element_ty), mask=inside)
+    tl.store(db_ptr + offs, (g * a * sig).to(db_ptr.dtype.element_ty), mask=inside)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import sharding as S
-from jrl.kernels.moe import gmm
+from jrl.kernels.moe import gmm, swiglu
 from jrl.models.expert_parallel import capacity_rows, moe_expert_parallel, routed
 
 E, K, H, I = 8, 3, 16, 12
@@ -23,8 +23,8 @@ BATCH, SEQ = 8, 16  # 128 tokens, 16 per device on expert=4 x fsdp=2
 AXES = (("expert", "embed", "expert_mlp"), ("expert", "embed", "expert_mlp"), ("expert", "expert_mlp", "embed"))
 
 
-def experts(rows, group_sizes, gate, up, down):
-    return gmm(jax.nn.silu(gmm(rows, gate, group_sizes)) * gmm(rows, up, group_sizes), down, group_sizes)
+def experts(rows, group_sizes, gate, up, down, rows_in_use=None):
+    return gmm(swiglu(gmm(rows, gate, group_sizes), gmm(rows, up, group_sizes), rows_in_use), down, group_sizes)
 
 
 def inputs(skewed: bool):

@@ -231,18 +231,20 @@ def test_tile_schedule_lowers_without_a_loop():
 
 def test_mosaic_gpu_kernel_lowers_for_cuda():
     """The Hopper kernel traces and lowers to a Mosaic GPU custom call without a GPU: forward, transposed rhs
-    (the input gradient), the M split with a float32 output, row-block tiles."""
+    (the input gradient), the M split with a float32 output, row-block tiles, the rows past the groups unwritten."""
     from jrl.kernels.moe import mosaic_gpu_kernel as mk
 
     t, k, n, e = 512, 256, 512, 8
-    for cfg, transpose, out_dtype in [(mk.DEFAULT_CONFIG, False, jnp.bfloat16), (mk.DEFAULT_CONFIG, True, jnp.bfloat16),
-                                      (mk.MosaicGmmConfig(split="m", stages=3), True, jnp.float32),
-                                      (mk.MosaicGmmConfig(row_align=None), False, jnp.bfloat16)]:
+    for cfg, transpose, out_dtype, fill in [(mk.DEFAULT_CONFIG, False, jnp.bfloat16, True),
+                                            (mk.DEFAULT_CONFIG, True, jnp.bfloat16, True),
+                                            (mk.MosaicGmmConfig(split="m", stages=3), True, jnp.float32, True),
+                                            (mk.MosaicGmmConfig(row_align=None), False, jnp.bfloat16, True),
+                                            (mk.DEFAULT_CONFIG, True, jnp.bfloat16, False)]:
         rhs = jax.ShapeDtypeStruct((e, n, k) if transpose else (e, k, n), jnp.bfloat16)
         assert mk.unsupported_reason((t, k), jnp.bfloat16, rhs.shape, rhs.dtype, transpose_rhs=transpose, cfg=cfg) \
             is None
-        f = jax.jit(lambda a, b, g, cfg=cfg, transpose=transpose, od=out_dtype: mk.gmm_call(
-            a, b, g, transpose_rhs=transpose, out_dtype=od, cfg=cfg, num_sms=132))
+        f = jax.jit(lambda a, b, g, cfg=cfg, transpose=transpose, od=out_dtype, fill=fill: mk.gmm_call(
+            a, b, g, transpose_rhs=transpose, out_dtype=od, cfg=cfg, num_sms=132, fill_past_groups=fill))
         text = f.trace(jax.ShapeDtypeStruct((t, k), jnp.bfloat16), rhs,
                        jax.ShapeDtypeStruct((e,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and f"tensor<{t}x{n}x{'f32' if out_dtype == jnp.float32 else 'bf16'}>" in text

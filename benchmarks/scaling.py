@@ -141,6 +141,13 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def _report(row: dict, out: str | None) -> None:
+    """``C.report`` with the NCCL settings of the environment in the row (``nccl_env``), so that runs under different
+    NCCL variables (``scaling_gpu.sh nccl``) tell themselves apart."""
+    nccl = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+    C.report({**row, "nccl_env": nccl} if nccl else row, out)
+
+
 def train(args) -> None:
     import jax
 
@@ -193,7 +200,7 @@ def train(args) -> None:
         row["check_loss_rel_diff"] = _rel(row["check_loss"], first["check_loss"])
         row["check_grad_norm_rel_diff"] = _rel(row["check_grad_norm"], first["check_grad_norm"])
         if jax.process_index() == 0:
-            C.report(row, args.out)
+            _report(row, args.out)
         del learner, update, batch
         jax.clear_caches()
 
@@ -274,7 +281,7 @@ def exchange(args) -> None:
 
     for n in (int(d) for d in args.devices.split(",") if int(d) > 1):
         mesh = make_mesh(MeshConfig(fsdp=1, expert=n), devices=jax.devices()[:n])
-        C.report(dict(bench="scaling_exchange", devices=n, tokens_per_device=args.tokens_per_device,
+        _report(dict(bench="scaling_exchange", devices=n, tokens_per_device=args.tokens_per_device,
                       top_k=args.top_k, hidden=args.hidden, **exchange_times(mesh, args),
                       device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}"), args.out)
 
@@ -336,7 +343,7 @@ def moe(args) -> None:
             if args.profile:
                 row["profile"] = C.kernel_profile(forward_backward, block, x, top=12, trace_dir=os.path.join(
                     args.profile, f"moe{n}_expert{expert}"))
-            C.report(row, args.out)
+            _report(row, args.out)
             del block, x
             jax.clear_caches()
 
@@ -383,7 +390,7 @@ def own_experts(args) -> None:
         if args.profile:
             row["profile"] = C.kernel_profile(forward_backward, mine, x, top=12,
                                               trace_dir=os.path.join(args.profile, f"own_experts_ep{ep}"))
-        C.report(row, args.out)
+        _report(row, args.out)
 
 
 def torch_sides(args) -> None:
@@ -404,13 +411,13 @@ def torch_sides(args) -> None:
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 error = _first_error((proc.stdout + proc.stderr).splitlines())
-                C.report(dict(bench="scaling_torch", wrap=wrap, devices=n, error=error), args.out)
+                _report(dict(bench="scaling_torch", wrap=wrap, devices=n, error=error), args.out)
                 continue
             row = dict(json.loads(lines[-1][len("RESULT "):]), torch_remat=args.torch_remat)
             single.setdefault(wrap, row["tokens_per_s_per_device"] if n == 1 else None)
             base = single.get(wrap) or single.get("fsdp2")
             row["efficiency"] = round(row["tokens_per_s_per_device"] / base, 4) if base else None
-            C.report(row, args.out)
+            _report(row, args.out)
 
 
 def _first_error(log: list[str]) -> str:

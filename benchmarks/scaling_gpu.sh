@@ -6,8 +6,13 @@
 # stages: train (the 1B step, one micro-batch per GPU: the default per-layer FSDP and grad_sync=update gathering
 #         once), accum (8 micro-batches per GPU, both grad_sync values), torch (PyTorch FSDP2 and DDP peers),
 #         moe (the Qwen3-30B-A3B layer gathered and expert parallel, dropless, then with capacity 1.25),
-#         own (one expert-parallel device's own work at EP = the GPU count, on one GPU)
-# env: DEVICES (1,<all GPUs>), SHAPE (llama1b), STEPS (8), STAGE_TIMEOUT (300 s each), EXTRA (more scaling.py args)
+#         own (one expert-parallel device's own work at EP = the GPU count, on one GPU),
+#         nccl (the train stage's default program once per NCCL_MAX_NCHANNELS value of $CHANNELS, "2 4 8"),
+#         moe_model (the Qwen3-30B-A3B LoRA update on every GPU, experts gathered and expert parallel dropless, then
+#         expert parallel with capacity 1.25; its PyTorch FSDP2 peer with gradient checkpointing; ~8 min: a call
+#         of its own)
+# env: DEVICES (1,<all GPUs>), SHAPE (llama1b), MOE_SHAPE (qwen3_30b_a3b), STEPS (8), STAGE_TIMEOUT (300 s each),
+#      EXTRA (more scaling.py args)
 set -u
 OUT=${OUT:-$PWD/scaling_gpu_out}
 mkdir -p "$OUT"
@@ -26,6 +31,11 @@ for stage in "$@"; do
     torch) $S torch $T --wraps fsdp2,ddp $A ;;
     moe) $S moe --devices "$DEVICES" $A && $S moe --devices "$N" --expert-capacity 1.25 $A ;;
     own) $S moe --own-experts "$N" $A && $S moe --own-experts "$N" --expert-capacity 1.25 $A ;;
+    nccl) for ch in ${CHANNELS:-2 4 8}; do NCCL_MAX_NCHANNELS=$ch $S train $T --grad-sync micro_batch $A; done ;;
+    moe_model) M="--shape ${MOE_SHAPE:-qwen3_30b_a3b} --mode lora --devices $N --rows-per-device 8 --seq 1024 --steps 4"
+               $S train $M --init device --layouts fsdp,expert:$N $A
+               $S train $M --init device --layouts expert:$N --expert-capacity 1.25 $A
+               $S torch $M --wraps fsdp2 --torch-remat $A ;;
     *) echo "unknown stage $stage" ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "== $stage: exit $? in $(( $(date +%s) - start )) s"
@@ -36,7 +46,7 @@ import json, sys
 
 FIELDS = ("bench", "wrap", "devices", "layout", "micro_batches", "grad_sync", "expert", "ep", "expert_capacity",
           "step_s", "fwd_bwd_ms", "tokens_per_s_per_device", "efficiency", "mfu", "first_update_s",
-          "check_loss_rel_diff", "error")
+          "check_loss_rel_diff", "nccl_env", "error")
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print("| " + " | ".join(FIELDS) + " |")
 print("|" + "---|" * len(FIELDS))

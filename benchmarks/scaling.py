@@ -159,6 +159,8 @@ def train(args) -> None:
         shape["num_hidden_layers"] = args.layers
     if args.expert_capacity is not None:
         shape["expert_capacity"] = args.expert_capacity
+    if args.expert_chunks > 1:
+        shape["expert_chunks"] = args.expert_chunks
     count = jax.device_count()
     devices = [count] if multi else [int(d) for d in args.devices.split(",")]
     first = None
@@ -185,7 +187,7 @@ def train(args) -> None:
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    micro_batches=args.micro_batches, grad_sync=sync if n > 1 else None,
-                   expert_capacity=args.expert_capacity,
+                   expert_capacity=args.expert_capacity, expert_chunks=args.expert_chunks,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.active_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
                    first_update_s=round(first_update, 2), check_loss=checked["loss"],
@@ -313,6 +315,7 @@ def moe(args) -> None:
     config = moe_config(args)
     if args.expert_capacity is not None:
         config = dataclasses.replace(config, expert_capacity=args.expert_capacity)
+    config = dataclasses.replace(config, expert_chunks=args.expert_chunks)
 
     @nnx.jit
     def forward_backward(m, x):
@@ -332,7 +335,7 @@ def moe(args) -> None:
             ms = C.bench(forward_backward, block, x)["ms"]
             single = ms if n == 1 else single
             row = dict(bench="scaling_moe", devices=n, expert=expert, fsdp=n // expert, experts=args.experts,
-                       expert_capacity=config.expert_capacity,
+                       expert_capacity=config.expert_capacity, expert_chunks=config.expert_chunks,
                        top_k=args.top_k, hidden=args.hidden, expert_size=args.expert_size,
                        tokens_per_device=args.tokens_per_device, fwd_bwd_ms=round(ms, 3),
                        efficiency=round(single / ms, 4) if single else None, device=jax.devices()[0].device_kind,
@@ -561,6 +564,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append one JSON line per layout here")
     ap.add_argument("--expert-capacity", type=float, default=None,
                     help="train/moe: ModelConfig.expert_capacity (default: ModelConfig's)")
+    ap.add_argument("--expert-chunks", type=int, default=1,
+                    help="train/moe: ModelConfig.expert_chunks (a device's tokens in chunks, expert parallel layouts)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="train, moe: also trace one step per layout into DIR and report its GPU kernels (first "
                          "device): time by category, collectives' busy and exposed time, idle gaps")

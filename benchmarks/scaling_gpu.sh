@@ -5,7 +5,8 @@
 #   bash benchmarks/scaling_gpu.sh train accum torch moe own
 # stages: train (the 1B step, one micro-batch per GPU: the default per-layer FSDP and grad_sync=update gathering
 #         once), accum (8 micro-batches per GPU, both grad_sync values), torch (PyTorch FSDP2 and DDP peers),
-#         moe (the Qwen3-30B-A3B layer gathered and expert parallel, dropless, then with capacity 1.25),
+#         moe (the Qwen3-30B-A3B layer gathered and expert parallel, dropless, then with capacity 1.25, then
+#         dropless in 2 and 4 chunks),
 #         own (one expert-parallel device's own work at EP = the GPU count, on one GPU),
 #         nccl (the train stage's default program once per NCCL_MAX_NCHANNELS value of $CHANNELS, "2 4 8"),
 #         moe_model (the Qwen3-30B-A3B LoRA update on every GPU, experts gathered and expert parallel dropless, then
@@ -29,7 +30,8 @@ for stage in "$@"; do
     train) $S train $T --grad-sync micro_batch,update $A ;;
     accum) $S train $T --micro-batches 8 --grad-sync micro_batch,update $A ;;
     torch) $S torch $T --wraps fsdp2,ddp $A ;;
-    moe) $S moe --devices "$DEVICES" $A && $S moe --devices "$N" --expert-capacity 1.25 $A ;;
+    moe) $S moe --devices "$DEVICES" $A && $S moe --devices "$N" --expert-capacity 1.25 $A \
+           && for c in 2 4; do $S moe --devices "$N" --expert-chunks $c $A; done ;;
     own) $S moe --own-experts "$N" $A && $S moe --own-experts "$N" --expert-capacity 1.25 $A ;;
     nccl) for ch in ${CHANNELS:-2 4 8}; do NCCL_MAX_NCHANNELS=$ch $S train $T --grad-sync micro_batch $A; done ;;
     moe_model) M="--shape ${MOE_SHAPE:-qwen3_30b_a3b} --mode lora --devices $N --rows-per-device 8 --seq 1024 --steps 4"
@@ -45,6 +47,7 @@ python3 - "$OUT/scaling.jsonl" > "$OUT/summary.md" <<'PY'
 import json, sys
 
 FIELDS = ("bench", "wrap", "devices", "layout", "micro_batches", "grad_sync", "expert", "ep", "expert_capacity",
+          "expert_chunks",
           "step_s", "fwd_bwd_ms", "tokens_per_s_per_device", "efficiency", "mfu", "first_update_s",
           "check_loss_rel_diff", "nccl_env", "error")
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -305,14 +305,15 @@ class _ShardReader:
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, mesh=None,
                     rules: Mapping | None = None, progress: bool | None = None, attention: str = "auto",
                     remat: str = "auto", scan_layers: bool = True, fsdp_prefetch: bool = True,
-                    grad_reduce_dtype: str | None = None, expert_capacity: float = 0.0) -> Transformer:
+                    grad_reduce_dtype: str | None = None, expert_capacity: float = 0.0,
+                    expert_chunks: int = 1) -> Transformer:
     """Load a Hugging Face checkpoint directory as a :class:`Transformer`.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (defaults to ``dtype``). With ``mesh``,
     every parameter is placed with ``logical_sharding(param.logical_axes, mesh, rules, shape)`` and each
     device only receives its shard. ``progress``: tqdm bar (``None``: only for checkpoints >= 256 MiB).
-    ``attention`` / ``remat`` / ``scan_layers`` / ``fsdp_prefetch`` / ``grad_reduce_dtype`` / ``expert_capacity``:
-    the runtime :class:`ModelConfig` fields of the same names.
+    ``attention`` / ``remat`` / ``scan_layers`` / ``fsdp_prefetch`` / ``grad_reduce_dtype`` / ``expert_capacity`` /
+    ``expert_chunks``: the runtime :class:`ModelConfig` fields of the same names.
     Raises ``FileNotFoundError`` (directory / config.json / weights), ``UnsupportedModelError``
     (model_type), :class:`MissingTensorError`, :class:`UnexpectedTensorError`, :class:`ShapeMismatchError`.
 
@@ -323,7 +324,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     path = Path(path)
     config = read_config(path, dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
                          attention=attention, remat=remat, scan_layers=scan_layers, fsdp_prefetch=fsdp_prefetch,
-                         grad_reduce_dtype=grad_reduce_dtype, expert_capacity=expert_capacity)
+                         grad_reduce_dtype=grad_reduce_dtype, expert_capacity=expert_capacity,
+                         expert_chunks=expert_chunks)
     files = _weight_files(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
     if mesh is not None:

@@ -175,6 +175,11 @@ class ModelConfig:
     highest-numbered experts' last rows) are dropped: they add nothing to their token's output, as with a capacity
     factor. 0 = dropless: every row runs (a buffer of ``expert`` x tokens x top-k row slots, exact). Runtime only:
     not part of the HF config."""
+    expert_chunks: int = 1
+    """With expert parallelism: split a device's tokens into this many chunks, each gathered over the expert axis,
+    run and handed back on its own, so that one chunk's collectives can run beside another's experts (dropless
+    output unchanged; a capacity applies per chunk). The device's tokens must divide evenly. Runtime only: not part
+    of the HF config."""
     grad_reduce_dtype: str | None = None
     """Dtype in which the per-device path (:attr:`fsdp_prefetch`) and an update accumulated per device
     (``OptimConfig.grad_sync``) reduce-scatter weight gradients: ``None`` = ``param_dtype``, ``float32`` to sum bf16
@@ -213,6 +218,8 @@ class ModelConfig:
         if self.remat not in REMAT_NAMES:
             raise ValueError(f"ModelConfig.remat={self.remat!r} is not a remat policy; use one of "
                              f"{', '.join(REMAT_NAMES)}")
+        if self.expert_chunks < 1:
+            raise ValueError(f"ModelConfig.expert_chunks={self.expert_chunks} must be >= 1 (1: no chunks)")
         if not (self.expert_capacity == 0 or self.expert_capacity >= 1):
             raise ValueError(f"ModelConfig.expert_capacity={self.expert_capacity} must be 0 (dropless) or >= 1 "
                              "(a multiple of a device's even share of the routed rows)")

@@ -27,6 +27,7 @@ grouped matmul, a custom call on GPUs that the partitioner cannot split, would r
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 
@@ -81,7 +82,7 @@ def expert_axis(mesh: Mesh | None, rules: Mapping | None, expert_shape: tuple[in
 def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, experts: ExpertsFn,
                         params: tuple[jax.Array, ...], param_axes: tuple[tuple[str | None, ...], ...], *,
                         num_experts: int, mesh: Mesh, rules: Mapping | None, axis: str,
-                        capacity: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                        capacity: float = 0.0, chunks: int = 1) -> tuple[jax.Array, jax.Array]:
     """The MoE output [B, S, H] for ``x`` [B, S, H] routed to ``expert_ids`` [B, S, K] with ``router_weights``
     [B, S, K] (float32), the experts split over mesh axis ``axis``, and the share of the routed rows that the
     ``capacity`` dropped (a float32 scalar; 0 dropless).
@@ -90,6 +91,8 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
     ``E / ep`` experts whole along ``embed`` and split along ``expert_mlp`` as the rules say, and
     ``experts`` runs on them; the result is summed over the axes that split ``expert_mlp``. ``capacity``: the
     rows a device runs, as a multiple of its even share (:func:`capacity_rows`); 0: every row slot (dropless).
+    ``chunks``: the device's tokens in that many chunks, each through the collectives and experts on its own
+    (``ModelConfig.expert_chunks``).
     """
     rules = dict(rules) if rules is not None else None
     ep = mesh.shape[axis]
@@ -110,9 +113,17 @@ def moe_expert_parallel(x: jax.Array, router_weights: jax.Array, expert_ids: jax
     route_spec = P(*token_spec[:2], None)
 
     def local(x, weights, ids, *params):
-        return _local_experts(x, weights, ids, experts, params, axis=axis, ep=ep, num_experts=num_experts,
-                              tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes), capacity=capacity,
-                              other_axes=tuple(a for a in mesh.axis_names if a != axis))
+        tokens = math.prod(x.shape[:-1])
+        if tokens % chunks:
+            raise ValueError(f"ModelConfig.expert_chunks={chunks} does not divide a device's {tokens} tokens; use a "
+                             f"divisor of {tokens}")
+        split = lambda a: jnp.split(a.reshape(tokens, -1), chunks)  # noqa: E731
+        run = functools.partial(_local_experts, experts=experts, params=params, axis=axis, ep=ep,
+                                num_experts=num_experts, tokens_split=axis in token_axes, mlp_axes=tuple(mlp_axes),
+                                capacity=capacity, other_axes=tuple(a for a in mesh.axis_names if a != axis))
+        outs = [run(*chunk) for chunk in zip(split(x), split(weights), split(ids))]
+        y = jnp.concatenate([o[0] for o in outs]).reshape(x.shape)
+        return y, sum(o[1] for o in outs) / chunks
 
     return jax.shard_map(local, mesh=mesh, in_specs=(token_spec, route_spec, route_spec, *param_specs),
                          out_specs=(token_spec, P()), check_vma=False)(x, router_weights, expert_ids, *params)
@@ -146,10 +157,10 @@ def moe_per_device(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Arra
                          out_specs=token_spec, check_vma=False)(x, router_weights, expert_ids, *params)
 
 
-def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: ExpertsFn, params, *, axis: str,
+def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, *, experts: ExpertsFn, params, axis: str,
                    ep: int, num_experts: int, tokens_split: bool, mlp_axes: tuple[str, ...],
                    capacity: float, other_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
-    """One device's tokens ``x`` [B, S, H] (routed to ``ids`` [B, S, K] with ``weights``) through every expert: the
+    """One device's tokens ``x`` [T, H] (routed to ``ids`` [T, K] with ``weights``) through every expert: the
     tokens of the devices along ``axis`` gathered (when ``tokens_split``), each device runs its own experts on the
     rows routed to them (:func:`own_experts`), and the partial sums of every token's experts are added over ``axis``
     and handed back to the device that owns the token. Also returns the share of the routed rows dropped (every

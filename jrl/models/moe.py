@@ -142,7 +142,7 @@ class MoE(nnx.Module):
         if axis is not None:
             y, dropped = moe_expert_parallel(x, weights, idx, self.experts.compute, params, axes,
                                              num_experts=c.num_experts, mesh=self.mesh, rules=rules, axis=axis,
-                                             capacity=c.expert_capacity)
+                                             capacity=c.expert_capacity, chunks=c.expert_chunks)
         elif token_spec is not None:
             y = moe_per_device(x, weights, idx, self.experts.compute, params, axes, num_experts=c.num_experts,
                                mesh=self.mesh, rules=rules, token_spec=token_spec)

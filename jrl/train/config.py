@@ -75,6 +75,11 @@ class ModelSpec:
     of the routed (token, expert) rows; rows routed to a device past that are dropped (they add nothing to their
     token, as with a capacity factor). 0 = dropless (every row runs; exact, slower: measured in
     benchmarks/RESULTS.md, a Qwen3-30B-A3B layer on 4 H200s at 1.25 runs in 0.74x the dropless time)."""
+    expert_chunks: int = 1
+    """With expert parallelism: run a device's tokens in this many chunks, each gathered over the expert axis and
+    handed back on its own, so that one chunk's collectives can run beside another's experts (the same output
+    dropless; a capacity applies per chunk). Must divide a device's tokens per micro-batch. Not yet measured on
+    GPUs (benchmarks/scaling.py moe --expert-chunks)."""
     grad_reduce_dtype: str | None = None
     """Dtype of the weight gradients' reduce-scatter on that path: ``None`` = the weights' storage dtype, ``float32``
     to sum bf16 weights' gradients in float32 (twice the bytes)."""
@@ -87,6 +92,7 @@ class ModelSpec:
         check_choice(self, "remat", REMAT_NAMES)
         if self.grad_reduce_dtype is not None:
             check_choice(self, "grad_reduce_dtype", DTYPES)
+        check_int(self, "expert_chunks", lo=1, fix="use 1 (no chunks) or a divisor of a device's tokens")
         check_real(self, "expert_capacity", ge=0, fix="use 0 (dropless) or a multiple >= 1 of a device's even "
                    "share, e.g. 1.25")
         if 0 < self.expert_capacity < 1:

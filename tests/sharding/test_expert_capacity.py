@@ -1,7 +1,8 @@
 """Expert parallelism with a capacity (``ModelConfig.expert_capacity``): routing spread over the devices fits the
 buffer and gives what one device gives; routing that overflows it gives what one device gives without the rows the
-buffer drops (each device's last rows in expert order); without a capacity every row runs. Float32, forward and
-every gradient (workers/expert_capacity.py, 8 fake CPU devices)."""
+buffer drops (each device's last rows in expert order); without a capacity every row runs, also in chunks
+(``ModelConfig.expert_chunks``). Float32, forward and every gradient (workers/expert_capacity.py, 8 fake CPU
+devices)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ def test_the_buffer_is_smaller_than_every_row_slot_and_only_the_skewed_routing_o
     assert result["max_device_rows"]["spread"] <= rows < result["max_device_rows"]["skewed"], result
 
 
-@pytest.mark.parametrize("case", ["spread/2.0", "spread/0.0", "skewed/2.0", "skewed/0.0"])
+@pytest.mark.parametrize("case", ["spread/2.0", "spread/0.0", "skewed/2.0", "skewed/0.0", "spread/chunks4",
+                                  "skewed/chunks4"])
 def test_expert_parallel_block_matches_one_device(result, case):
     errs = result["cases"][case]
     assert errs["finite"], errs
     assert max(errs["y"], errs["loss"], errs["dx"], errs["dweights"], errs["dparams"]) <= RTOL, errs
+
+
+def test_chunks_that_do_not_divide_a_devices_tokens_are_refused_with_the_field(result):
+    assert "ModelConfig.expert_chunks=3 does not divide a device's 16 tokens" in result.get("chunks_error", ""), result
 
 
 def test_only_the_overflowing_routing_drops_rows_and_the_block_reports_their_share(result):

@@ -126,6 +126,8 @@ def test_config_errors_name_the_field():
         OptimConfig(learning_rate=0.0)
     with pytest.raises(ValueError, match=r"ModelSpec\.expert_capacity=0\.5.*use 0 or a value >= 1"):
         ModelSpec(expert_capacity=0.5)
+    with pytest.raises(ValueError, match=r"ModelSpec\.expert_chunks=0.*use 1 \(no chunks\)"):
+        ModelSpec(expert_chunks=0)
     with pytest.raises(SystemExit):  # tyro reports the error and exits non-zero
         _train_script().parse_config(["--config", str(ROOT / "configs" / "grpo.py"), "--algo.num-generations", "1"])
 

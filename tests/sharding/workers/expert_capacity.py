@@ -101,10 +101,10 @@ def main() -> None:
     def one_device(x, weights, ids, params):
         return routed(x, weights, ids, E, lambda rows, counts: experts(rows, counts, *params))
 
-    def parallel(capacity):
+    def parallel(capacity, chunks=1):
         return lambda x, weights, ids, params: moe_expert_parallel(
             x, weights, ids, experts, params, AXES, num_experts=E, mesh=mesh, rules=rules, axis="expert",
-            capacity=capacity)[0]
+            capacity=capacity, chunks=chunks)[0]
 
     grad = lambda block: jax.jit(jax.value_and_grad(lambda *a: loss(block, *a), argnums=(0, 1, 3)))
     # The expert axis gathers the tokens of 4 devices (2 fsdp groups of them): 64 tokens x K row slots per device.
@@ -133,7 +133,20 @@ def main() -> None:
                         dparams=max(rel(a, b) for a, b in zip(grads[2], ref_grads[2])))
             errs["finite"] = bool(np.isfinite(list(errs.values())).all())
             out["cases"][f"{routing}/{capacity}"] = errs
+        # Dropless in 4 chunks of a device's 16 tokens: the same as one device.
+        ref_value, ref_grads = grad(one_device)(x, weights, ids, params)
+        value, grads = grad(parallel(0.0, chunks=4))(x, weights, ids, params)
+        errs = dict(y=rel(jax.jit(parallel(0.0, chunks=4))(x, weights, ids, params), one_device(x, weights, ids,
+                                                                                               params)),
+                    loss=rel(value, ref_value), dx=rel(grads[0], ref_grads[0]), dweights=rel(grads[1], ref_grads[1]),
+                    dparams=max(rel(a, b) for a, b in zip(grads[2], ref_grads[2])))
+        errs["finite"] = bool(np.isfinite(list(errs.values())).all())
+        out["cases"][f"{routing}/chunks4"] = errs
     out["block_dropped"] = block_dropped(mesh, rules)
+    try:
+        parallel(0.0, chunks=3)(*inputs(False))
+    except ValueError as e:
+        out["chunks_error"] = str(e)
     x, weights, ids, params = inputs(False)
     for capacity in (2.0, 0.0):
         text = str(jax.make_jaxpr(jax.grad(lambda *a: loss(parallel(capacity), *a)))(x, weights, ids, params))

@@ -10,13 +10,14 @@ Up to ``ep = top_k`` devices (Qwen3-MoE: top-8) this is the least traffic of the
 all-to-all would send less, but ``jax.lax.ragged_all_to_all`` ran 12-54x slower than the padded one on H100s with
 jax 0.11.2 and has no CPU implementation. By default dispatch is dropless: a device sorts all ``ep x tokens x top_k``
 rows of its peers' tokens, the rows of other devices' experts last, past its groups (routed nowhere,
-:mod:`jrl.kernels.moe.routing`), and nothing between the sort and the reduce-scatter touches those rows on a GPU: the
-grouped matmuls neither compute nor write them, the SwiGLU and the row gathers stop at the rows in use
+:mod:`jrl.kernels.moe.routing`), and on a GPU nothing between the sort and the reduce-scatter reads or computes those
+rows: the grouped matmuls neither compute nor write them, the SwiGLU and the row gathers only store their zeros
 (:mod:`jrl.kernels.moe.rows`), and the combine reads only routed rows. With a capacity
 (``ModelConfig.expert_capacity`` C >= 1) only the first ``C x tokens x top_k`` sorted rows are copied, run and
 combined (C times the device's even share); the device's own rows past them are dropped (capacity-factor routing).
 The expert MLP width may be split too (``expert_mlp`` on the ``tensor`` axis): the down projection's partial sums
-are added over that axis.
+are added over that axis. ``ModelConfig.expert_chunks`` K runs a device's tokens as K independent chunks (gather,
+experts, reduce-scatter each), which leaves XLA free to run one chunk's collectives beside another's experts.
 
 Without an expert axis, on a mesh of ``data`` and ``fsdp`` axes, each device routes and sorts its own tokens and
 runs them through the whole experts (their weights gathered, as any FSDP weight's, the gradient reduce-scattered

@@ -11,6 +11,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from jrl.kernels.logprobs import triton_kernels as K  # noqa: E402
+from kernels_testlib import allow_loop_bounds_from_memory  # noqa: E402
+
+allow_loop_bounds_from_memory()
 
 
 def ref(h, w, tgt, inv_temp):

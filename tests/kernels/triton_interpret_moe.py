@@ -12,23 +12,11 @@ import torch  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
-import triton.runtime.interpreter as interpreter  # noqa: E402
-
 from jrl.kernels.moe import triton_kernels as K  # noqa: E402
 from jrl.kernels.moe.schedule import group_bounds, tile_schedule  # noqa: E402
-from kernels_testlib import np_gmm, np_tgmm  # noqa: E402
+from kernels_testlib import allow_loop_bounds_from_memory, np_gmm, np_tgmm  # noqa: E402
 
-
-def _scalar_index_patch(patch):
-    """Triton 3.6's interpreter turns a loop bound into an int with ``int()`` of its one-element array, which NumPy
-    2.4 refuses (``for t0 in range(start, end, ...)`` in tgmm_kernel): read the element instead."""
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    return patched
-
-
-interpreter._patch_lang_tensor = _scalar_index_patch(interpreter._patch_lang_tensor)
+allow_loop_bounds_from_memory()
 
 
 def schedule(group_sizes, t, bm):

@@ -284,8 +284,8 @@ def exchange(args) -> None:
     for n in (int(d) for d in args.devices.split(",") if int(d) > 1):
         mesh = make_mesh(MeshConfig(fsdp=1, expert=n), devices=jax.devices()[:n])
         _report(dict(bench="scaling_exchange", devices=n, tokens_per_device=args.tokens_per_device,
-                      top_k=args.top_k, hidden=args.hidden, **exchange_times(mesh, args),
-                      device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}"), args.out)
+                     top_k=args.top_k, hidden=args.hidden, **exchange_times(mesh, args),
+                     device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}"), args.out)
 
 
 def dropped_rows(block, x) -> float:

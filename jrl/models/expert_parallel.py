@@ -187,8 +187,8 @@ def own_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Exper
     device on its axis (routed to ``ids`` [..., K] with ``weights``) through this device's ``local_count`` experts
     (``params``, experts ``device x local_count ..`` of the model), float32 partial sums per token (zero for a token
     none of whose experts are here), and the mask of the (token, expert) rows routed here. The other rows sort last,
-    past the groups, and count as zeros; with ``rows`` (:func:`capacity_rows`) only the first ``rows`` sorted rows are copied
-    and run, the rest dropped. One device's work alone, so it can be timed without the others
+    past the groups, and count as zeros; with ``rows`` (:func:`capacity_rows`) only the first ``rows`` sorted rows
+    are copied and run, the rest dropped. One device's work alone, so it can be timed without the others
     (``benchmarks/scaling.py moe --own-experts``)."""
     local = ids - device * local_count
     mine = (local >= 0) & (local < local_count)

@@ -133,6 +133,13 @@ def optimizer_update(params, opt_state, grads, tx):
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
+def _applied(params: Flat, opt_state: Flat, grads, tx):
+    """:func:`optimizer_update` on the learner's :class:`Flat` trees (``grads`` a plain tree): the new params and
+    state as :class:`Flat`, and the global norm as :class:`Scalars`."""
+    new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads, tx)
+    return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
+
+
 # The programs below take and return the learner's trees as :class:`Flat`.
 def respelled(tree):
     """``tree``'s arrays with their shardings spelled as a program's output spells them (a :class:`NamedSharding`'s
@@ -195,8 +202,7 @@ def evaluate(params: Flat, frozen: Flat, rows, aux, *, graphdef, fn, disable_lor
 @functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
 def apply_update(params: Flat, opt_state: Flat, grads: Flat, *, tx):
     """One optimizer update (params and optimizer state donated); returns the gradient's global norm too."""
-    new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads.tree, tx)
-    return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
+    return _applied(params, opt_state, grads.tree, tx)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
@@ -275,9 +281,7 @@ def reduce_and_apply(params: Flat, opt_state: Flat, acc: Flat, *, tx, layout: St
     """The devices' gradient sums of ``acc`` (:func:`local_accumulator`) added up into the parameters' ``layout``
     (one reduce-scatter per array, :func:`_summed`), then one optimizer update (params and state donated); the
     global norm too."""
-    grads = _summed(acc, layout, reduce_dtype)
-    new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads.tree, tx)
-    return params.like(new_params), opt_state.like(new_state), Scalars.of({"grad_norm": gnorm})
+    return _applied(params, opt_state, _summed(acc, layout, reduce_dtype).tree, tx)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "tx", "router", "mesh", "axes", "layout",
@@ -291,6 +295,5 @@ def local_step_and_apply(params: Flat, opt_state: Flat, frozen: Flat, batch, *, 
     rows, aux = unpack(batch)
     fn = _per_device_grads(graphdef, loss, router, mesh, axes)
     grads, part = fn(gathered(params, mesh=mesh), gathered(frozen, mesh=mesh), rows, aux, jnp.int32(1))
-    grads = _summed(grads, layout, reduce_dtype)
-    new_params, new_state, gnorm = optimizer_update(params.tree, opt_state.tree, grads.tree, tx)
-    return params.like(new_params), opt_state.like(new_state), part, Scalars.of({"grad_norm": gnorm})
+    new_params, new_state, gnorm = _applied(params, opt_state, _summed(grads, layout, reduce_dtype).tree, tx)
+    return new_params, new_state, part, gnorm

@@ -10,7 +10,8 @@ memory must be visibly aligned), so a tile may begin with rows of the previous g
 shared by two groups is computed once per group); each tile stores only its own group's rows: whole tiles in one
 swizzled store, partial ones through a ladder of power-of-two-row stores (a TMA box has a static size). Rows past
 ``sum(group_sizes)`` are written as zeros without a product (an expert-parallel device's buffer is mostly such
-rows), or not at all (``fill_past_groups=False``) where nothing reads them. ``rhs`` may be read transposed in place (the input gradient's ``dout @ rhs[g].T``).
+rows), or not at all (``fill_past_groups=False``) where nothing reads them. ``rhs`` may be read transposed in place
+(the input gradient's ``dout @ rhs[g].T``).
 """
 
 from __future__ import annotations

@@ -52,9 +52,13 @@ def swiglu(a: jax.Array, b: jax.Array, count: jax.Array | None = None, *, impl: 
     return _swiglu(a, b, jnp.asarray(count, jnp.int32), impl)
 
 
+def _swiglu_impl(a: jax.Array, impl: str):
+    return _impl("swiglu", impl, ("swiglu", tuple(a.shape), str(a.dtype)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _swiglu(a, b, count, impl):
-    return _impl("swiglu", impl, ("swiglu", tuple(a.shape), str(a.dtype))).swiglu_fwd(a, b, count)
+    return _swiglu_impl(a, impl).swiglu_fwd(a, b, count)
 
 
 def _swiglu_fwd(a, b, count, impl):
@@ -63,7 +67,7 @@ def _swiglu_fwd(a, b, count, impl):
 
 def _swiglu_bwd(impl, res, g):
     a, b, count = res
-    da, db = _impl("swiglu", impl, ("swiglu", tuple(a.shape), str(a.dtype))).swiglu_bwd(a, b, g, count)
+    da, db = _swiglu_impl(a, impl).swiglu_bwd(a, b, g, count)
     return da, db, None
 
 

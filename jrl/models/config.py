@@ -346,6 +346,11 @@ class ModelConfig:
                 total += 3 * h * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + h)
         return total
 
+    def routed_expert_params(self) -> int:
+        """Parameter count of the routed experts' weights (what expert parallelism splits over devices)."""
+        per_layer = 3 * self.num_experts * self.hidden_size * (self.moe_intermediate_size or 0)
+        return per_layer * sum(self.layer_is_moe(i) for i in range(self.num_hidden_layers))
+
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -27,7 +27,7 @@ from jrl.sharding.distributed import (
     process_shard,
 )
 from jrl.sharding.memory import MemoryReport, device_bytes, memory_limit, memory_report
-from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, make_mesh
+from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, learner_mesh, make_mesh
 from jrl.sharding.placement import (
     HostPack,
     check_placement,
@@ -86,6 +86,7 @@ __all__ = [
     "logical_sharding",
     "logical_to_spec",
     "make_global_batch",
+    "learner_mesh",
     "make_mesh",
     "memory_limit",
     "memory_report",

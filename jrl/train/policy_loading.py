@@ -9,10 +9,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jrl.models import from_pretrained
+from jrl.models import from_pretrained, read_config
 from jrl.models.lora import apply_lora
 from jrl.rollout.config import sampler_mesh
-from jrl.sharding import make_mesh, memory_limit, shard_model, split_devices
+from jrl.sharding import MeshConfig, learner_mesh, make_mesh, memory_limit, shard_model, split_devices
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,21 @@ def _memory(devices) -> int | None:
     return memory_limit(local[0]) if local else None
 
 
+def _learner_layout(cfg, devices) -> MeshConfig:
+    """``cfg.mesh``, or for a mixture-of-experts model left on the default sizes the expert-parallel layout of
+    :func:`jrl.sharding.learner_mesh` where its training state fits."""
+    config = read_config(cfg.model.path)
+    if not config.is_moe:
+        return cfg.mesh
+    itemsize = jnp.dtype(cfg.model.param_dtype or cfg.model.dtype).itemsize
+    per_param = itemsize if cfg.lora is not None else 2 * itemsize + 8  # weights (+ gradients, two float32 moments)
+    experts = config.routed_expert_params()
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return learner_mesh(cfg.mesh, num_experts=config.num_experts, devices=len(devices), local_devices=len(local),
+                        dense_state_bytes=(config.num_params() - experts) * per_param,
+                        expert_state_bytes=experts * per_param, device_bytes=_memory(devices))
+
+
 def load_policy(cfg) -> Policy:
     """Tokenizer, mesh and model of ``cfg`` (``TrainConfig``), with a clear error for a bad model path."""
     from transformers import AutoTokenizer
@@ -61,8 +76,13 @@ def load_policy(cfg) -> Policy:
             "point --model.path at one (the default tiny model is made by scripts/make_default_model.py)")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    mesh = make_mesh(cfg.mesh, learner_devices) if len(learner_devices) > 1 else None
-    rules = cfg.mesh.logical_rules()
+    layout = _learner_layout(cfg, learner_devices) if len(learner_devices) > 1 else cfg.mesh
+    if layout != cfg.mesh:
+        logger.info("learner: %d devices laid out %s: expert parallel, the default for a mixture-of-experts model "
+                    "(give --mesh sizes to choose another)", len(learner_devices),
+                    {n: s for n, s in layout.axis_sizes(len(learner_devices)).items() if s > 1})
+    mesh = make_mesh(layout, learner_devices) if len(learner_devices) > 1 else None
+    rules = layout.logical_rules()
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
                             rules=rules, attention=cfg.model.attention, remat=cfg.model.remat,
                             scan_layers=cfg.model.scan_layers, fsdp_prefetch=cfg.model.fsdp_prefetch,

@@ -1,6 +1,6 @@
 """Child process for test_grpo_e2e.py: a short GRPO run on fake CPU devices (XLA_FLAGS set by the parent).
 
-argv: MODEL_DIR OUT_DIR REWARD_FILE FSDP. Prints one JSON line with what the parent asserts.
+argv: MODEL_DIR OUT_DIR REWARD_FILE FSDP (-1: the default mesh). Prints one JSON line with what the parent asserts.
 """
 
 import json

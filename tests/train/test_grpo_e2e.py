@@ -148,6 +148,18 @@ def test_two_device_mesh_run(tiny_model_dir, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
 
 
+def test_a_moe_model_on_the_default_mesh_trains_expert_parallel(tmp_path):
+    """Left on the default mesh, a mixture-of-experts model trains with its experts split over the devices
+    (``jrl.sharding.learner_mesh``), through the trainer: finite steps and a checkpoint."""
+    moe = save_tiny_model_dir(tmp_path / "moe", model_type="qwen3_moe", qk_norm=True, head_dim=8, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16)
+    out = run_worker("e2e_worker.py", moe, tmp_path / "run", write_reward_file(tmp_path, "reward_moe"), "-1")
+    assert out["devices"] == 2 and out["mesh_shape"]["expert"] == 2 and out["mesh_shape"]["fsdp"] == 1
+    assert [r["step"] for r in out["history"]] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward/mean"]) for r in out["history"])
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
+
+
 def test_sharded_step_equals_single_device():
     """§12.3: the gradient of a 2-device FSDP step (2 micro-batches) equals the 1-device, 1-micro-batch one, and is
     sharded as the parameters (an accumulator left to the compiler sat on one device or replicated); so does

@@ -3,7 +3,8 @@ experts computed per device on a ``data``/``fsdp`` mesh (:func:`moe_per_device`)
 
 Each device gathers the tokens (and their routing) of the devices along the expert axis, runs its own experts on
 the rows routed to them and hands every token's summed partial outputs back to the device that owns it
-(reduce-scatter, float32); in the backward the same two collectives run the other way. A device moves its tokens
+(reduce-scatter, float32); in the backward the same two collectives run the other way (the output's cotangent
+gathered in the tokens' dtype). A device moves its tokens
 once, not once per chosen expert: ``(ep - 1) x tokens`` rows each way, against ``top_k`` copies of each token for
 an all-to-all dispatch, which the padded form (dropless without a ragged exchange) multiplies by ``ep`` again.
 Up to ``ep = top_k`` devices (Qwen3-MoE: top-8) this is the least traffic of the three; beyond, a ragged
@@ -11,8 +12,8 @@ all-to-all would send less, but ``jax.lax.ragged_all_to_all`` ran 12-54x slower 
 jax 0.11.2 and has no CPU implementation. By default dispatch is dropless: a device sorts all ``ep x tokens x top_k``
 rows of its peers' tokens, the rows of other devices' experts last, past its groups (routed nowhere,
 :mod:`jrl.kernels.moe.routing`), and on a GPU nothing between the sort and the reduce-scatter reads or computes those
-rows: the grouped matmuls neither compute nor write them, the SwiGLU and the row gathers only store their zeros
-(:mod:`jrl.kernels.moe.rows`), and the combine reads only routed rows. With a capacity
+rows: the grouped matmuls, the SwiGLU and the row gathers (:mod:`jrl.kernels.moe.rows`) neither compute nor
+write them, and the combine reads only routed rows. With a capacity
 (``ModelConfig.expert_capacity`` C >= 1) only the first ``C x tokens x top_k`` sorted rows are copied, run and
 combined (C times the device's even share); the device's own rows past them are dropped (capacity-factor routing).
 The expert MLP width may be split too (``expert_mlp`` on the ``tensor`` axis): the down projection's partial sums
@@ -44,23 +45,27 @@ from jrl.sharding.rules import DEFAULT_RULES, logical_to_spec
 #: ``experts(rows [R, H], group_sizes [E_local], *expert_params, rows_in_use=None) -> [R, H]``: the expert MLP on
 #: rows sorted by (local) expert; rows past ``sum(group_sizes)`` are padding whose output is discarded.
 #: ``rows_in_use`` (traced, ``sum(group_sizes)``) is passed where most of the buffer may be such padding (an
-#: expert-parallel device's), so that the matmuls and the elementwise work between them can skip it: the output's
-#: rows past it may then be left unwritten (the combine reads only routed rows).
+#: expert-parallel device's), so that the matmuls and the elementwise work between them can skip it: the input's
+#: rows past it may then be unwritten (``permute(..., fill_unrouted=False)``), and so may the output's (the combine
+#: reads only routed rows).
 ExpertsFn = Callable[..., jax.Array]
 
 _TOKENS = ("batch", "activation_length", None)
 
 
 def routed(x: jax.Array, router_weights: jax.Array, expert_ids: jax.Array, num_experts: int,
-           run: Callable[[jax.Array, jax.Array], jax.Array], dtype=None, capacity: int | None = None) -> jax.Array:
+           run: Callable[[jax.Array, jax.Array], jax.Array], dtype=None, capacity: int | None = None,
+           fill_unrouted: bool = True) -> jax.Array:
     """The routed experts' weighted sum for tokens ``x`` [..., H] sent to ``expert_ids`` [..., K] with
     ``router_weights`` [..., K]: their (token, expert) copies sorted by expert go through ``run(sorted_rows,
     group_sizes)`` and come back summed per token (in ``dtype``; default: ``run``'s output dtype). ``capacity``:
-    only the first ``capacity`` sorted rows are copied and run, the others count as zeros."""
+    only the first ``capacity`` sorted rows are copied and run, the others count as zeros. ``fill_unrouted``: as
+    :func:`jrl.kernels.moe.permute`'s (False where ``run`` reads no row past the groups)."""
     k = expert_ids.shape[-1]
-    perm = permute(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k), num_experts, capacity)
-    return unpermute(run(perm.sorted_x, perm.group_sizes), perm, router_weights.reshape(-1, k),
-                     dtype).reshape(x.shape)
+    perm = permute(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k), num_experts, capacity,
+                   fill_unrouted=fill_unrouted)
+    return unpermute(run(perm.sorted_x, perm.group_sizes), perm, router_weights.reshape(-1, k), dtype,
+                     fill_unrouted=fill_unrouted).reshape(x.shape)
 
 
 def expert_axis(mesh: Mesh | None, rules: Mapping | None, expert_shape: tuple[int, ...],
@@ -171,14 +176,36 @@ def _local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, *, experts:
     rows = capacity_rows(capacity, ids.size, ep)
     y, mine = own_experts(x, weights, ids, experts, params, device=jax.lax.axis_index(axis),
                           local_count=num_experts // ep, rows=rows)
-    y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
-    if mlp_axes:
-        y = jax.lax.psum(y, mlp_axes)
+    if tokens_split and not mlp_axes:
+        y = _summed_to_owners(y, axis, x.dtype)
+    else:
+        y = jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True) if tokens_split else jax.lax.psum(y, axis)
+        y = (jax.lax.psum(y, mlp_axes) if mlp_axes else y).astype(x.dtype)
     dropped = jnp.zeros((), jnp.float32)
     if rows is not None:  # this device's rows past its buffer, over its token group's rows, averaged over the groups
         dropped = jax.lax.psum(jnp.maximum(jnp.sum(mine) - rows, 0).astype(jnp.float32), axis) / ids.size
         dropped = jax.lax.pmean(dropped, other_axes) if other_axes else dropped
-    return y.astype(x.dtype), dropped
+    return y, dropped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _summed_to_owners(y: jax.Array, axis: str, dtype) -> jax.Array:
+    """The float32 partial sums ``y`` [ep x T, H] added over ``axis``, each device keeping its own T tokens, in
+    ``dtype``. The backward all-gathers the output's cotangent in ``dtype`` and widens it after: the same values as
+    widening it first, which is what differentiating the cast and the reduce-scatter would do, in half the bytes
+    for bfloat16."""
+    return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True).astype(dtype)
+
+
+def _summed_to_owners_fwd(y, axis, dtype):
+    return _summed_to_owners(y, axis, dtype), None
+
+
+def _summed_to_owners_bwd(axis, dtype, _, ct):
+    return (jax.lax.all_gather(ct.astype(dtype), axis, axis=0, tiled=True).astype(jnp.float32),)
+
+
+_summed_to_owners.defvjp(_summed_to_owners_fwd, _summed_to_owners_bwd)
 
 
 def own_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: ExpertsFn, params, *, device,
@@ -198,9 +225,11 @@ def own_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: Exper
             counts = jnp.diff(jnp.minimum(jnp.cumsum(counts), rows), prepend=0)
         return experts(sorted_rows, counts, *params, rows_in_use=jnp.sum(counts))
 
-    # The other devices' rows are routed nowhere (``permute``). A token's partial sum over this device's experts
-    # stays float32 until the sums of every device are added.
-    y = routed(x, weights, jnp.where(mine, local, local_count), local_count, run, dtype=jnp.float32, capacity=rows)
+    # The other devices' rows are routed nowhere (``permute``), their sorted rows left unwritten: the experts, told
+    # the rows in use, read none of them. A token's partial sum over this device's experts stays float32 until the
+    # sums of every device are added.
+    y = routed(x, weights, jnp.where(mine, local, local_count), local_count, run, dtype=jnp.float32, capacity=rows,
+               fill_unrouted=False)
     return y, mine
 
 

@@ -104,8 +104,11 @@ def test_pairs_routed_nowhere_add_zero_and_get_no_gradient(request):
 def test_gpu_triton_take_rows_matches_reference(request, dtype, nsrc, h, k, r):
     rng = rng_for(request)
     src, index, scale = _take_case(rng, nsrc, h, k, r, dtype)
-    assert_close(take_rows(src, index, k=k, impl="triton"), take_rows(src, index, k=k, impl="reference"), dtype,
-                 "take_rows", tol=0.0)
+    want = take_rows(src, index, k=k, impl="reference")
+    assert_close(take_rows(src, index, k=k, impl="triton"), want, dtype, "take_rows", tol=0.0)
+    routed = np.asarray(index) // k < nsrc  # fill=False: the rows routed nowhere are not compared (unspecified)
+    assert_close(np.asarray(take_rows(src, index, k=k, fill=False, impl="triton"), np.float32)[routed],
+                 np.asarray(want, np.float32)[routed], dtype, "take_rows fill=False", tol=0.0)
     assert_close(take_rows(src.astype(jnp.float32), index, k=k, scale=scale, dtype=dtype, impl="triton"),
                  take_rows(src.astype(jnp.float32), index, k=k, scale=scale, dtype=dtype, impl="reference"), dtype,
                  "take_rows scaled")
@@ -120,5 +123,4 @@ def test_gpu_triton_swiglu_matches_reference(request, dtype, r, f, count):
     want = _swiglu_with_grads(a, b, g, count, "reference")
     for got, ref, name in zip(_swiglu_with_grads(a, b, g, count, "triton"), want, ["out", "d a", "d b"]):
         assert got.dtype == dtype
-        assert float(jnp.abs(got[count:]).max(initial=0)) == 0.0, f"swiglu {name}: rows past count not zero"
-        assert_close(got, ref, dtype, f"swiglu {name}")
+        assert_close(got[:count], ref[:count], dtype, f"swiglu {name}")  # the rows past count are unspecified

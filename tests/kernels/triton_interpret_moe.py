@@ -83,26 +83,28 @@ def main():
 
 
 def check_row_kernels(rng) -> float:
-    """take_rows (with and without a scale, indices past the source) and the SwiGLU passes (rows past ``count``)
-    against numpy; outputs start as NaN so that a row left unwritten fails."""
+    """take_rows (with and without a scale, indices past the source, storing their zeros or not) and the SwiGLU
+    passes (rows past ``count`` left unwritten) against numpy; outputs start as NaN so that a row left unwritten
+    shows: it must be one of those the kernel may skip, and every other row is written."""
     worst = 0.0
     nsrc, h, k, r = 7, 40, 3, 19
     src = rng.standard_normal((nsrc, h)).astype(np.float32)
     index = rng.permutation(nsrc * k + 4)[:r].astype(np.int32)  # some past nsrc * k: routed nowhere
     scale = rng.random(nsrc * k).astype(np.float32)
-    for has_scale in (False, True):
+    live = index // k < nsrc
+    for has_scale, fill in ((False, True), (True, True), (True, False)):
         out = torch.full((r, h), float("nan"), dtype=torch.float32)
         K.take_rows_kernel[(-(-r // 8), -(-h // 16))](torch.from_numpy(src), torch.from_numpy(index),
-                                                      torch.from_numpy(scale), out, r, nsrc, h, k, has_scale,
+                                                      torch.from_numpy(scale), out, r, nsrc, h, k, has_scale, fill,
                                                       BLOCK_R=8, BLOCK_H=16)
-        live = index // k < nsrc
         want = np.where(live[:, None], src[np.minimum(index // k, nsrc - 1)], 0)
         if has_scale:
             want = want * np.where(live, scale[np.minimum(index, nsrc * k - 1)], 0)[:, None]
         got = out.numpy()
-        assert np.isfinite(got).all(), "take_rows_kernel left unwritten (NaN) output"
-        err = relerr(got, want)
-        print(f"take_rows scale={has_scale}: relerr {err:.2e}")
+        written = np.isfinite(got).all(1)
+        assert (written == (live | fill)).all(), f"take_rows fill={fill}: rows written {written} (routed {live})"
+        err = relerr(got[written], want[written])
+        print(f"take_rows scale={has_scale} fill={fill}: relerr {err:.2e}")
         worst = max(worst, err)
     r, f, count = 21, 24, 13
     a, b, g = (rng.standard_normal((r, f)).astype(np.float32) for _ in range(3))
@@ -117,8 +119,9 @@ def check_row_kernels(rng) -> float:
         kernel = K.swiglu_fwd_kernel if name == "swiglu fwd" else K.swiglu_bwd_kernel
         kernel[grid](*args, torch.tensor([count], dtype=torch.int32), *outs, r, f, BLOCK_R=8, BLOCK_F=16)
         for got, w in zip(outs, want):
-            assert np.isfinite(got.numpy()).all(), f"{name} left unwritten (NaN) output"
-            err = relerr(got.numpy(), w)
+            written = np.isfinite(got.numpy()).all(1)
+            assert (written == live[:, 0]).all(), f"{name}: rows written {written}, wanted those < {count}"
+            err = relerr(got.numpy()[:count], w[:count])
             print(f"{name}: relerr {err:.2e}")
             worst = max(worst, err)
     return worst

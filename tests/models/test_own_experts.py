@@ -47,13 +47,16 @@ def test_the_devices_partial_sums_add_up_to_every_experts_output(ep):
 
 
 @pytest.mark.gpu
-def test_gpu_expert_parallel_devices_add_up_to_the_layer_with_kernels():
-    """On the GPU kernels (grouped matmuls leaving the rows past the groups unwritten, the row kernels): the partial
-    sums of four emulated expert-parallel devices and their gradients equal one device's layer over every expert
-    (bf16). Memory freed after being filled with NaN first, so that a read of an unwritten row would show."""
+@pytest.mark.parametrize("lora", [False, True], ids=["experts", "lora_experts"])
+def test_gpu_expert_parallel_devices_add_up_to_the_layer_with_kernels(lora):
+    """On the GPU kernels (grouped matmuls, row gathers and SwiGLU leaving the rows past the groups unwritten): the
+    partial sums of four emulated expert-parallel devices and their gradients equal one device's layer over every
+    expert (bf16), with LoRA on the experts too. Memory freed after being filled with NaN first, so that a read of an
+    unwritten row would show."""
     from flax import nnx
 
     from jrl.models import ModelConfig
+    from jrl.models.lora import ExpertsLoRA
     from jrl.models.moe import Experts
 
     e, k, h, i, t, ep = 16, 4, 256, 128, 512, 4
@@ -62,8 +65,12 @@ def test_gpu_expert_parallel_devices_add_up_to_the_layer_with_kernels():
                          num_experts=e, num_experts_per_tok=k, moe_intermediate_size=i, dtype="bfloat16",
                          param_dtype="bfloat16")
     experts = Experts(config, rngs=nnx.Rngs(0))
-    params, _ = experts.arrays()
     rng = np.random.default_rng(0)
+    if lora:  # the Bs random (not PEFT's zeros) so that every adapter has a gradient
+        experts = ExpertsLoRA(experts, gate_up=True, down=True, rank=8, scale=2.0, key=jax.random.key(1))
+        for b in (experts.lora_gate_b, experts.lora_up_b, experts.lora_down_b):
+            b[...] = jnp.asarray(rng.standard_normal(b[...].shape) / 8, b[...].dtype)
+    params, _ = experts.arrays()
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
     weights = jnp.asarray(rng.random((t, k)), jnp.float32)
@@ -85,7 +92,9 @@ def test_gpu_expert_parallel_devices_add_up_to_the_layer_with_kernels():
     want = layer(x, params)
     jax.block_until_ready(jnp.full((256, 1024, 1024), jnp.nan, jnp.float32)).delete()
     got = devices(x, params)
-    for name, g, w in zip(["d x", "d gate", "d up", "d down"], jax.tree.leaves(got), jax.tree.leaves(want)):
+    names = ["d x", "d gate", "d up", "d down"] + ["d gate_up A", "d gate B", "d up B", "d down A", "d down B"] * lora
+    assert len(jax.tree.leaves(got)) == len(names)
+    for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
         err = np.linalg.norm(g - w) / np.linalg.norm(w)

@@ -104,6 +104,17 @@ def test_expert_parallel_block_gathers_tokens_over_the_expert_axis_only(result):
         (found, tokens)
 
 
+def test_expert_parallel_block_moves_bf16_tokens_and_float32_partial_sums(result):
+    """In bfloat16 (expert=4, fsdp=2): the forward gathers the tokens in bf16 and reduce-scatters the float32
+    partial sums; the backward gathers the output's cotangent in bf16 (widening it first would double its bytes)
+    and reduce-scatters the tokens' gradient in bf16. Nothing token-sized moves in float32 but the partial sums."""
+    r = result["moe_collectives_bf16"]
+    gathered, owned = r["token_elements"] // 2, r["token_elements"] // 8
+    typed = {op: [t for n, t in pairs if n in (gathered, owned)] for op, pairs in r["typed"].items()}
+    assert sorted(typed["all-gather"]) == ["bf16", "bf16"], r["typed"]
+    assert sorted(typed["reduce-scatter"]) == ["bf16", "f32"], r["typed"]
+
+
 def test_gathered_experts_block_keeps_each_devices_tokens(result):
     """Without an expert axis (fsdp=8) each device routes and computes its own tokens against the gathered experts:
     the collectives are the weights' gathers and their gradients' reduce-scatters, none larger than the block's

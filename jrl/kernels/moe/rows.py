@@ -1,7 +1,8 @@
 """Row operations around the grouped matmuls that skip a buffer's unused rows: :func:`take_rows` (the gathers of
 ``routing.py``) and :func:`swiglu` (the experts' activation). An expert-parallel device's dropless buffer holds a
 row for every (token, expert) pair of its peers' tokens, ``ep`` times the rows routed to it; XLA's gathers and
-elementwise kernels read and write every row of it, these touch the rows in use and only store zeros past them.
+elementwise kernels read and write every row of it, these touch the rows in use only (``take_rows`` stores zeros
+past them unless told not to).
 
 | name        | where                   | what                                |
 |-------------|-------------------------|-------------------------------------|
@@ -31,22 +32,24 @@ def _impl(kernel: str, impl: str, config: tuple):
 
 
 def take_rows(src: jax.Array, index: jax.Array, *, k: int = 1, scale: jax.Array | None = None, dtype=None,
-              impl: str = "auto") -> jax.Array:
+              fill: bool = True, impl: str = "auto") -> jax.Array:
     """``out[r] = src[index[r] // k]`` ([R, H] from ``src`` [N, H] and ``index`` [R], entries in ``[0, N * k]``),
-    times ``scale[index[r]]`` in float32 when ``scale`` [N * k] is given, in ``dtype`` (default ``src``'s); zeros
-    where ``index[r] // k >= N`` (a row routed nowhere), without reading ``src``. Not differentiable: the callers
-    define their gradients."""
+    times ``scale[index[r]]`` in float32 when ``scale`` [N * k] is given, in ``dtype`` (default ``src``'s). Where
+    ``index[r] // k >= N`` (a row routed nowhere) ``src`` is not read, and the row is zeros, or with ``fill=False``
+    unspecified (the kernel leaves it unwritten: for callers none of whose readers look at it). Not differentiable:
+    the callers define their gradients."""
     dtype = jnp.dtype(dtype or src.dtype)
     mod = _impl("take_rows", impl, ("take_rows", tuple(src.shape), str(src.dtype), int(index.shape[0]), k,
-                                    scale is not None, str(dtype)))
-    return mod.take_rows(src, index, k, scale, dtype)
+                                    scale is not None, str(dtype), fill))
+    return mod.take_rows(src, index, k, scale, dtype, fill)
 
 
 def swiglu(a: jax.Array, b: jax.Array, count: jax.Array | None = None, *, impl: str = "auto") -> jax.Array:
     """``silu(a) * b`` for ``a``, ``b`` [R, F]; differentiable wrt both. With ``count`` (a traced int: the rows sorted
-    to some expert) the rows past it are zeros and the kernel reads none of them; without, every row is computed by
-    XLA, which fuses the product with its neighbours (on one device a buffer's rows are all in use, and a whole
-    Qwen3-30B-A3B LoRA update ran 2% slower with the kernel there)."""
+    to some expert) the rows past it, of the result and of both gradients, are unspecified: the kernel neither reads
+    nor writes them (the reference writes zeros), for callers whose readers skip them; without, every row is
+    computed by XLA, which fuses the product with its neighbours (on one device a buffer's rows are all in use, and
+    a whole Qwen3-30B-A3B LoRA update ran 2% slower with the kernel there)."""
     if count is None:
         return jax.nn.silu(a) * b
     return _swiglu(a, b, jnp.asarray(count, jnp.int32), impl)

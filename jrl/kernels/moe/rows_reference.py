@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 
-def take_rows(src: jax.Array, index: jax.Array, k: int, scale: jax.Array | None, dtype) -> jax.Array:
+def take_rows(src: jax.Array, index: jax.Array, k: int, scale: jax.Array | None, dtype, fill: bool) -> jax.Array:
+    del fill  # zeros either way: a row the caller leaves unspecified may hold them
     rows = jnp.take(src, index // k, axis=0, mode="fill", fill_value=0)
     if scale is not None:
         rows = rows.astype(jnp.float32) * jnp.take(scale, index, mode="fill", fill_value=0)[:, None]

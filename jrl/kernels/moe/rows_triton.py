@@ -1,6 +1,6 @@
 """The row operations of :mod:`jrl.kernels.moe.rows` as Triton kernels (``triton_kernels.py``) called through
-jax-triton: each program takes a block of rows and columns, loads only the rows in use and stores zeros for the
-others, so its memory traffic follows the rows routed, not the buffer's size."""
+jax-triton: each program takes a block of rows and columns and loads only the rows in use (``take_rows`` stores
+zeros for the others unless told not to), so its memory traffic follows the rows routed, not the buffer's size."""
 
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ def _launch(kernel, out_shape, *args, rows: int, width: int, **consts):
         num_warps=4, **consts))(*args)
 
 
-def take_rows(src: jax.Array, index: jax.Array, k: int, scale: jax.Array | None, dtype) -> jax.Array:
+def take_rows(src: jax.Array, index: jax.Array, k: int, scale: jax.Array | None, dtype, fill: bool) -> jax.Array:
     (nsrc, h), r = src.shape, index.shape[0]
     if r == 0 or h == 0:
         return jnp.zeros((r, h), dtype)
     scales = jnp.zeros((1,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     return _launch(K.take_rows_kernel, jax.ShapeDtypeStruct((r, h), dtype), src, index.astype(jnp.int32), scales,
-                   rows=r, width=h, R=r, NSRC=nsrc, H=h, K=k, HAS_SCALE=scale is not None,
+                   rows=r, width=h, R=r, NSRC=nsrc, H=h, K=k, HAS_SCALE=scale is not None, FILL=fill,
                    BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_H=_cols(h))
 
 

@@ -118,10 +118,10 @@ def tgmm_kernel(
 def take_rows_kernel(
     src_ptr, index_ptr, scale_ptr, out_ptr,
     R: tl.constexpr, NSRC: tl.constexpr, H: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    FILL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """``out[r] = (scale[index[r]] *) src[index[r] // K]`` (``index >= 0``), zeros where ``index[r] // K`` is past
-    ``src``'s ``NSRC`` rows, without loading them."""
+    """``out[r] = (scale[index[r]] *) src[index[r] // K]`` (``index >= 0``); where ``index[r] // K`` is past
+    ``src``'s ``NSRC`` rows nothing is loaded, and zeros are stored with ``FILL`` (else the row is left unwritten)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < R
@@ -135,17 +135,17 @@ def take_rows_kernel(
         scale = tl.load(scale_ptr + idx, mask=live, other=0.0)
         vals = vals.to(tl.float32) * scale[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], vals.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+             mask=(rmask if FILL else live)[:, None] & cmask[None, :])
 
 
 @triton.jit
 def _row_block(count_ptr, R: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    """This program's block of an [R, F] array: element offsets, the mask of the block's elements inside the array,
-    and of those on rows ``< count``."""
+    """This program's block of an [R, F] array: element offsets, and the mask of the block's elements inside the
+    array on rows ``< count``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    inside = (rows < R)[:, None] & (cols < F)[None, :]
-    return rows.to(tl.int64)[:, None] * F + cols[None, :], inside, inside & (rows < tl.load(count_ptr))[:, None]
+    live = (rows < R) & (rows < tl.load(count_ptr))
+    return rows.to(tl.int64)[:, None] * F + cols[None, :], live[:, None] & (cols < F)[None, :]
 
 
 @triton.jit
@@ -153,11 +153,11 @@ def swiglu_fwd_kernel(
     a_ptr, b_ptr, count_ptr, out_ptr, R: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    """``out = silu(a) * b`` on rows ``< count`` (float32 inside), zeros on the others without loading them."""
-    offs, inside, live = _row_block(count_ptr, R, F, BLOCK_R, BLOCK_F)
+    """``out = silu(a) * b`` on rows ``< count`` (float32 inside); the other rows are neither read nor written."""
+    offs, live = _row_block(count_ptr, R, F, BLOCK_R, BLOCK_F)
     a = tl.load(a_ptr + offs, mask=live, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (a / (1.0 + tl.exp(-a)) * b).to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + offs, (a / (1.0 + tl.exp(-a)) * b).to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -166,11 +166,11 @@ def swiglu_bwd_kernel(
     BLOCK_F: tl.constexpr,
 ):
     """The gradients of :func:`swiglu_fwd_kernel` for ``g``: ``da = g b silu'(a)``, ``db = g silu(a)`` on rows
-    ``< count``, zeros on the others."""
-    offs, inside, live = _row_block(count_ptr, R, F, BLOCK_R, BLOCK_F)
+    ``< count``; the other rows are neither read nor written."""
+    offs, live = _row_block(count_ptr, R, F, BLOCK_R, BLOCK_F)
     a = tl.load(a_ptr + offs, mask=live, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-a))
-    tl.store(da_ptr + offs, (g * b * sig * (1.0 + a * (1.0 - sig))).to(da_ptr.dtype.element_ty), mask=inside)
-    tl.store(db_ptr + offs, (g * a * sig).to(db_ptr.dtype.element_ty), mask=inside)
+    tl.store(da_ptr + offs, (g * b * sig * (1.0 + a * (1.0 - sig))).to(da_ptr.dtype.element_ty), mask=live)
+    tl.store(db_ptr + offs, (g * a * sig).to(db_ptr.dtype.element_ty), mask=live)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -172,35 +173,46 @@ def main() -> None:
     t = time.time()
     out["moe_collectives"] = moe_block_collectives(S.MeshConfig(expert=4, fsdp=2))
     out["moe_collectives_fsdp8"] = moe_block_collectives(S.MeshConfig(fsdp=8))
+    out["moe_collectives_bf16"] = moe_block_collectives(S.MeshConfig(expert=4, fsdp=2), dtype="bfloat16")
     out["timing"]["moe_collectives"] = time.time() - t
     out["timing"]["total"] = time.time() - t0
     print(json.dumps(out))
 
 
-def moe_block_collectives(cfg) -> dict:
-    """The collectives XLA compiles for one MoE block's forward and backward on the mesh of ``cfg``: op -> the
-    element counts of their results; and the element counts of the tokens and of the block's parameters."""
+def moe_block_collectives(cfg, dtype: str = "float32") -> dict:
+    """The collectives XLA compiles for one MoE block's forward and backward on the mesh of ``cfg`` (computing in
+    ``dtype``): op -> the element counts of their results; op -> [element count, element type] of each as jrl
+    wrote them (the HLO before XLA's passes: XLA:CPU widens bfloat16 collectives to float32); the element counts of
+    the tokens and of the block's parameters."""
     from jrl.models.moe import MoE
 
     mesh, rules = S.make_mesh(cfg), cfg.logical_rules()
-    config = common.CONFIGS["moe"]
+    config = common.CONFIGS["moe"].replace(dtype=dtype)
     block = S.shard_model(MoE(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     shape = (common.BATCH, common.SEQ, config.hidden_size)
-    x = jax.device_put(np.random.default_rng(0).normal(size=shape).astype(np.float32),
+    x = jax.device_put(np.random.default_rng(0).normal(size=shape).astype(dtype),
                        S.logical_sharding(("batch", "activation_length", "embed"), mesh, rules, shape))
-    step = nnx.jit(nnx.grad(lambda m, x: (m(x) ** 2).sum(), argnums=(0, 1)))
-    hlo = step.lower(block, x).compile().as_text()
-    found: dict[str, list[int]] = {}
+    step = nnx.jit(nnx.grad(lambda m, x: (m(x).astype(jnp.float32) ** 2).sum(), argnums=(0, 1)))
+    lowered = step.lower(block, x)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(block, nnx.Param)))
+    return dict(collectives={op: [sum(n for n, _ in arrays) for arrays in found]
+                             for op, found in _collectives(lowered.compile().as_text()).items()},
+                typed={op: [list(a) for arrays in found for a in arrays]
+                       for op, found in _collectives(lowered.as_text(dialect="hlo")).items()},
+                token_elements=math.prod(shape), param_elements=int(params))
+
+
+def _collectives(hlo: str) -> dict[str, list[list[tuple[int, str]]]]:
+    """op -> for each collective of ``hlo`` (HLO text), the (element count, element type) of its result arrays."""
+    found: dict[str, list] = {}
     for line in hlo.splitlines():
         m = re.search(r"= (\(?[^=]*?\)?) (all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)"
                       r"(-start)?\(", line)
         if m:
-            elems = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([\d,]*)\]",
-                                                                                          m.group(1))]
-            found.setdefault(m.group(2), []).append(sum(elems))
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(block, nnx.Param)))
-    return dict(collectives=found, token_elements=math.prod(shape), param_elements=int(params))
-
+            found.setdefault(m.group(2), []).append(
+                [(math.prod(int(d) for d in dims.split(",") if d), t) for t, dims in re.findall(
+                    r"(\w+)\[([\d,]*)\]", m.group(1))])
+    return found
 
 if __name__ == "__main__":
     sys.exit(main())

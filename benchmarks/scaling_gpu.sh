@@ -9,9 +9,9 @@
 #         dropless in 2 and 4 chunks),
 #         own (one expert-parallel device's own work at EP = the GPU count, on one GPU),
 #         nccl (the train stage's default program once per NCCL_MAX_NCHANNELS value of $CHANNELS, "2 4 8"),
-#         moe_model (the Qwen3-30B-A3B LoRA update on every GPU, experts gathered and expert parallel dropless, then
-#         expert parallel with capacity 1.25; its PyTorch FSDP2 peer with gradient checkpointing; ~8 min: a call
-#         of its own)
+#         moe_model (the Qwen3-30B-A3B LoRA update on one GPU, then on every GPU experts gathered and expert
+#         parallel dropless (efficiency against the one GPU), then expert parallel with capacity 1.25; its PyTorch
+#         FSDP2 peer with gradient checkpointing; ~6 min at 2 GPUs: a call of its own)
 # env: DEVICES (1,<all GPUs>), SHAPE (llama1b), MOE_SHAPE (qwen3_30b_a3b), STEPS (8), STAGE_TIMEOUT (300 s each),
 #      EXTRA (more scaling.py args)
 set -u
@@ -35,7 +35,7 @@ for stage in "$@"; do
     own) $S moe --own-experts "$N" $A && $S moe --own-experts "$N" --expert-capacity 1.25 $A ;;
     nccl) for ch in ${CHANNELS:-2 4 8}; do NCCL_MAX_NCHANNELS=$ch $S train $T --grad-sync micro_batch $A; done ;;
     moe_model) M="--shape ${MOE_SHAPE:-qwen3_30b_a3b} --mode lora --devices $N --rows-per-device 8 --seq 1024 --steps 4"
-               $S train $M --init device --layouts fsdp,expert:$N $A
+               $S train $M --devices 1,$N --init device --layouts fsdp,expert:$N $A
                $S train $M --init device --layouts expert:$N --expert-capacity 1.25 $A
                $S torch $M --wraps fsdp2 --torch-remat $A ;;
     *) echo "unknown stage $stage" ;;

@@ -4,18 +4,18 @@ experts computed per device on a ``data``/``fsdp`` mesh (:func:`moe_per_device`)
 Each device gathers the tokens (and their routing) of the devices along the expert axis, runs its own experts on
 the rows routed to them and hands every token's summed partial outputs back to the device that owns it
 (reduce-scatter, float32); in the backward the same two collectives run the other way (the output's cotangent
-gathered in the tokens' dtype). A device moves its tokens
-once, not once per chosen expert: ``(ep - 1) x tokens`` rows each way, against ``top_k`` copies of each token for
-an all-to-all dispatch, which the padded form (dropless without a ragged exchange) multiplies by ``ep`` again.
+gathered in the tokens' dtype). A device moves its tokens once, not once per chosen expert: ``(ep - 1) x tokens``
+rows each way, against ``top_k`` copies of each token for an all-to-all dispatch, which the padded form (dropless
+without a ragged exchange) multiplies by ``ep`` again.
 Up to ``ep = top_k`` devices (Qwen3-MoE: top-8) this is the least traffic of the three; beyond, a ragged
 all-to-all would send less, but ``jax.lax.ragged_all_to_all`` ran 12-54x slower than the padded one on H100s with
 jax 0.11.2 and has no CPU implementation. By default dispatch is dropless: a device sorts all ``ep x tokens x top_k``
 rows of its peers' tokens, the rows of other devices' experts last, past its groups (routed nowhere,
 :mod:`jrl.kernels.moe.routing`), and on a GPU nothing between the sort and the reduce-scatter reads or computes those
 rows: the grouped matmuls, the SwiGLU and the row gathers (:mod:`jrl.kernels.moe.rows`) neither compute nor
-write them, and the combine reads only routed rows. With a capacity
-(``ModelConfig.expert_capacity`` C >= 1) only the first ``C x tokens x top_k`` sorted rows are copied, run and
-combined (C times the device's even share); the device's own rows past them are dropped (capacity-factor routing).
+write them, and the combine reads only routed rows. With a capacity (``ModelConfig.expert_capacity`` C >= 1) only
+the first ``C x tokens x top_k`` sorted rows are copied, run and combined (C times the device's even share); the
+device's own rows past them are dropped (capacity-factor routing).
 The expert MLP width may be split too (``expert_mlp`` on the ``tensor`` axis): the down projection's partial sums
 are added over that axis. ``ModelConfig.expert_chunks`` K runs a device's tokens as K independent chunks (gather,
 experts, reduce-scatter each), which leaves XLA free to run one chunk's collectives beside another's experts.

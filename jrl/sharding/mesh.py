@@ -27,8 +27,8 @@ MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 class MeshConfig:
     """How the devices are laid out. The product of the four sizes is the device count; one size may
     be ``-1`` ("all remaining devices"). The default (``fsdp=-1``) is pure FSDP over every device,
-    which is right for a single host and a good start on a pod; for a mixture-of-experts model the
-    trainer makes the default sizes expert parallel (:func:`learner_mesh`)."""
+    which is right for a single host and a good start on a pod; for a mixture-of-experts model on the
+    devices of one process the trainer makes the default sizes expert parallel (:func:`learner_mesh`)."""
 
     data: int = 1
     """Pure data parallelism: replicas of the (otherwise sharded) model, each on its own share of the
@@ -114,26 +114,24 @@ EXPERT_DEFAULT_STATE_FRACTION = 0.5
 
 def learner_mesh(mesh: MeshConfig, *, num_experts: int, devices: int, local_devices: int, dense_state_bytes: int,
                  expert_state_bytes: int, device_bytes: int | None) -> MeshConfig:
-    """The layout the learner trains with on ``devices`` devices (``local_devices`` of them in each process):
-    ``mesh`` as configured, except that the default sizes (FSDP over every device) become expert parallel for a
-    mixture-of-experts model (``num_experts`` > 0): ``expert`` = the most devices of one process that divide the
-    expert count (their greatest common divisor), FSDP over the rest (across processes). On two H200s this ran a
-    Qwen3-30B-A3B layer's forward + backward 1.82x and its LoRA update 1.26x faster than the experts gathered over
-    FSDP (``benchmarks/RESULTS.md``, nineteenth session). An expert group's devices each hold the non-expert
-    weights whole (split over ``fsdp`` only), so the default stays FSDP where the training state per device,
-    ``(dense_state_bytes + expert_state_bytes / expert) / fsdp``, would take more than
-    :data:`EXPERT_DEFAULT_STATE_FRACTION` of ``device_bytes`` (``None``, as CPU devices report: no limit). With one
-    device per process (one process per GPU) the default stays FSDP: which processes share a host's fast links is
-    not known here; give ``expert`` yourself there."""
+    """The layout the learner trains with on ``devices`` devices (``local_devices`` of them in this process):
+    ``mesh`` as configured, except that the default sizes (FSDP over every device) become expert parallel over
+    every device (``expert = devices``, ``fsdp = 1``) for a mixture-of-experts model whose ``num_experts`` they
+    divide, when one process drives them all. On two H200s this ran a Qwen3-30B-A3B layer's forward + backward
+    1.82x and its LoRA update 1.26x faster than the experts gathered over FSDP (``benchmarks/RESULTS.md``,
+    nineteenth session). Every device then holds the non-expert weights whole, so the default stays FSDP where the
+    training state per device, ``dense_state_bytes + expert_state_bytes / devices``, would take more than
+    :data:`EXPERT_DEFAULT_STATE_FRACTION` of ``device_bytes`` (``None``, as CPU devices report: no limit). Expert
+    parallelism with FSDP beside it (several processes or hosts, or more devices than the expert count divides)
+    stays a choice (``--mesh.expert E --mesh.fsdp F``): its non-expert layers run on XLA's partitioner, not the
+    per-device FSDP path, and it has not been measured."""
     if num_experts <= 0 or any(getattr(mesh, n) != getattr(_DEFAULT_SIZES, n) for n in MESH_AXES):
         return mesh
-    expert = math.gcd(num_experts, local_devices)
-    if expert <= 1 or devices % expert:
+    if devices < 2 or devices != local_devices or num_experts % devices:
         return mesh
-    per_device = (dense_state_bytes + expert_state_bytes / expert) / (devices // expert)
-    if device_bytes and per_device > EXPERT_DEFAULT_STATE_FRACTION * device_bytes:
+    if device_bytes and dense_state_bytes + expert_state_bytes / devices > EXPERT_DEFAULT_STATE_FRACTION * device_bytes:
         return mesh
-    return dataclasses.replace(mesh, fsdp=-1, expert=expert)
+    return dataclasses.replace(mesh, fsdp=1, expert=devices)
 
 
 _DEFAULT_SIZES = MeshConfig()

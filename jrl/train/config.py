@@ -171,8 +171,8 @@ class TrainConfig(Generic[AlgoConfigT]):
     lora: LoraConfig | None = None
     """LoRA adapters (base frozen); None = full fine-tune."""
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    """Device mesh (default: FSDP over every device; for a mixture-of-experts model, expert parallel within each
-    process where its training state fits, ``jrl.sharding.learner_mesh``)."""
+    """Device mesh (default: FSDP over every device; for a mixture-of-experts model on the devices of one process,
+    expert parallel over all of them where its training state fits, ``jrl.sharding.learner_mesh``)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Prompt source and batching (``prompts_per_batch`` prompts per optimizer step)."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)

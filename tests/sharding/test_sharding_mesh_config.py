@@ -132,23 +132,25 @@ def _learner(mesh=None, *, experts=128, devices=4, local=None, dense=0, expert_b
                           expert_state_bytes=expert_bytes, device_bytes=memory)
 
 
-def test_a_moe_model_on_the_default_mesh_trains_expert_parallel_within_each_process():
+def test_a_moe_model_on_the_default_mesh_of_one_process_trains_expert_parallel():
     assert _learner().axis_sizes(4) == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1}
-    # the most devices of a process that divide the expert count; FSDP over the rest (across processes)
-    assert _learner(experts=60, devices=8).axis_sizes(8) == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
-    assert _learner(devices=8, local=4).axis_sizes(8) == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
+    assert _learner(experts=60, devices=2).axis_sizes(2) == {"data": 1, "fsdp": 1, "expert": 2, "tensor": 1}
     rules = (("vocab", None),)
     assert _learner(S.MeshConfig(rules=rules)).rules == rules  # rule overrides alone leave the sizes default
+    # (30 + 40 / 4) = 40 bytes per device: past half of 79, within half of 80
+    assert _learner(dense=30, expert_bytes=40, memory=79).expert == 1
+    assert _learner(dense=30, expert_bytes=40, memory=80).expert == 4
 
 
-@pytest.mark.parametrize("case", ["dense", "sizes_given", "expert_count_coprime", "state_does_not_fit",
-                                  "one_device_per_process"])
-def test_the_learner_keeps_its_mesh_where_expert_parallelism_is_not_the_default(case):
-    mesh = S.MeshConfig(fsdp=4) if case == "sizes_given" else S.MeshConfig()
-    kwargs = dict(dense=dict(experts=0), sizes_given={}, expert_count_coprime=dict(experts=7),
-                  state_does_not_fit=dict(dense=30, expert_bytes=40, memory=79),
-                  one_device_per_process=dict(devices=8, local=1))[case]
+@pytest.mark.parametrize("case, kwargs", [
+    ("dense", dict(experts=0)),
+    ("sizes_given", dict(mesh=S.MeshConfig(fsdp=4))),
+    ("experts_not_divided_by_the_devices", dict(experts=60, devices=8)),
+    ("one_device", dict(devices=1)),
+    ("several_processes", dict(devices=8, local=4)),
+    ("one_device_per_process", dict(devices=8, local=1)),
+    ("state_does_not_fit", dict(dense=30, expert_bytes=40, memory=79)),
+])
+def test_the_learner_keeps_its_mesh_where_expert_parallelism_is_not_the_default(case, kwargs):
+    mesh = kwargs.pop("mesh", S.MeshConfig())
     assert _learner(mesh, **kwargs) == mesh
-    # (30 + 40 / 4) / 1 = 40 bytes: past half of 79, within half of 100
-    assert _learner(dense=30, expert_bytes=40, memory=79).expert == 1 and _learner(
-        dense=30, expert_bytes=40, memory=100).expert == 4

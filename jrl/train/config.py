@@ -78,8 +78,9 @@ class ModelSpec:
     expert_chunks: int = 1
     """With expert parallelism: run a device's tokens in this many chunks, each gathered over the expert axis and
     handed back on its own, so that one chunk's collectives can run beside another's experts (the same output
-    dropless; a capacity applies per chunk). Must divide a device's tokens per micro-batch. Not yet measured on
-    GPUs (benchmarks/scaling.py moe --expert-chunks)."""
+    dropless; a capacity applies per chunk). Must divide a device's tokens per micro-batch. On two H200s it made the
+    Qwen3-30B-A3B layer slower (5.74 ms at 1, 6.86 at 2, 8.28 at 4 chunks; benchmarks/RESULTS.md, nineteenth
+    session): XLA overlapped nothing there."""
     grad_reduce_dtype: str | None = None
     """Dtype of the weight gradients' reduce-scatter on that path: ``None`` = the weights' storage dtype, ``float32``
     to sum bf16 weights' gradients in float32 (twice the bytes)."""

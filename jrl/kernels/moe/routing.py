@@ -71,9 +71,13 @@ def _combine(y_sorted: jax.Array, weights: jax.Array, order: jax.Array, inverse:
     """``out[t] = sum_k weights[t, k] y_sorted[inverse[t*K + k]]`` in float32, as ``dtype``; a pair whose sorted row
     is past ``y_sorted``'s rows adds zero. ``order`` is the permutation ``inverse`` undoes (for the gradient, whose
     sorted rows of pairs routed nowhere are zeros with ``fill``, else unspecified)."""
-    t, k = weights.shape
-    y = jnp.take(y_sorted, inverse, axis=0, mode="fill", fill_value=0).reshape(t, k, -1)
+    y = _pair_rows(y_sorted, inverse, weights.shape)
     return (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).sum(1).astype(dtype)
+
+
+def _pair_rows(y_sorted: jax.Array, inverse: jax.Array, pairs: tuple[int, int]) -> jax.Array:
+    """The sorted row of each (token, slot) pair, [T, K, H] for ``pairs`` = (T, K); zeros past ``y_sorted``."""
+    return jnp.take(y_sorted, inverse, axis=0, mode="fill", fill_value=0).reshape(*pairs, -1)
 
 
 def _combine_fwd(y_sorted, weights, order, inverse, dtype, fill):
@@ -85,7 +89,7 @@ def _combine_bwd(dtype, fill, res, g):
     t, k = weights.shape
     # Sorted row r came from pair order[r] = (token, slot): its gradient is that token's, times the pair's weight.
     dy = take_rows(g, order[:y_sorted.shape[0]], k=k, scale=weights.reshape(-1), dtype=y_sorted.dtype, fill=fill)
-    y = jnp.take(y_sorted, inverse, axis=0, mode="fill", fill_value=0).reshape(t, k, -1)
+    y = _pair_rows(y_sorted, inverse, (t, k))
     dweights = (y.astype(jnp.float32) * g.astype(jnp.float32)[:, None, :]).sum(-1).astype(weights.dtype)
     return dy, dweights, None, None
 

@@ -19,7 +19,8 @@ to narrow, unpipelined loads (checked in the PTX: no ``cp.async``).
 * :func:`tgmm_kernel` -- ``out[g] = lhs[rows of g].T @ dout[rows of g]`` ([E, K, N]), one program per
   (group, k-tile, n-tile), looping over the group's rows.
 * :func:`take_rows_kernel`, :func:`swiglu_fwd_kernel`, :func:`swiglu_bwd_kernel` -- row-block x column-block
-  programs that load only the rows in use and store zeros for the others (``rows.py``).
+  programs that load only the rows in use (``rows.py``): the gather stores zeros for the others unless ``FILL`` is
+  off, the SwiGLU passes leave them unwritten.
 """
 
 from __future__ import annotations

@@ -183,24 +183,43 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def exposed_collectives(kernels: list[tuple[float, float, str]]) -> dict:
+def exposed_collectives(kernels: list[tuple[float, float, str]], *, top: int = 12) -> dict:
     """How much of the collective kernels' time (NCCL) no compute kernel runs beside, from one device's kernels
-    (start us, duration us, name): the collectives' busy time (their union) and the part of it not covered by any
-    other kernel, i.e. what the step waits for communication."""
-    comm = _union([(ts, ts + dur) for ts, dur, name in kernels if _is_collective(name)])
+    (start us, duration us, name): the collectives' busy time (their union), the part of it not covered by any
+    other kernel, i.e. what the step waits for communication, the exposed time in each tenth of the span, and the
+    ``top`` longest exposed stretches with their offset from the first kernel and the collectives running in them."""
+    comm_kernels = sorted((ts, ts + dur, name) for ts, dur, name in kernels if _is_collective(name))
+    comm = _union([(a, b) for a, b, _ in comm_kernels])
     compute = _union([(ts, ts + dur) for ts, dur, name in kernels if not _is_collective(name)])
     if not comm:
         return {}
+    start = min(ts for ts, _, _ in kernels)
+    span = max(ts + dur for ts, dur, _ in kernels) - start
     busy = sum(b - a for a, b in comm)
-    covered, j = 0.0, 0
+    exposed, j = [], 0
     for a, b in comm:
         while j < len(compute) and compute[j][1] <= a:
             j += 1
-        k = j
+        at, k = a, j
         while k < len(compute) and compute[k][0] < b:
-            covered += min(b, compute[k][1]) - max(a, compute[k][0])
+            if compute[k][0] > at:
+                exposed.append((at, compute[k][0]))
+            at = max(at, compute[k][1])
             k += 1
-    return dict(collective_busy_ms=round(busy / 1e3, 2), collective_exposed_ms=round((busy - covered) / 1e3, 2))
+        if at < b:
+            exposed.append((at, b))
+    total = sum(b - a for a, b in exposed)
+    longest = sorted(exposed, key=lambda ab: ab[0] - ab[1])[:top]
+    tenths = [0.0] * 10
+    for a, b in exposed:
+        for i in range(10):
+            lo, hi = start + span * i / 10, start + span * (i + 1) / 10
+            tenths[i] += max(0.0, min(b, hi) - max(a, lo))
+    return dict(collective_busy_ms=round(busy / 1e3, 2), collective_exposed_ms=round(total / 1e3, 2),
+                exposed_by_tenth_ms=[round(t / 1e3, 2) for t in tenths],
+                top_exposed=[dict(us=round(b - a, 1), at_ms=round((a - start) / 1e3, 2),
+                                  collectives=sorted({n[:50] for s, e, n in comm_kernels if s < b and e > a}))
+                             for a, b in longest])
 
 
 def idle_gaps(kernels: list[tuple[float, float, str]], *, top: int, min_us: float = 10.0) -> dict:

@@ -194,8 +194,8 @@ def train(args) -> None:
                    check_grad_norm=checked["grad_norm"], process_peak_gib_device0=_gib(C.peak_bytes()),
                    device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}")
         if args.profile:
-            row["profile"] = _profile(os.path.join(args.profile, row["layout"].replace(",", "_").replace("=", "")),
-                                      learner, update, batch)
+            name = row["layout"].replace(",", "_").replace("=", "") + (f"_{sync}" if n > 1 else "")
+            row["profile"] = _profile(os.path.join(args.profile, name), learner, update, batch)
         first = first or row
         row["efficiency"] = (round(row["tokens_per_s_per_device"] / first["tokens_per_s_per_device"], 4)
                              if first["devices"] == 1 else None)

@@ -1,5 +1,6 @@
-"""The model's two large pieces, the scanned decoder layers and the loss-fused LM head, run per device on a mesh
-of ``data`` and ``fsdp`` axes, with their weights' FSDP collectives placed by hand (:mod:`jrl.sharding.collectives`).
+"""The model's large pieces, the token lookup, the scanned decoder layers and the loss-fused LM head, run per device
+on a mesh of ``data`` and ``fsdp`` axes, with their weights' FSDP collectives placed by hand
+(:mod:`jrl.sharding.collectives`).
 
 Layers: inside one ``shard_map`` the scan over the stacked layers gathers each layer's weight shards inside the
 layer's rematerialisation checkpoint, so the gathered weights are never saved for the backward: the backward
@@ -11,6 +12,10 @@ gather while the first computes, and buffers carried between iterations are not 
 "Scale-out": as fast as gathering a layer ahead in the scan's carry, and 7 GiB less per device for 16 layers of
 the 8B model's width at fsdp=2).
 
+Token lookup: each device looks up its FSDP group's tokens in its own columns of the embedding table and one
+all-to-all hands each device its rows' vectors (:func:`embed_lookup`); the table is not gathered for it and its
+gradient from the lookup needs no reduce-scatter.
+
 Head: the hidden rows stay split over the devices and each device computes its rows' loss against the gathered
 head weight; the head's gradient is summed over the rows of a device and reduce-scattered once. The log-prob kernel
 (:func:`token_logprobs`: packed rows, old and reference log-probs, EBFT) runs the same way, each device on its rows.
@@ -19,7 +24,7 @@ Without this, XLA's partitioner gathers each layer's weights in the iteration th
 backward, and splits the head matmul on the hidden dimension with float32 all-reduces of every chunk's logits:
 ``benchmarks/RESULTS.md`` ("Scale-out") has the profiles. Both paths compute the same function; the automatic one
 is the reference the tests compare with, and the one used for meshes with ``tensor`` or ``expert`` axes and for
-MoE models' layers (their head runs per device too).
+MoE models' layers (their token lookup and head run per device too).
 """
 
 from __future__ import annotations
@@ -92,6 +97,34 @@ def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask,
     fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
                        in_specs=(specs, rows, rows, jax.tree.map(lambda _: rows, mask)), out_specs=out_specs)
     return fn(values, x, positions, mask)
+
+
+def embed_lookup(weight: nnx.Variable, ids: jax.Array, *, mesh: Mesh, rules: Mapping, axes: tuple[str, ...],
+                 dtype) -> jax.Array | None:
+    """The token embedding of each device's rows of ``ids`` [R, T] from the table ``weight`` [V, H] without gathering
+    the table: each device looks up every token of its FSDP group in its own columns of the table and one all-to-all
+    hands each device its rows' whole vectors ([R, T, H] in ``dtype``, split like the rows). The backward moves the
+    same [R, T, H] back and adds each device's columns into its shard, so the table's gradient from the lookup needs
+    no reduce-scatter. XLA's partitioning gathers the whole table for the lookup instead, at the start of the step
+    with nothing to overlap it, and reduce-scatters its gradient, added to the tied head's, at the end.
+
+    None where the table is not split on its hidden dimension alone, over batch ``axes`` (the caller keeps the
+    partitioned lookup)."""
+    spec = variable_spec(weight, mesh, rules)
+    gathers = [(dim, tuple(a for a in names if mesh.shape[a] > 1)) for dim, names in spec_gathers(spec, 2)]
+    gathers = [(dim, names) for dim, names in gathers if names]
+    if [dim for dim, _ in gathers] != [1] or not set(gathers[0][1]) <= set(axes):
+        return None
+    group = gathers[0][1]
+
+    def per_device(table, ids):
+        tokens = jax.lax.all_gather(ids, group, axis=0, tiled=True)
+        columns = jnp.take(table, tokens, axis=0).astype(dtype)
+        return jax.lax.all_to_all(columns, group, split_axis=0, concat_axis=columns.ndim - 1, tiled=True)
+
+    split = PartitionSpec(axes)
+    return jax.shard_map(per_device, mesh=mesh, check_vma=False, in_specs=(spec, split),
+                         out_specs=split)(weight.get_value(), ids)
 
 
 def _head_gather(weight: nnx.Variable, mesh: Mesh, rules: Mapping, dtype: str | None, reduce_dtype: str | None,

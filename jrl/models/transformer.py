@@ -237,7 +237,7 @@ class Transformer(nnx.Module):
 
         positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask,
                                               starts_at_zero=aligned, max_segments=max_segments)
-        embedded = constrain(self.embed(input_ids), _RESIDUAL, self.mesh, self.rules)
+        embedded = self._embedded(input_ids)
         x, outputs = self._run_layers(embedded, positions, mask, depth, collect=return_layers is not False)
         collected = [embedded, *outputs]
         if depth < num_layers:  # only intermediate layers were asked for
@@ -248,6 +248,14 @@ class Transformer(nnx.Module):
         collected[-1] = final
         picked = range(num_layers + 1) if wanted is None else wanted
         return restore(final), tuple(restore(collected[i]) for i in picked)
+
+    def _embedded(self, input_ids: jax.Array) -> jax.Array:
+        """The token embedding [B, S, H] laid out as the residual stream; on a ``data``/``fsdp`` mesh each device
+        looks up its own rows in its own columns of the table (:func:`jrl.models.fsdp.embed_lookup`)."""
+        axes = fsdp.explicit_axes(self.config, self.mesh, self._rules(), input_ids.shape[0], layers=False)
+        local = None if axes is None else fsdp.embed_lookup(self.embed.embedding, input_ids, mesh=self.mesh,
+                                                            rules=self._rules(), axes=axes, dtype=self.embed.dtype)
+        return constrain(self.embed(input_ids) if local is None else local, _RESIDUAL, self.mesh, self.rules)
 
     def _run_layers(self, x: jax.Array, positions: jax.Array, mask: AttentionMask, depth: int, *,
                     collect: bool) -> tuple[jax.Array, tuple[jax.Array, ...]]:

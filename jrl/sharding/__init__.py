@@ -28,8 +28,8 @@ from jrl.sharding.distributed import (
 )
 from jrl.sharding.memory import MemoryReport, device_bytes, memory_limit, memory_report
 from jrl.sharding.mesh import MESH_AXES, MeshConfig, abstract_mesh, device_grid, learner_mesh, make_mesh
+from jrl.sharding.host_pack import HostPack, unpack
 from jrl.sharding.placement import (
-    HostPack,
     check_placement,
     from_host,
     gather_to_host,
@@ -44,7 +44,6 @@ from jrl.sharding.placement import (
     state_specs,
     to_host,
     unknown_logical_axes,
-    unpack,
     variable_spec,
 )
 from jrl.sharding.roles import split_devices

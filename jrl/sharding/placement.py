@@ -209,58 +209,6 @@ def from_host(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-@jax.tree_util.register_pytree_node_class
-class HostPack:
-    """A pytree of host arrays packed into one byte buffer, for a jitted program on one device: the program then
-    copies one buffer to its device instead of one per array (each host-to-device copy is a separate transfer
-    with ~0.1 ms of host work before the program can start). Inside the program :func:`unpack` gives the arrays
-    back (static slices and bitcasts of the buffer). Dtypes are canonicalised as a jitted call would (int64 ->
-    int32 without x64); the layout (structure, dtypes, shapes, offsets) is static, part of the program's key."""
-
-    def __init__(self, buffer, layout: tuple):
-        self.buffer, self.layout = buffer, layout
-
-    @classmethod
-    def of(cls, tree: Any) -> HostPack:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        parts, specs, offset = [], [], 0
-        for leaf in leaves:
-            a = np.asarray(leaf)
-            a = a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
-            parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-            specs.append((a.dtype, a.shape, offset))
-            offset += a.nbytes
-        buffer = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-        return cls(buffer, (treedef, tuple(specs)))
-
-    def tree_flatten(self):
-        return (self.buffer,), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(children[0], layout)
-
-    def unpack(self) -> Any:
-        """The packed tree (jax arrays; inside a jitted program, views of its one input buffer)."""
-        treedef, specs = self.layout
-        leaves = []
-        for dtype, shape, offset in specs:
-            raw = self.buffer[offset:offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
-            if dtype == np.bool_:
-                leaf = raw != 0
-            elif dtype.itemsize == 1:
-                leaf = jax.lax.bitcast_convert_type(raw, dtype)
-            else:
-                leaf = jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype)
-            leaves.append(leaf.reshape(shape))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def unpack(tree: Any) -> Any:
-    """The arrays of a :class:`HostPack`; any other tree as it is."""
-    return tree.unpack() if isinstance(tree, HostPack) else tree
-
-
 def _identity(x):
     return x
 

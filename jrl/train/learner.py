@@ -37,7 +37,7 @@ from jrl.kernels import backend as kernel_backend
 from jrl.models.lora import has_lora, trainable_params
 from jrl.models.transformer import on_mesh
 from jrl.models.scan_outputs import uninitialized_scan_outputs
-from jrl.sharding import DEFAULT_RULES, HostPack, batch_sharding, from_host, on_host, opt_state_shardings, to_host
+from jrl.sharding import DEFAULT_RULES, HostPack, batch_sharding, on_host, opt_state_shardings, to_host
 from jrl.train.grad_sync import auto_takes_update, local_axes
 from jrl.train.optim_config import OptimConfig
 from jrl.train.update_programs import (Flat, Scalars, Static, apply_update, copy_tree, evaluate, gathered,
@@ -226,9 +226,9 @@ class Learner:
         return copy_tree(self._params).tree
 
     def put(self, tree):
-        """Host arrays of ``tree`` for the step's programs: on a mesh placed on its devices, rows sharded over the
-        batch axes (every process holds the whole host array and places only the rows of its own devices, so it
-        works on a multi-process mesh); without a mesh all of them in one :class:`HostPack` (see :meth:`_place`)."""
+        """Host arrays of ``tree`` for the step's programs, packed into one buffer per device (:class:`HostPack`, see
+        :meth:`_place`); on a mesh the rows are split over the batch axes (every process holds the whole host array
+        and places only its own devices' rows, so it works on a multi-process mesh)."""
         return self._place(tree, self._row_shardings(tree))
 
     def _replicated(self, tree):
@@ -236,8 +236,8 @@ class Learner:
         return self._place(tree, self._everywhere(tree))
 
     def _put_micro_batch(self, rows, aux):
-        """(rows, aux) of one micro-batch placed as :meth:`put` and :meth:`_replicated` do, in one transfer (a
-        :class:`HostPack` of the pair without a mesh)."""
+        """(rows, aux) of one micro-batch placed as :meth:`put` and :meth:`_replicated` do, in one transfer per
+        device."""
         return self._place((rows, aux), (self._row_shardings(rows), self._everywhere(aux)))
 
     def _row_shardings(self, tree):
@@ -251,17 +251,12 @@ class Learner:
         return jax.tree.map(lambda x: NamedSharding(self.mesh, PartitionSpec()), tree)
 
     def _place(self, tree, shardings):
-        """``tree``'s host arrays placed with ``shardings`` (a matching tree; None without a mesh): in one transfer
-        of the whole tree where this process holds every device (one small copy per array costs the accelerator
-        a pause each), array by array from each process's rows otherwise. Without a mesh they stay on the host,
-        packed into one buffer (:class:`HostPack`) that the jitted step copies to its device itself: one copy
-        instead of one per array (six for a GRPO step), at a fraction of ``jax.device_put``'s cost."""
-        if self.mesh is None:
-            return HostPack.of(tree) if jax.tree.leaves(tree) else tree
-        tree = jax.tree.map(np.asarray, tree)
-        if jax.process_count() == 1:
-            return jax.device_put(tree, shardings)
-        return jax.tree.map(from_host, tree, shardings)
+        """``tree``'s host arrays as one :class:`HostPack` with ``shardings`` (a matching tree; None without a mesh,
+        where the pack stays on the host and the jitted step copies it to its device itself). One small copy per
+        array costs the accelerator a pause each: six arrays for a GRPO step, on each device."""
+        if not jax.tree.leaves(tree):
+            return tree
+        return HostPack.of(tree, None if self.mesh is None else shardings)
 
     def chunks(self, n: int) -> list[slice]:
         """Row slices of ``optim.micro_batch_size`` rows covering ``n`` rows (the last may be shorter)."""
@@ -323,7 +318,7 @@ class Learner:
             params, frozen = gathered(self._params, mesh=self.mesh), gathered(self._frozen, mesh=self.mesh)
             acc = local_accumulator(self._params, mesh=self.mesh, axes=axes)
         count = np.int32(len(plan))  # on the devices once, not with every micro-batch
-        micro_batches = jax.device_put(count) if self.mesh is None else self._replicated(count)
+        micro_batches = jax.device_put(count, self._everywhere(count))
         placed_aux: dict[int, Any] = {}  # each term's aux goes to the devices once
         for index, term, sl in plan:
             if index not in placed_aux:

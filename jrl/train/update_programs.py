@@ -244,8 +244,7 @@ def _per_device_grads(graphdef, loss, router, mesh: Mesh, axes: tuple[str, ...])
     gather_metrics = jax.process_count() > 1
 
     def per_device(params, frozen, rows, aux, micro_batches):
-        (value, metrics), grads = grads_of(params.tree, frozen.tree, unpack(rows), unpack(aux), graphdef, loss,
-                                           router, micro_batches)
+        (value, metrics), grads = grads_of(params.tree, frozen.tree, rows, aux, graphdef, loss, router, micro_batches)
         scalars = Scalars.of({"loss": value, **metrics})
         values = jax.lax.all_gather(scalars.values, axes) if gather_metrics else scalars.values[None]
         return params.like(jax.tree.map(lambda g: g[None], grads)), Scalars(scalars.names, values)
@@ -261,7 +260,8 @@ def local_micro_step(acc: Flat, params: Flat, frozen: Flat, rows, aux, micro_bat
     """Each device's gradient of its rows of one micro-batch added to its slice of ``acc`` (donated), with whole
     ``params`` and ``frozen`` on every device (:func:`_per_device_grads`); each device's loss and metrics as one
     row of the returned :class:`Scalars` [d, k]."""
-    grads, part = _per_device_grads(graphdef, loss, router, mesh, axes)(params, frozen, rows, aux, micro_batches)
+    grads, part = _per_device_grads(graphdef, loss, router, mesh, axes)(params, frozen, unpack(rows), unpack(aux),
+                                                                        micro_batches)
     return jax.tree.map(jnp.add, acc, grads), part
 
 

@@ -1,9 +1,9 @@
 """The per-device FSDP path (jrl.models.fsdp) computes what XLA's partitioning and one device compute: loss, log-probs,
-entropies, intermediate layers' outputs (EBFT's features) and every gradient of a 3-layer model through its scanned
-layers and loss-fused head, full and LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the head's weight is
-gathered once and its gradient reduce-scattered once; a bfloat16 gradient reduction changes the gradients by bf16
-rounding only; under a remat policy the layers' weights are gathered again in the backward, not kept (see
-workers/fsdp_prefetch.py)."""
+entropies, intermediate layers' outputs (EBFT's features) and every gradient of a 3-layer model through its token
+lookup, scanned layers and loss-fused head, full and LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the
+head's weight is gathered once and its gradient reduce-scattered once; the token lookup moves rows by all-to-all; a
+bfloat16 gradient reduction changes the gradients by bf16 rounding only; under a remat policy the layers' weights are
+gathered again in the backward, not kept (see workers/fsdp_prefetch.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def test_per_device_path_matches_one_device_and_xla(result, case):
 def test_head_weight_gathered_once_and_its_gradient_reduced_once(result, case):
     explicit = result["collectives"][case]["explicit"]
     assert explicit.get("all-gather") == 1 and explicit.get("reduce-scatter") == 1, explicit
+
+
+@pytest.mark.parametrize("case", ["full/fsdp8", "full/data2_fsdp4", "lora/fsdp8"])
+def test_token_lookup_moves_rows_not_the_table(result, case):
+    """Each device looks up its FSDP group's tokens in its own table columns: one all-to-all of the rows' vectors
+    forward and, where the table trains, one backward (XLA's partitioning of the lookup gathers the table instead)."""
+    c = result["collectives"][case]
+    assert c["lookup_all_to_alls"] == (1 if case.startswith("lora") else 2) and c["xla_all_to_alls"] == 0, c
 
 
 def test_bfloat16_gradient_reduction_rounds_only(result):

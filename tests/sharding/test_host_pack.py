@@ -1,6 +1,7 @@
 """HostPack: a pytree of host arrays as one byte buffer gives back the same arrays (values, dtypes as a jitted
 call would canonicalise them, shapes, None leaves), on the host and inside a jitted program, which then takes one
-input buffer."""
+input buffer; on a mesh (8 fake CPU devices in a child process) one buffer row per device, unpacked into arrays with
+the shardings they were packed with."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from jrl.sharding import HostPack, unpack
 
@@ -47,3 +49,19 @@ def test_round_trip_on_the_host_and_in_a_program():
 def test_unpack_passes_other_trees_through():
     tree = {"a": jnp.ones(2)}
     assert unpack(tree) is tree
+
+
+@pytest.fixture(scope="module")
+def on_mesh(helpers):
+    return helpers.run_worker("host_pack.py", num_devices=8)
+
+
+@pytest.mark.parametrize("case", ["split", "replicated"])
+def test_on_a_mesh_one_buffer_row_per_device_gives_back_the_arrays_with_their_shardings(on_mesh, case):
+    r = on_mesh[case]
+    assert all(r["leaves_ok"]) and len(r["leaves_ok"]) == 6 and r["none_kept"]
+    assert all(r["shardings_ok"])
+    assert r["pack_leaves"] == 1 and r["pack_shards"] == 8 and r["pack_shape"][0] == 8
+    assert r["program_inputs"] == 1
+    # 8 rows split over data x fsdp; 3 rows do not divide them and stay whole on every device.
+    assert r["row_split"][0] == (["data", "fsdp"] if case == "split" else None)

@@ -57,3 +57,22 @@ def test_gradients_are_summed_in_their_own_dtype_unless_told(out):
 def test_refused_updates_name_the_reason_and_the_knob(out, case, words):
     message = out["refused"][case]
     assert words in message and "grad_sync" in message, message
+
+
+@pytest.mark.parametrize("fsdp,micro_batches,takes", [(2, 1, True), (4, 1, False), (4, 2, True), (2, 2, True)])
+def test_auto_runs_one_micro_batch_per_device_on_two_devices_only(fsdp, micro_batches, takes):
+    """Where the weights fit (``auto_local``), ``auto`` accumulates per device for every update of several
+    micro-batches, and for one micro-batch on up to two devices (measured faster there; the per-layer program keeps
+    the update elsewhere)."""
+    import types
+
+    from jrl.sharding import DEFAULT_RULES, MeshConfig, abstract_mesh
+    from jrl.train.grad_sync import local_axes
+
+    mesh = abstract_mesh(MeshConfig(fsdp=fsdp), fsdp)
+    loss = types.SimpleNamespace(rows_separable=True)  # a loss that sums over rows
+    kwargs = dict(is_moe=False, losses=[loss] * micro_batches, row_counts=[8] * micro_batches)
+    got = local_axes("auto", mesh, DEFAULT_RULES, auto_local=True, **kwargs)
+    assert (got == ("fsdp",)) if takes else got is None
+    assert local_axes("auto", mesh, DEFAULT_RULES, auto_local=False, **kwargs) is None
+    assert local_axes("update", mesh, DEFAULT_RULES, auto_local=False, **kwargs) == ("fsdp",)

@@ -1,8 +1,9 @@
-"""Worker (8 fake CPU devices): the per-device FSDP path (jrl.models.fsdp: layers scanned with their weights gathered a
-layer ahead, the loss-fused head per device) against XLA's partitioning of the same model on the same mesh and
-against one device: loss, log-probs, entropies, intermediate layers' outputs and every gradient, for a full model and
-one with LoRA, on fsdp-only and data x fsdp meshes; the collectives the head compiles to; a gradient reduced in
-bfloat16; under a remat policy, the layer weights gathered again in the backward. Prints one JSON line."""
+"""Worker (8 fake CPU devices): the per-device FSDP path (jrl.models.fsdp: the token lookup in each device's table
+columns, layers scanned with their weights gathered a layer ahead, the loss-fused head per device) against XLA's
+partitioning of the same model on the same mesh and against one device: loss, log-probs, entropies, intermediate
+layers' outputs and every gradient, for a full model and one with LoRA, on fsdp-only and data x fsdp meshes; the
+collectives the head and the lookup compile to; a gradient reduced in bfloat16; under a remat policy, the layer
+weights gathered again in the backward. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -104,6 +105,12 @@ def vocab_collectives(hlo: str) -> dict[str, int]:
     return found
 
 
+def lookup_all_to_alls(hlo: str) -> int:
+    """All-to-alls of a ``shard_map`` in the compiled step (a dense model's: the token lookup's)."""
+    return sum(1 for line in hlo.splitlines()
+               if re.search(r" all-to-all(-start)?\(", line) and "shard_map/all_to_all" in line)
+
+
 def layer_gathers(hlo: str) -> int:
     """All-gathers in the compiled step whose result is a whole gate/up kernel of one layer ([hidden, intermediate])."""
     shape = rf"\[{CONFIG.hidden_size},{CONFIG.intermediate_size}\]"
@@ -129,7 +136,9 @@ def main() -> None:
             out["cases"][f"{kind}/{mesh_name}"] = dict(
                 vs_single=compare(explicit, single), vs_xla=compare(explicit, xla), xla_vs_single=compare(xla, single))
             out["collectives"][f"{kind}/{mesh_name}"] = dict(explicit=vocab_collectives(explicit["hlo"]),
-                                                             xla=vocab_collectives(xla["hlo"]))
+                                                             xla=vocab_collectives(xla["hlo"]),
+                                                             lookup_all_to_alls=lookup_all_to_alls(explicit["hlo"]),
+                                                             xla_all_to_alls=lookup_all_to_alls(xla["hlo"]))
     single = run("full", None)
     out["bf16_reduce"] = compare(run("full", "fsdp8", grad_reduce_dtype="bfloat16"), single)
     # Under a remat policy the layers' weights are gathered again in the backward instead of being kept.

@@ -184,6 +184,7 @@ def train(args) -> None:
         step = T.steady_median(times)
         tokens = rows * args.seq
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
+                   fsdp_gather_groups=args.fsdp_gather_groups,
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    micro_batches=args.micro_batches, grad_sync=sync if n > 1 else None,
@@ -599,6 +600,9 @@ def main() -> None:
     train_args.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     train_args.add_argument("--fsdp-prefetch", action=argparse.BooleanOptionalAction, default=True,
                             help="jrl's per-device FSDP path (ModelConfig.fsdp_prefetch)")
+    train_args.add_argument("--fsdp-gather-groups", type=int, default=0,
+                            help="ModelConfig.fsdp_gather_groups: 0 gathers each layer in its checkpoint (the default), "
+                                 "K the layers in K groups gathered once and kept for the backward")
     train_args.add_argument("--peak-tflops", type=float, default=989.0,
                             help="dense bf16 peak of one GPU, for MFU (H100 SXM: 989)")
     train_args.add_argument("--wraps", default="fsdp2,ddp", help="torch: comma list of fsdp2, ddp")

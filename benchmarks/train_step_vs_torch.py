@@ -145,7 +145,8 @@ def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int |
     from jrl.train.learner import Learner
 
     cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat,
-                      scan_layers=args.scan_layers, fsdp_prefetch=getattr(args, "fsdp_prefetch", True))
+                      scan_layers=args.scan_layers, fsdp_prefetch=getattr(args, "fsdp_prefetch", True),
+                      fsdp_gather_groups=getattr(args, "fsdp_gather_groups", 0))
     if getattr(args, "init", "host") == "device":
         model = device_model(cfg, seed=0, mesh=mesh, rules=rules)
     else:

@@ -11,6 +11,10 @@ The scan is unrolled by two: each loop iteration holds two layers, so XLA's sche
 gather while the first computes, and buffers carried between iterations are not copied (``benchmarks/RESULTS.md``,
 "Scale-out": as fast as gathering a layer ahead in the scan's carry, and 7 GiB less per device for 16 layers of
 the 8B model's width at fsdp=2).
+With ``ModelConfig.fsdp_gather_groups`` = K the layers run in K groups instead, one scan each: a group's weights
+are gathered before its first layer (one collective per weight and group) and kept for the backward, which gathers
+nothing and reduce-scatters the group's gradient when it leaves the group. The collectives are fewer and larger
+and move the weights once instead of twice; the whole weights are on every device by the end of the forward.
 
 Token lookup: each device looks up its FSDP group's tokens in its own columns of the embedding table and one
 all-to-all hands each device its rows' vectors (:func:`embed_lookup`); the table is not gathered for it and its
@@ -67,9 +71,12 @@ def _is_variable(x) -> bool:
 
 
 def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask, *, mesh: Mesh, rules: Mapping,
-                axes: tuple[str, ...], collect: bool, dtype: str, reduce_dtype: str | None, remat_name: str):
+                axes: tuple[str, ...], collect: bool, dtype: str, reduce_dtype: str | None, remat_name: str,
+                groups: int = 0):
     """``jax.lax.scan`` of ``step(layer_state, h, positions, mask) -> h`` over the stacked layer ``state``, each
-    layer's weights gathered inside the layer's ``remat_name`` checkpoint (module docstring).
+    layer's weights gathered inside the layer's ``remat_name`` checkpoint, or with ``groups`` >= 1 the layers in that
+    many groups, each group's weights gathered before its first layer and kept for the backward
+    (``ModelConfig.fsdp_gather_groups``; module docstring).
 
     ``step`` must build its layer from a graph definition without a mesh (it runs per device). Returns (output,
     every layer's output stacked [L, B, T, H] when ``collect``, else None)."""
@@ -79,22 +86,37 @@ def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask,
     gathers = [spec_gathers(spec, np.ndim(a), skip=1) for spec, a in zip(specs, values)]
     rows = PartitionSpec(axes)
 
-    def layer_of_shards(shards, h, positions, mask):
-        weights = [gather_shards(a, g, dtype, reduce_dtype) if g else a for a, g in zip(shards, gathers)]
+    def layer(weights, h, positions, mask):
         return step(jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, weights)]), h, positions,
                     mask)
 
-    run = remat(layer_of_shards, remat_name, prevent_cse=False)
+    def layer_of_shards(shards, h, positions, mask):
+        return layer([gather_shards(a, g, dtype, reduce_dtype) if g else a for a, g in zip(shards, gathers)], h,
+                     positions, mask)
 
-    def per_device(values, x, positions, mask):
-        def body(h, shards):
-            h = run(shards, h, positions, mask)
+    def scanned(run, h, stack, positions, mask):
+        def body(h, weights):
+            h = run(weights, h, positions, mask)
             return h, h if collect else None
 
-        return jax.lax.scan(body, x, values, unroll=UNROLL)
+        return jax.lax.scan(body, h, stack, unroll=UNROLL)
+
+    def per_layer(values, x, positions, mask):
+        return scanned(remat(layer_of_shards, remat_name, prevent_cse=False), x, values, positions, mask)
+
+    def per_group(values, x, positions, mask):
+        run = remat(layer, remat_name, prevent_cse=False)
+        outputs = []
+        for group in np.array_split(np.arange(values[0].shape[0]), min(groups, values[0].shape[0])):
+            lo, hi = int(group[0]), int(group[-1]) + 1
+            whole = [gather_shards(a[lo:hi], tuple((d + 1, names) for d, names in g), dtype, reduce_dtype) if g
+                     else a[lo:hi] for a, g in zip(values, gathers)]
+            x, stacked = scanned(run, x, whole, positions, mask)
+            outputs.append(stacked)
+        return x, jnp.concatenate(outputs) if collect else None
 
     out_specs = (rows, PartitionSpec(None, axes) if collect else PartitionSpec())
-    fn = jax.shard_map(per_device, mesh=mesh, check_vma=False,
+    fn = jax.shard_map(per_group if groups else per_layer, mesh=mesh, check_vma=False,
                        in_specs=(specs, rows, rows, jax.tree.map(lambda _: rows, mask)), out_specs=out_specs)
     return fn(values, x, positions, mask)
 

@@ -288,7 +288,8 @@ class Transformer(nnx.Module):
             step = functools.partial(run, _layer_step(local))  # a dense model's: no router statistics
             x, stacked = fsdp.scan_layers(lambda *a: step(*a)[0], state, x, positions, mask, mesh=self.mesh,
                                           rules=self._rules(), axes=axes, collect=collect, dtype=self.config.dtype,
-                                          reduce_dtype=self.config.grad_reduce_dtype, remat_name=remat_name)
+                                          reduce_dtype=self.config.grad_reduce_dtype, remat_name=remat_name,
+                                          groups=self.config.fsdp_gather_groups)
             return x, tuple(stacked[i] for i in range(depth)) if collect else ()
         step = remat(_layer_step(graphdef), remat_name, prevent_cse=False)  # scan already keeps CSE away
 

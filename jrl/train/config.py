@@ -70,6 +70,11 @@ class ModelSpec:
     FSDP collectives placed by hand: each layer's weights gathered inside its rematerialisation checkpoint (again in
     the backward), its gradient reduce-scattered as the backward leaves it (a dense model; measured in
     benchmarks/RESULTS.md "Scale-out"). ``False`` leaves the collectives to XLA's partitioner (slower)."""
+    fsdp_gather_groups: int = 0
+    """On that path: 0 gathers each layer's weights inside its checkpoint (and again in the backward); ``K`` >= 1 runs
+    the layers in ``K`` groups, each group's weights gathered at once before it and kept for the backward, its
+    gradient reduce-scattered when its backward ends (fewer, larger collectives, the weights moved once; the whole
+    weights on every device). Not yet timed on GPUs against the default."""
     expert_capacity: float = 0.0
     """With expert parallelism (``mesh.expert`` > 1): the rows a device's experts run, as a multiple of its even share
     of the routed (token, expert) rows; rows routed to a device past that are dropped (they add nothing to their
@@ -94,6 +99,8 @@ class ModelSpec:
         if self.grad_reduce_dtype is not None:
             check_choice(self, "grad_reduce_dtype", DTYPES)
         check_int(self, "expert_chunks", lo=1, fix="use 1 (no chunks) or a divisor of a device's tokens")
+        check_int(self, "fsdp_gather_groups", lo=0, fix="use 0 (each layer gathered in its checkpoint) or a group "
+                  "count >= 1")
         check_real(self, "expert_capacity", ge=0, fix="use 0 (dropless) or a multiple >= 1 of a device's even "
                    "share, e.g. 1.25")
         if 0 < self.expert_capacity < 1:

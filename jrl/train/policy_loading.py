@@ -87,7 +87,8 @@ def load_policy(cfg) -> Policy:
                             rules=rules, attention=cfg.model.attention, remat=cfg.model.remat,
                             scan_layers=cfg.model.scan_layers, fsdp_prefetch=cfg.model.fsdp_prefetch,
                             grad_reduce_dtype=cfg.model.grad_reduce_dtype,
-                            expert_capacity=cfg.model.expert_capacity, expert_chunks=cfg.model.expert_chunks)
+                            expert_capacity=cfg.model.expert_capacity, expert_chunks=cfg.model.expert_chunks,
+                            fsdp_gather_groups=cfg.model.fsdp_gather_groups)
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:

@@ -3,7 +3,8 @@ entropies, intermediate layers' outputs (EBFT's features) and every gradient of 
 lookup, scanned layers and loss-fused head, full and LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the
 head's weight is gathered once and its gradient reduce-scattered once; the token lookup moves rows by all-to-all; a
 bfloat16 gradient reduction changes the gradients by bf16 rounding only; under a remat policy the layers' weights are
-gathered again in the backward, not kept (see workers/fsdp_prefetch.py)."""
+gathered again in the backward, not kept; in groups (``fsdp_gather_groups``) each group's weights are gathered once
+(see workers/fsdp_prefetch.py)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def test_layer_weights_gathered_again_in_the_backward_under_a_remat_policy(resul
     # remat "none" keeps the gathered weights (gathers in the forward's loop only); a policy gathers in the backward's
     # loop too (static counts: the loops hold two layers per iteration and a remainder).
     assert r["gathers_kept"] >= 2 and r["gathers"] > r["gathers_kept"], r
+
+
+def test_layers_gathered_in_groups_compute_the_same_and_gather_each_group_once(result):
+    """``fsdp_gather_groups=2`` on 3 layers: a group of 2 layers and one of 1, each weight gathered once per group
+    (gate and up: one all-gather each per group, none of a single layer's kernel), nothing gathered in the backward
+    under the remat policy that makes the per-layer program gather again; loss, log-probs, entropies, layer outputs
+    and gradients those of one device and of the per-layer program."""
+    r = result["groups"]
+    for other in ("vs_single", "vs_per_layer"):
+        errs = r[other]
+        assert errs["finite"] and max(errs["loss"], errs["lp"], errs["ent"], errs["layers"], errs["grad"]) <= RTOL, \
+            (other, errs)
+    assert r["group_gathers"] == {"2": 2, "1": 2}, r
+    assert r["layer_gathers"] == 0, r

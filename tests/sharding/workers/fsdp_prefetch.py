@@ -3,7 +3,7 @@ columns, layers scanned with their weights gathered a layer ahead, the loss-fuse
 partitioning of the same model on the same mesh and against one device: loss, log-probs, entropies, intermediate
 layers' outputs and every gradient, for a full model and one with LoRA, on fsdp-only and data x fsdp meshes; the
 collectives the head and the lookup compile to; a gradient reduced in bfloat16; under a remat policy, the layer
-weights gathered again in the backward. Prints one JSON line."""
+weights gathered again in the backward; the layers gathered in groups. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -117,6 +117,17 @@ def layer_gathers(hlo: str) -> int:
     return sum(1 for line in hlo.splitlines() if re.search(r" all-gather(-start)?\(", line) and re.search(shape, line))
 
 
+def group_gathers(hlo: str) -> dict[str, int]:
+    """All-gathers in the compiled step whose result is a group of gate/up kernels ([layers, hidden, intermediate]),
+    by the group's layer count."""
+    found: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = re.search(rf"\[(\d+),{CONFIG.hidden_size},{CONFIG.intermediate_size}\]", line)
+        if m and re.search(r" all-gather(-start)?\(", line):
+            found[m.group(1)] = found.get(m.group(1), 0) + 1
+    return found
+
+
 def compare(a: dict, b: dict) -> dict:
     grads = {k: common.rel_err(a["grads"][k], b["grads"][k]) for k in b["grads"]}
     return dict(loss=abs(a["loss"] - b["loss"]) / abs(b["loss"]), lp=common.rel_err(a["lp"], b["lp"]),
@@ -146,6 +157,11 @@ def main() -> None:
     kept = run("full", "fsdp8", remat="none")
     out["regather"] = dict(vs_single=compare(policy, single), gathers=layer_gathers(policy["hlo"]),
                            gathers_kept=layer_gathers(kept["hlo"]))
+    # The layers in groups (3 layers in 2 groups: 2 + 1): each group's weights gathered once and kept for the
+    # backward, also under the remat policy that makes the per-layer program gather again.
+    grouped = run("full", "fsdp8", remat="dots_with_no_batch_dims_saveable", fsdp_gather_groups=2)
+    out["groups"] = dict(vs_single=compare(grouped, single), vs_per_layer=compare(grouped, policy),
+                         group_gathers=group_gathers(grouped["hlo"]), layer_gathers=layer_gathers(grouped["hlo"]))
     print(json.dumps(out))
 
 

@@ -8,7 +8,9 @@ last). Weak scaling: ``--rows-per-device`` rows of ``--seq`` tokens per device (
 trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per device, MFU, scaling efficiency
 (tokens/s per device against the run's one-device layout, when it has one), and the process's peak memory on its
 first device so far (JAX keeps one peak per process, so a layout's own peak needs a run of that layout alone);
-the wall time of the layout's first update (``first_update_s``: its compile and one update of ``--check-rows`` rows);
+the wall time of the layout's first update (``first_update_s``: its compile and one update of ``--check-rows`` rows)
+and the seconds this process spent compiling the layout's programs (``compile_s``: XLA's backend compiles, from
+``jrl.train.compile_clock``, over the check update and the timed ones);
 with ``--profile DIR`` one more traced step's GPU kernels on the first device (time by category, the collectives'
 busy time and the part of it with no other kernel beside, idle gaps). ``--no-fsdp-prefetch`` leaves the FSDP
 collectives to XLA (``ModelConfig.fsdp_prefetch``).
@@ -152,6 +154,7 @@ def train(args) -> None:
     import jax
 
     from jrl import sharding as S
+    from jrl.train.compile_clock import compiled_seconds
 
     multi = S.initialize(initialization_timeout=300)
     shape = dict(T.SHAPES[args.shape])
@@ -175,13 +178,14 @@ def train(args) -> None:
         # With micro-batches the check batch must split into every layout's micro-batches: the largest layout's step.
         check_rows = max(devices) * args.rows_per_device * args.micro_batches if micro else args.check_rows
         check_batch = T.step_batch(check_rows, args.seq, shape["vocab_size"], seed=1)
-        t0 = time.perf_counter()
+        compiled, t0 = compiled_seconds(), time.perf_counter()
         checked = jax.block_until_ready(update(learner, check_batch))  # this layout's first call: compiles
         first_update = time.perf_counter() - t0
         rows = n * args.rows_per_device * args.micro_batches
         batch = T.step_batch(rows, args.seq, shape["vocab_size"])
         times, _ = T.time_updates(learner, update, batch, args.steps)
         step = T.steady_median(times)
+        compile_s = compiled_seconds() - compiled
         tokens = rows * args.seq
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
                    fsdp_gather_groups=args.fsdp_gather_groups,
@@ -191,7 +195,7 @@ def train(args) -> None:
                    expert_capacity=args.expert_capacity, expert_chunks=args.expert_chunks,
                    seq=args.seq, step_s=round(step, 4), tokens_per_s_per_device=round(tokens / step / n),
                    mfu=round(6 * T.active_params(shape) * tokens / n / step / (args.peak_tflops * 1e12), 4),
-                   first_update_s=round(first_update, 2), check_loss=checked["loss"],
+                   first_update_s=round(first_update, 2), compile_s=round(compile_s, 2), check_loss=checked["loss"],
                    check_grad_norm=checked["grad_norm"], process_peak_gib_device0=_gib(C.peak_bytes()),
                    device=jax.devices()[0].device_kind, versions=f"jax {jax.__version__}")
         if args.profile:
@@ -601,8 +605,8 @@ def main() -> None:
     train_args.add_argument("--fsdp-prefetch", action=argparse.BooleanOptionalAction, default=True,
                             help="jrl's per-device FSDP path (ModelConfig.fsdp_prefetch)")
     train_args.add_argument("--fsdp-gather-groups", type=int, default=0,
-                            help="ModelConfig.fsdp_gather_groups: 0 gathers each layer in its checkpoint (the default), "
-                                 "K the layers in K groups gathered once and kept for the backward")
+                            help="ModelConfig.fsdp_gather_groups: 0 gathers each layer in its checkpoint (the "
+                                 "default), K the layers in K groups gathered once and kept for the backward")
     train_args.add_argument("--peak-tflops", type=float, default=989.0,
                             help="dense bf16 peak of one GPU, for MFU (H100 SXM: 989)")
     train_args.add_argument("--wraps", default="fsdp2,ddp", help="torch: comma list of fsdp2, ddp")

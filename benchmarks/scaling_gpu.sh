@@ -51,7 +51,7 @@ import json, sys
 
 FIELDS = ("bench", "wrap", "devices", "layout", "micro_batches", "grad_sync", "expert", "ep", "expert_capacity",
           "expert_chunks", "fsdp_gather_groups",
-          "step_s", "fwd_bwd_ms", "tokens_per_s_per_device", "efficiency", "mfu", "first_update_s",
+          "step_s", "fwd_bwd_ms", "tokens_per_s_per_device", "efficiency", "mfu", "first_update_s", "compile_s",
           "check_loss_rel_diff", "nccl_env", "error")
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print("| " + " | ".join(FIELDS) + " |")

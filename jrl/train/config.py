@@ -74,7 +74,8 @@ class ModelSpec:
     """On that path: 0 gathers each layer's weights inside its checkpoint (and again in the backward); ``K`` >= 1 runs
     the layers in ``K`` groups, each group's weights gathered at once before it and kept for the backward, its
     gradient reduce-scattered when its backward ends (fewer, larger collectives, the weights moved once; the whole
-    weights on every device). Not yet timed on GPUs against the default."""
+    weights on every device). Applies where an update runs that path, not where ``optim.grad_sync`` accumulates
+    per device. Not yet timed on GPUs against the default."""
     expert_capacity: float = 0.0
     """With expert parallelism (``mesh.expert`` > 1): the rows a device's experts run, as a multiple of its even share
     of the routed (token, expert) rows; rows routed to a device past that are dropped (they add nothing to their

@@ -90,9 +90,13 @@ def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask,
         return step(jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, weights)]), h, positions,
                     mask)
 
+    def whole(shards, stacked: int = 0):
+        """The weights of ``shards`` gathered, each with ``stacked`` leading layer dimensions."""
+        return [gather_shards(a, tuple((d + stacked, names) for d, names in g), dtype, reduce_dtype) if g else a
+                for a, g in zip(shards, gathers)]
+
     def layer_of_shards(shards, h, positions, mask):
-        return layer([gather_shards(a, g, dtype, reduce_dtype) if g else a for a, g in zip(shards, gathers)], h,
-                     positions, mask)
+        return layer(whole(shards), h, positions, mask)
 
     def scanned(run, h, stack, positions, mask):
         def body(h, weights):
@@ -109,9 +113,7 @@ def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask,
         outputs = []
         for group in np.array_split(np.arange(values[0].shape[0]), min(groups, values[0].shape[0])):
             lo, hi = int(group[0]), int(group[-1]) + 1
-            whole = [gather_shards(a[lo:hi], tuple((d + 1, names) for d, names in g), dtype, reduce_dtype) if g
-                     else a[lo:hi] for a, g in zip(values, gathers)]
-            x, stacked = scanned(run, x, whole, positions, mask)
+            x, stacked = scanned(run, x, whole([a[lo:hi] for a in values], stacked=1), positions, mask)
             outputs.append(stacked)
         return x, jnp.concatenate(outputs) if collect else None
 
@@ -132,9 +134,8 @@ def embed_lookup(weight: nnx.Variable, ids: jax.Array, *, mesh: Mesh, rules: Map
 
     None where the table is not split on its hidden dimension alone, over batch ``axes`` (the caller keeps the
     partitioned lookup)."""
-    spec = variable_spec(weight, mesh, rules)
-    gathers = [(dim, tuple(a for a in names if mesh.shape[a] > 1)) for dim, names in spec_gathers(spec, 2)]
-    gathers = [(dim, names) for dim, names in gathers if names]
+    spec = variable_spec(weight, mesh, rules)  # names no mesh axis of size 1
+    gathers = spec_gathers(spec, 2)
     if [dim for dim, _ in gathers] != [1] or not set(gathers[0][1]) <= set(axes):
         return None
     group = gathers[0][1]

@@ -23,14 +23,19 @@ def _canonical(leaf) -> np.ndarray:
     return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
 
 
-def _bytes_of(blocks: list[np.ndarray]) -> tuple[np.ndarray, tuple]:
-    """(one uint8 buffer of ``blocks`` back to back, each block's (dtype, shape, offset))."""
-    parts, specs, offset = [], [], 0
+def _layout(blocks: list[np.ndarray]) -> tuple[tuple, int]:
+    """(each block's (dtype, shape, offset) back to back in one byte buffer, the buffer's size)."""
+    specs, offset = [], 0
     for a in blocks:
-        parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
         specs.append((a.dtype, a.shape, offset))
         offset += a.nbytes
-    return (np.concatenate(parts) if parts else np.zeros(0, np.uint8)), tuple(specs)
+    return tuple(specs), offset
+
+
+def _bytes_of(blocks: list[np.ndarray]) -> np.ndarray:
+    """One uint8 buffer of ``blocks`` back to back (laid out as :func:`_layout` says)."""
+    parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in blocks]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
 def _leaves_of(buffer, specs: tuple) -> list:
@@ -64,21 +69,21 @@ class HostPack:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         arrays = [_canonical(leaf) for leaf in leaves]
         if shardings is None:
-            buffer, specs = _bytes_of(arrays)
-            return cls(buffer, (treedef, specs, None))
+            return cls(_bytes_of(arrays), (treedef, _layout(arrays)[0], None))
         placed = treedef.flatten_up_to(shardings)
         mesh = placed[0].mesh
         rows = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
         blocks = [s.devices_indices_map(a.shape) for a, s in zip(arrays, placed)]
-        first = mesh.devices.flat[0]
-        _, specs = _bytes_of([a[b[first]] for a, b in zip(arrays, blocks)])
-        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape, _ in specs)
+
+        def blocks_of(device) -> list[np.ndarray]:
+            return [a[b[device]] for a, b in zip(arrays, blocks)]
+
+        specs, row_bytes = _layout(blocks_of(mesh.devices.flat[0]))  # every device's blocks have these shapes
         device_of_row = {index[0].start or 0: device
                          for device, index in rows.devices_indices_map((mesh.size, row_bytes)).items()}
 
         def row(index):
-            device = device_of_row[index[0].start or 0]
-            return _bytes_of([a[b[device]] for a, b in zip(arrays, blocks)])[0][None]
+            return _bytes_of(blocks_of(device_of_row[index[0].start or 0]))[None]
 
         buffer = jax.make_array_from_callback((mesh.size, row_bytes), rows, row)
         return cls(buffer, (treedef, specs, (mesh, tuple(s.spec for s in placed))))

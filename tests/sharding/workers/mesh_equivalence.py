@@ -214,5 +214,6 @@ def _collectives(hlo: str) -> dict[str, list[list[tuple[int, str]]]]:
                     r"(\w+)\[([\d,]*)\]", m.group(1))])
     return found
 
+
 if __name__ == "__main__":
     sys.exit(main())

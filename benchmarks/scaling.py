@@ -174,7 +174,9 @@ def train(args) -> None:
     for n, sizes, sync in runs:
         mesh, rules = _mesh(n, sizes, args.rules)
         micro = n * args.rows_per_device if args.micro_batches > 1 else None
-        learner, update = T.jrl_update(args, shape, mesh, rules, micro_batch_size=micro, grad_sync=sync)
+        gathers = _layers_per_gather(args, shape, n)
+        learner, update = T.jrl_update(args, shape, mesh, rules, micro_batch_size=micro, grad_sync=sync,
+                                       layers_per_gather=gathers)
         # With micro-batches the check batch must split into every layout's micro-batches: the largest layout's step.
         check_rows = max(devices) * args.rows_per_device * args.micro_batches if micro else args.check_rows
         check_batch = T.step_batch(check_rows, args.seq, shape["vocab_size"], seed=1)
@@ -188,7 +190,7 @@ def train(args) -> None:
         compile_s = compiled_seconds() - compiled
         tokens = rows * args.seq
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
-                   fsdp_gather_groups=args.fsdp_gather_groups,
+                   fsdp_layers_per_gather=gathers,
                    layout=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "-", rules=args.rules or None,
                    processes=jax.process_count(), rows_per_device=args.rows_per_device,
                    micro_batches=args.micro_batches, grad_sync=sync if n > 1 else None,
@@ -210,6 +212,19 @@ def train(args) -> None:
             _report(row, args.out)
         del learner, update, batch
         jax.clear_caches()
+
+
+def _layers_per_gather(args, shape: dict, n: int) -> int:
+    """``--fsdp-layers-per-gather``, or the CLI's automatic choice for the model in bf16 on ``n`` devices."""
+    import jax
+
+    from jrl.models.config import ModelConfig
+    from jrl.train.fsdp_gathers import layers_per_gather
+
+    if n == 1:
+        return args.fsdp_layers_per_gather or 0
+    return layers_per_gather(args.fsdp_layers_per_gather, weight_bytes=2 * ModelConfig(**shape).num_params(),
+                             device=jax.local_devices()[0])
 
 
 def _profile(trace_dir: str, learner, update, batch) -> dict:
@@ -604,9 +619,10 @@ def main() -> None:
     train_args.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     train_args.add_argument("--fsdp-prefetch", action=argparse.BooleanOptionalAction, default=True,
                             help="jrl's per-device FSDP path (ModelConfig.fsdp_prefetch)")
-    train_args.add_argument("--fsdp-gather-groups", type=int, default=0,
-                            help="ModelConfig.fsdp_gather_groups: 0 gathers each layer in its checkpoint (the "
-                                 "default), K the layers in K groups gathered once and kept for the backward")
+    train_args.add_argument("--fsdp-layers-per-gather", type=int, default=None,
+                            help="ModelConfig.fsdp_layers_per_gather: 0 gathers each layer in its checkpoint, P the "
+                                 "layers gathered P at a time and kept for the backward; default: the CLI's "
+                                 "automatic choice (jrl.train.fsdp_gathers)")
     train_args.add_argument("--peak-tflops", type=float, default=989.0,
                             help="dense bf16 peak of one GPU, for MFU (H100 SXM: 989)")
     train_args.add_argument("--wraps", default="fsdp2,ddp", help="torch: comma list of fsdp2, ddp")

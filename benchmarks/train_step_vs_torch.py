@@ -130,10 +130,11 @@ def device_model(cfg, *, seed: int, mesh, rules):
 
 # ----------------------------------------------------------------------------------------------- jrl
 def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int | None = None,
-               grad_sync: str = "auto"):
+               grad_sync: str = "auto", layers_per_gather: int = 0):
     """(learner, update): the benchmark's jrl side, on ``mesh`` when given (the model built sharded by
     ``rules``; batches are split over its batch axes); ``micro_batch_size``: rows per micro-batch (None: a step is one
-    micro-batch, gradient and optimizer in one program); ``grad_sync``: ``OptimConfig.grad_sync``."""
+    micro-batch, gradient and optimizer in one program); ``grad_sync``: ``OptimConfig.grad_sync``;
+    ``layers_per_gather``: ``ModelConfig.fsdp_layers_per_gather``."""
     sys.path.insert(0, str(REPO))
     from jrl.losses import GRPOConfig
     from jrl.models.config import ModelConfig
@@ -146,7 +147,7 @@ def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int |
 
     cfg = ModelConfig(**shape, dtype="bfloat16", param_dtype="bfloat16", attention=args.attention, remat=args.remat,
                       scan_layers=args.scan_layers, fsdp_prefetch=getattr(args, "fsdp_prefetch", True),
-                      fsdp_gather_groups=getattr(args, "fsdp_gather_groups", 0))
+                      fsdp_layers_per_gather=layers_per_gather)
     if getattr(args, "init", "host") == "device":
         model = device_model(cfg, seed=0, mesh=mesh, rules=rules)
     else:

@@ -306,14 +306,14 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
                     rules: Mapping | None = None, progress: bool | None = None, attention: str = "auto",
                     remat: str = "auto", scan_layers: bool = True, fsdp_prefetch: bool = True,
                     grad_reduce_dtype: str | None = None, expert_capacity: float = 0.0,
-                    expert_chunks: int = 1, fsdp_gather_groups: int = 0) -> Transformer:
+                    expert_chunks: int = 1, fsdp_layers_per_gather: int = 0) -> Transformer:
     """Load a Hugging Face checkpoint directory as a :class:`Transformer`.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype (defaults to ``dtype``). With ``mesh``,
     every parameter is placed with ``logical_sharding(param.logical_axes, mesh, rules, shape)`` and each
     device only receives its shard. ``progress``: tqdm bar (``None``: only for checkpoints >= 256 MiB).
     ``attention`` / ``remat`` / ``scan_layers`` / ``fsdp_prefetch`` / ``grad_reduce_dtype`` / ``expert_capacity`` /
-    ``expert_chunks`` / ``fsdp_gather_groups``: the runtime :class:`ModelConfig` fields of the same names.
+    ``expert_chunks`` / ``fsdp_layers_per_gather``: the runtime :class:`ModelConfig` fields of the same names.
     Raises ``FileNotFoundError`` (directory / config.json / weights), ``UnsupportedModelError``
     (model_type), :class:`MissingTensorError`, :class:`UnexpectedTensorError`, :class:`ShapeMismatchError`.
 
@@ -325,7 +325,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=
     config = read_config(path, dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
                          attention=attention, remat=remat, scan_layers=scan_layers, fsdp_prefetch=fsdp_prefetch,
                          grad_reduce_dtype=grad_reduce_dtype, expert_capacity=expert_capacity,
-                         expert_chunks=expert_chunks, fsdp_gather_groups=fsdp_gather_groups)
+                         expert_chunks=expert_chunks, fsdp_layers_per_gather=fsdp_layers_per_gather)
     files = _weight_files(path)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
     if mesh is not None:

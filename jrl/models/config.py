@@ -169,12 +169,12 @@ class ModelConfig:
     gathered again in the backward), its gradient reduce-scattered as its backward ends, and the head's gradient
     reduced once per step. ``False`` leaves the collectives to XLA's partitioner (slower).
     Runtime only: not part of the HF config."""
-    fsdp_gather_groups: int = 0
+    fsdp_layers_per_gather: int = 0
     """On that per-device path: 0 gathers each layer's weights inside its rematerialisation checkpoint (and again in
-    the backward); ``K`` >= 1 splits the layers into ``K`` groups whose weights are gathered at once, before the
-    group's first layer, and kept for the backward (no gather in the backward; the whole weights on every device),
-    each group's gradient reduce-scattered when its backward ends: fewer, larger collectives. Runtime only: not part
-    of the HF config."""
+    the backward); ``P`` >= 1 runs the layers in groups of ``P`` (the last group holds what remains), each group's
+    weights gathered at once before its first layer and kept for the backward (no gather in the backward; the whole
+    weights on every device), each group's gradient reduce-scattered when its backward ends: fewer, larger
+    collectives. Runtime only: not part of the HF config."""
     expert_capacity: float = 0.0
     """With expert parallelism (an ``expert`` mesh axis): the rows a device's experts run, as a multiple of its even
     share of the routed (token, expert) rows, in one static buffer; routed rows past it (the device's
@@ -226,9 +226,9 @@ class ModelConfig:
                              f"{', '.join(REMAT_NAMES)}")
         if self.expert_chunks < 1:
             raise ValueError(f"ModelConfig.expert_chunks={self.expert_chunks} must be >= 1 (1: no chunks)")
-        if self.fsdp_gather_groups < 0:
-            raise ValueError(f"ModelConfig.fsdp_gather_groups={self.fsdp_gather_groups} must be >= 0 (0: each "
-                             "layer gathered inside its checkpoint)")
+        if self.fsdp_layers_per_gather < 0:
+            raise ValueError(f"ModelConfig.fsdp_layers_per_gather={self.fsdp_layers_per_gather} must be >= 0 (0: each "
+                             "layer gathered inside its checkpoint, P: layers gathered P at a time)")
         if not (self.expert_capacity == 0 or self.expert_capacity >= 1):
             raise ValueError(f"ModelConfig.expert_capacity={self.expert_capacity} must be 0 (dropless) or >= 1 "
                              "(a multiple of a device's even share of the routed rows)")

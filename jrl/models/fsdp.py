@@ -11,10 +11,12 @@ The scan is unrolled by two: each loop iteration holds two layers, so XLA's sche
 gather while the first computes, and buffers carried between iterations are not copied (``benchmarks/RESULTS.md``,
 "Scale-out": as fast as gathering a layer ahead in the scan's carry, and 7 GiB less per device for 16 layers of
 the 8B model's width at fsdp=2).
-With ``ModelConfig.fsdp_gather_groups`` = K the layers run in K groups instead, one scan each: a group's weights
-are gathered before its first layer (one collective per weight and group) and kept for the backward, which gathers
-nothing and reduce-scatters the group's gradient when it leaves the group. The collectives are fewer and larger
-and move the weights once instead of twice; the whole weights are on every device by the end of the forward.
+With ``ModelConfig.fsdp_layers_per_gather`` = P the layers run in groups of P instead, one scan each (the groups
+unrolled: a scan over the groups measured slower, its copies of the stacked weights and residuals, RESULTS
+twenty-first session): a group's weights are gathered before its first layer (one collective per weight and group)
+and kept for the backward, which gathers nothing and reduce-scatters the group's gradient when it leaves the
+group. The collectives are fewer and larger and move the weights once instead of twice; the whole weights are on
+every device by the end of the forward.
 
 Token lookup: each device looks up its FSDP group's tokens in its own columns of the embedding table and one
 all-to-all hands each device its rows' vectors (:func:`embed_lookup`); the table is not gathered for it and its
@@ -72,11 +74,11 @@ def _is_variable(x) -> bool:
 
 def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask, *, mesh: Mesh, rules: Mapping,
                 axes: tuple[str, ...], collect: bool, dtype: str, reduce_dtype: str | None, remat_name: str,
-                groups: int = 0):
+                layers_per_gather: int = 0):
     """``jax.lax.scan`` of ``step(layer_state, h, positions, mask) -> h`` over the stacked layer ``state``, each
-    layer's weights gathered inside the layer's ``remat_name`` checkpoint, or with ``groups`` >= 1 the layers in that
-    many groups, each group's weights gathered before its first layer and kept for the backward
-    (``ModelConfig.fsdp_gather_groups``; module docstring).
+    layer's weights gathered inside the layer's ``remat_name`` checkpoint, or with ``layers_per_gather`` = P >= 1 the
+    layers in groups of P (the last group holds what remains), each group's weights gathered before its first layer
+    and kept for the backward (``ModelConfig.fsdp_layers_per_gather``; module docstring).
 
     ``step`` must build its layer from a graph definition without a mesh (it runs per device). Returns (output,
     every layer's output stacked [L, B, T, H] when ``collect``, else None)."""
@@ -111,14 +113,14 @@ def scan_layers(step: Callable, state, x: jax.Array, positions: jax.Array, mask,
     def per_group(values, x, positions, mask):
         run = remat(layer, remat_name, prevent_cse=False)
         outputs = []
-        for group in np.array_split(np.arange(values[0].shape[0]), min(groups, values[0].shape[0])):
-            lo, hi = int(group[0]), int(group[-1]) + 1
-            x, stacked = scanned(run, x, whole([a[lo:hi] for a in values], stacked=1), positions, mask)
+        for lo in range(0, values[0].shape[0], layers_per_gather):
+            x, stacked = scanned(run, x, whole([a[lo:lo + layers_per_gather] for a in values], stacked=1), positions,
+                                 mask)
             outputs.append(stacked)
         return x, jnp.concatenate(outputs) if collect else None
 
     out_specs = (rows, PartitionSpec(None, axes) if collect else PartitionSpec())
-    fn = jax.shard_map(per_group if groups else per_layer, mesh=mesh, check_vma=False,
+    fn = jax.shard_map(per_group if layers_per_gather else per_layer, mesh=mesh, check_vma=False,
                        in_specs=(specs, rows, rows, jax.tree.map(lambda _: rows, mask)), out_specs=out_specs)
     return fn(values, x, positions, mask)
 

@@ -289,7 +289,7 @@ class Transformer(nnx.Module):
             x, stacked = fsdp.scan_layers(lambda *a: step(*a)[0], state, x, positions, mask, mesh=self.mesh,
                                           rules=self._rules(), axes=axes, collect=collect, dtype=self.config.dtype,
                                           reduce_dtype=self.config.grad_reduce_dtype, remat_name=remat_name,
-                                          groups=self.config.fsdp_gather_groups)
+                                          layers_per_gather=self.config.fsdp_layers_per_gather)
             return x, tuple(stacked[i] for i in range(depth)) if collect else ()
         step = remat(_layer_step(graphdef), remat_name, prevent_cse=False)  # scan already keeps CSE away
 

@@ -6,17 +6,15 @@ Per-device accumulation runs the whole loss on each device's own rows, so it nee
 only split axes are ``data`` and ``fsdp``, a dense model (a MoE model's router losses are batch-wide), and
 micro-batches whose rows split evenly over the devices. ``auto`` also wants a GPU (where it was measured faster,
 ``benchmarks/RESULTS.md``) and room for the whole weights and a whole gradient: at most a quarter of a device's
-memory, the rest being the activations' and, on a shared mesh, the sampler's. An update of one micro-batch (one
-program: the weights gathered at its start, the gradient reduce-scattered at its end, neither overlapped with
-compute) ``auto`` runs this way only on up to :data:`AUTO_ONE_MICRO_BATCH_DEVICES` devices: on 2 H200s it measured
-1-2% faster than the per-layer gathers, whose collectives overlap the layers but slow their matmuls; what it leaves
-exposed grows with the share of the weights a device lacks, and at 4 GPUs the per-layer program kept 0.918 of one
-GPU's speed (H100s), the one-program form was not measured there.
+memory, the rest being the activations' and, on a shared mesh, the sampler's. ``auto`` leaves an update of one
+micro-batch to the per-device FSDP path: gathering the whole weights once for it (its gathers at the start, its
+reduce-scatter at the end, neither beside compute) measured 0.894-0.918 of one GPU's speed per GPU on 2 H200s,
+the per-device path's layers gathered two at a time 0.948 (:mod:`jrl.train.fsdp_gathers`; ``benchmarks/RESULTS.md``,
+twenty-first session).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -29,8 +27,6 @@ from jrl.sharding.collectives import batch_axes, only_axes
 
 #: Share of a device's memory that ``auto`` lets the whole weights and gradient take.
 AUTO_MEMORY_SHARE = 0.25
-#: Most devices over which ``auto`` accumulates an update of one micro-batch per device (module docstring).
-AUTO_ONE_MICRO_BATCH_DEVICES = 2
 
 
 def refusal(mesh: Mesh, rules: Mapping, is_moe: bool, losses: Sequence, row_counts: Sequence[int]) -> str | None:
@@ -76,7 +72,7 @@ def local_axes(mode: str, mesh: Mesh | None, rules: Mapping, *, is_moe: bool, lo
     """The batch axes over which an update of ``row_counts`` micro-batches accumulates per device under ``mode``
     (``OptimConfig.grad_sync``; ``auto_local``: what :func:`auto_takes_update` said of the weights), or None to
     reduce every micro-batch's gradient. ``update`` that cannot run raises naming why."""
-    if mode == "micro_batch" or (mode == "auto" and not auto_local):
+    if mode == "micro_batch" or (mode == "auto" and (not auto_local or len(row_counts) < 2)):
         return None
     if mesh is None or mesh.size == 1:
         return None
@@ -86,7 +82,4 @@ def local_axes(mode: str, mesh: Mesh | None, rules: Mapping, *, is_moe: bool, lo
             raise ValueError(f"OptimConfig.grad_sync='update' cannot accumulate this update per device: {why}; set "
                              f"grad_sync='auto' or 'micro_batch'")
         return None
-    axes = batch_axes(mesh, rules, int(np.min(row_counts)))
-    if mode == "auto" and len(row_counts) < 2 and math.prod(mesh.shape[a] for a in axes) > AUTO_ONE_MICRO_BATCH_DEVICES:
-        return None
-    return axes
+    return batch_axes(mesh, rules, int(np.min(row_counts)))

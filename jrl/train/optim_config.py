@@ -56,11 +56,12 @@ class OptimConfig:
     optimizer (no collective between micro-batches; a whole copy of the weights and a whole gradient per device,
     like ZeRO-2); it needs a mesh of ``data``/``fsdp`` axes, a dense model, a loss that sums over rows (not
     ``bnpo``, not ``top_entropy_quantile`` < 1) and micro-batches that split evenly over the devices. ``auto``:
-    ``update`` on GPUs where the update can take it and the whole weights and gradient fit in a quarter of a
-    device's memory, else ``micro_batch``. Per-micro-batch metrics are then per device and micro-batch. An update of
-    one micro-batch runs as one program either way: ``update`` gathers the whole weights at its start and
-    reduce-scatters at its end (measured 1-2% faster than the per-layer gathers on 2 GPUs, unmeasured on more,
-    ``benchmarks/RESULTS.md``), so ``auto`` takes it there on up to 2 devices only."""
+    ``update`` for an update of several micro-batches on GPUs where the update can take it and the whole weights
+    and gradient fit in a quarter of a device's memory, else ``micro_batch``. Per-micro-batch metrics are then per
+    device and micro-batch. An update of one micro-batch runs as one program either way: ``update`` gathers the
+    whole weights at its start and reduce-scatters at its end, none of it beside compute, so ``auto`` leaves it to
+    the FSDP layers' own gathers (``ModelSpec.fsdp_layers_per_gather``; measured 0.948 of one GPU's speed per GPU
+    against 0.894-0.918 on 2 H200s, ``benchmarks/RESULTS.md``)."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the load-balancing loss ``E · Σ_e load_e · prob_e`` (mean over the MoE layers; 1 when
     balanced) added to every update's loss; 0 = off (Qwen-MoE and Mixtral were pretrained with 0.001-0.02)."""

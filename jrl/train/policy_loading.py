@@ -13,6 +13,7 @@ from jrl.models import from_pretrained, read_config
 from jrl.models.lora import apply_lora
 from jrl.rollout.config import sampler_mesh
 from jrl.sharding import MeshConfig, learner_mesh, make_mesh, memory_limit, shard_model, split_devices
+from jrl.train.fsdp_gathers import layers_per_gather
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,17 @@ def _learner_layout(cfg, devices) -> MeshConfig:
                         expert_state_bytes=experts * per_param, device_bytes=_memory(devices))
 
 
+def _layers_per_gather(cfg, devices) -> int:
+    """``cfg.model.fsdp_layers_per_gather`` resolved for the learner's ``devices`` (:mod:`jrl.train.fsdp_gathers`)."""
+    if cfg.model.fsdp_layers_per_gather is not None:
+        return cfg.model.fsdp_layers_per_gather
+    if len(devices) < 2:
+        return 0  # one device: no FSDP collectives to arrange
+    weight_bytes = read_config(cfg.model.path).num_params() * jnp.dtype(cfg.model.dtype).itemsize
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return layers_per_gather(None, weight_bytes=weight_bytes, device=local[0])
+
+
 def load_policy(cfg) -> Policy:
     """Tokenizer, mesh and model of ``cfg`` (``TrainConfig``), with a clear error for a bad model path."""
     from transformers import AutoTokenizer
@@ -88,7 +100,7 @@ def load_policy(cfg) -> Policy:
                             scan_layers=cfg.model.scan_layers, fsdp_prefetch=cfg.model.fsdp_prefetch,
                             grad_reduce_dtype=cfg.model.grad_reduce_dtype,
                             expert_capacity=cfg.model.expert_capacity, expert_chunks=cfg.model.expert_chunks,
-                            fsdp_gather_groups=cfg.model.fsdp_gather_groups)
+                            fsdp_layers_per_gather=_layers_per_gather(cfg, learner_devices))
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:

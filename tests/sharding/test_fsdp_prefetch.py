@@ -3,7 +3,7 @@ entropies, intermediate layers' outputs (EBFT's features) and every gradient of 
 lookup, scanned layers and loss-fused head, full and LoRA, on fsdp and data x fsdp meshes of 8 fake CPU devices; the
 head's weight is gathered once and its gradient reduce-scattered once; the token lookup moves rows by all-to-all; a
 bfloat16 gradient reduction changes the gradients by bf16 rounding only; under a remat policy the layers' weights are
-gathered again in the backward, not kept; in groups (``fsdp_gather_groups``) each group's weights are gathered once
+gathered again in the backward, not kept; in groups (``fsdp_layers_per_gather``) each group's weights are gathered once
 (see workers/fsdp_prefetch.py)."""
 
 from __future__ import annotations
@@ -59,12 +59,13 @@ def test_layer_weights_gathered_again_in_the_backward_under_a_remat_policy(resul
 
 
 def test_layers_gathered_in_groups_compute_the_same_and_gather_each_group_once(result):
-    """``fsdp_gather_groups=2`` on 3 layers: a group of 2 layers and one of 1, each weight gathered once per group
-    (gate and up: one all-gather each per group, none of a single layer's kernel), nothing gathered in the backward
-    under the remat policy that makes the per-layer program gather again; loss, log-probs, entropies, layer outputs
-    and gradients those of one device and of the per-layer program."""
+    """``fsdp_layers_per_gather=2`` on 3 layers: a group of 2 layers and the remaining 1, each
+    weight gathered once per group (gate and up: one all-gather each per group, none of a single layer's kernel),
+    nothing gathered in the backward under the remat policy that makes the per-layer program gather again; loss,
+    log-probs, entropies, layer outputs and gradients those of one device and of the per-layer program; and with
+    ``fsdp_layers_per_gather=1`` (3 one-layer groups) those of one device."""
     r = result["groups"]
-    for other in ("vs_single", "vs_per_layer"):
+    for other in ("vs_single", "vs_per_layer", "ones_vs_single"):
         errs = r[other]
         assert errs["finite"] and max(errs["loss"], errs["lp"], errs["ent"], errs["layers"], errs["grad"]) <= RTOL, \
             (other, errs)

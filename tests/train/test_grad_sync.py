@@ -59,11 +59,11 @@ def test_refused_updates_name_the_reason_and_the_knob(out, case, words):
     assert words in message and "grad_sync" in message, message
 
 
-@pytest.mark.parametrize("fsdp,micro_batches,takes", [(2, 1, True), (4, 1, False), (4, 2, True), (2, 2, True)])
-def test_auto_runs_one_micro_batch_per_device_on_two_devices_only(fsdp, micro_batches, takes):
+@pytest.mark.parametrize("fsdp,micro_batches,takes", [(2, 1, False), (4, 1, False), (4, 2, True), (2, 2, True)])
+def test_auto_accumulates_per_device_for_several_micro_batches_only(fsdp, micro_batches, takes):
     """Where the weights fit (``auto_local``), ``auto`` accumulates per device for every update of several
-    micro-batches, and for one micro-batch on up to two devices (measured faster there; the per-layer program keeps
-    the update elsewhere)."""
+    micro-batches; an update of one micro-batch it leaves to the FSDP layers' own gathers (measured faster than
+    gathering the whole weights once for it); ``update`` takes one micro-batch when told."""
     import types
 
     from jrl.sharding import DEFAULT_RULES, MeshConfig, abstract_mesh

@@ -143,9 +143,15 @@ def test_two_device_mesh_run(tiny_model_dir, tmp_path):
     reward = write_reward_file(tmp_path, "reward_mesh")
     out = run_worker("e2e_worker.py", tiny_model_dir, tmp_path / "run", reward, "2")
     assert out["devices"] == 2 and out["mesh_shape"]["fsdp"] == 2
+    assert out["layers_per_gather"] == 0  # the automatic choice on a CPU: each layer gathered in its checkpoint
     assert [r["step"] for r in out["history"]] == [1, 2]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward/mean"]) for r in out["history"])
     assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
+    # The layers gathered two at a time (the GPU default where the weights fit) train the same run.
+    grouped = run_worker("e2e_worker.py", tiny_model_dir, tmp_path / "grouped", reward, "2", "2")
+    assert grouped["layers_per_gather"] == 2
+    for a, b in zip(grouped["history"], out["history"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6) and a["reward/mean"] == b["reward/mean"]
 
 
 def test_a_moe_model_on_the_default_mesh_trains_expert_parallel(tmp_path):

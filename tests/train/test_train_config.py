@@ -128,8 +128,9 @@ def test_config_errors_name_the_field():
         ModelSpec(expert_capacity=0.5)
     with pytest.raises(ValueError, match=r"ModelSpec\.expert_chunks=0.*use 1 \(no chunks\)"):
         ModelSpec(expert_chunks=0)
-    with pytest.raises(ValueError, match=r"ModelSpec\.fsdp_gather_groups=-1.*use 0 \(each layer"):
-        ModelSpec(fsdp_gather_groups=-1)
+    with pytest.raises(ValueError,
+                       match=r"ModelSpec\.fsdp_layers_per_gather=-1.*use None \(automatic\), 0 \(each layer"):
+        ModelSpec(fsdp_layers_per_gather=-1)
     with pytest.raises(SystemExit):  # tyro reports the error and exits non-zero
         _train_script().parse_config(["--config", str(ROOT / "configs" / "grpo.py"), "--algo.num-generations", "1"])
 

@@ -157,11 +157,13 @@ def main() -> None:
     kept = run("full", "fsdp8", remat="none")
     out["regather"] = dict(vs_single=compare(policy, single), gathers=layer_gathers(policy["hlo"]),
                            gathers_kept=layer_gathers(kept["hlo"]))
-    # The layers in groups (3 layers in 2 groups: 2 + 1): each group's weights gathered once and kept for the
-    # backward, also under the remat policy that makes the per-layer program gather again.
-    grouped = run("full", "fsdp8", remat="dots_with_no_batch_dims_saveable", fsdp_gather_groups=2)
+    # The layers gathered 2 at a time (3 layers: a group of 2, then the remaining 1): each group's weights gathered
+    # once and kept for the backward, also under the remat policy that makes the per-layer program gather again.
+    grouped = run("full", "fsdp8", remat="dots_with_no_batch_dims_saveable", fsdp_layers_per_gather=2)
     out["groups"] = dict(vs_single=compare(grouped, single), vs_per_layer=compare(grouped, policy),
-                         group_gathers=group_gathers(grouped["hlo"]), layer_gathers=layer_gathers(grouped["hlo"]))
+                         group_gathers=group_gathers(grouped["hlo"]), layer_gathers=layer_gathers(grouped["hlo"]),
+                         ones_vs_single=compare(run("full", "fsdp8", remat="dots_with_no_batch_dims_saveable",
+                                                    fsdp_layers_per_gather=1), single))
     print(json.dumps(out))
 
 

@@ -1,0 +1,32 @@
+"""How many layers' weights the per-device FSDP path gathers at once when ``ModelSpec.fsdp_layers_per_gather`` is
+left to ``None`` (:attr:`jrl.models.config.ModelConfig.fsdp_layers_per_gather` says what the value does).
+
+Two layers at a time keeps the whole weights on every device for the backward (no gather there; one gather and one
+reduce-scatter per group, all but the first and last beside compute). On 2 H200s (Llama-3.2-1B, 8 x 1024 tokens per
+GPU, one micro-batch) it kept 0.935-0.948 of one GPU's speed per GPU against 0.888-0.918 for each layer gathered in
+its checkpoint and for the whole weights gathered once per update, and one layer at a time measured as fast; four
+layers at a time left the first group's gather and the last group's reduce-scatter exposed (slower than per
+layer). Its cost is compile time, the groups being unrolled: 18-23 s against ~10 s per layer and 6-7 s on one GPU
+(``benchmarks/RESULTS.md``, twenty-first session). ``None`` takes it on a GPU where the whole weights in the compute
+dtype take at most :data:`jrl.train.grad_sync.AUTO_MEMORY_SHARE` of a device's memory; elsewhere (a CPU, a TPU, where
+it was not measured, or a model too large) each layer is gathered in its checkpoint.
+"""
+
+from __future__ import annotations
+
+from jrl.sharding import memory_limit
+from jrl.train.grad_sync import AUTO_MEMORY_SHARE
+
+#: Layers gathered at once under ``fsdp_layers_per_gather=None`` where the whole weights fit (module docstring).
+AUTO_LAYERS_PER_GATHER = 2
+
+
+def layers_per_gather(setting: int | None, *, weight_bytes: int, device) -> int:
+    """``setting`` (``ModelSpec.fsdp_layers_per_gather``), or for None the automatic choice for a model whose whole
+    weights take ``weight_bytes`` in the compute dtype on ``device`` (module docstring)."""
+    if setting is not None:
+        return setting
+    if device.platform != "gpu":
+        return 0
+    limit = memory_limit(device)
+    return AUTO_LAYERS_PER_GATHER if limit is not None and weight_bytes <= AUTO_MEMORY_SHARE * limit else 0

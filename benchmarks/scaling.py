@@ -219,12 +219,12 @@ def _layers_per_gather(args, shape: dict, n: int) -> int:
     import jax
 
     from jrl.models.config import ModelConfig
+    from jrl.sharding import memory_limit
     from jrl.train.fsdp_gathers import layers_per_gather
 
-    if n == 1:
-        return args.fsdp_layers_per_gather or 0
-    return layers_per_gather(args.fsdp_layers_per_gather, weight_bytes=2 * ModelConfig(**shape).num_params(),
-                             device=jax.local_devices()[0])
+    device = jax.local_devices()[0]
+    return layers_per_gather(args.fsdp_layers_per_gather, devices=n, platform=device.platform,
+                             weight_bytes=2 * ModelConfig(**shape).num_params(), device_bytes=memory_limit(device))
 
 
 def _profile(trace_dir: str, learner, update, batch) -> dict:

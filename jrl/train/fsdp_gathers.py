@@ -14,19 +14,19 @@ it was not measured, or a model too large) each layer is gathered in its checkpo
 
 from __future__ import annotations
 
-from jrl.sharding import memory_limit
 from jrl.train.grad_sync import AUTO_MEMORY_SHARE
 
 #: Layers gathered at once under ``fsdp_layers_per_gather=None`` where the whole weights fit (module docstring).
 AUTO_LAYERS_PER_GATHER = 2
 
 
-def layers_per_gather(setting: int | None, *, weight_bytes: int, device) -> int:
-    """``setting`` (``ModelSpec.fsdp_layers_per_gather``), or for None the automatic choice for a model whose whole
-    weights take ``weight_bytes`` in the compute dtype on ``device`` (module docstring)."""
+def layers_per_gather(setting: int | None, *, devices: int, platform: str, weight_bytes: int,
+                      device_bytes: int | None) -> int:
+    """``setting`` (``ModelSpec.fsdp_layers_per_gather``), or for None the automatic choice for a learner of
+    ``devices`` devices of ``platform`` (``jax.Device.platform``) with ``device_bytes`` of memory each (None: not
+    known), whose whole weights take ``weight_bytes`` in the compute dtype (module docstring)."""
     if setting is not None:
         return setting
-    if device.platform != "gpu":
+    if devices < 2 or platform != "gpu" or device_bytes is None:
         return 0
-    limit = memory_limit(device)
-    return AUTO_LAYERS_PER_GATHER if limit is not None and weight_bytes <= AUTO_MEMORY_SHARE * limit else 0
+    return AUTO_LAYERS_PER_GATHER if weight_bytes <= AUTO_MEMORY_SHARE * device_bytes else 0

@@ -72,9 +72,9 @@ def local_axes(mode: str, mesh: Mesh | None, rules: Mapping, *, is_moe: bool, lo
     """The batch axes over which an update of ``row_counts`` micro-batches accumulates per device under ``mode``
     (``OptimConfig.grad_sync``; ``auto_local``: what :func:`auto_takes_update` said of the weights), or None to
     reduce every micro-batch's gradient. ``update`` that cannot run raises naming why."""
-    if mode == "micro_batch" or (mode == "auto" and (not auto_local or len(row_counts) < 2)):
+    if mode == "micro_batch" or (mode == "auto" and not auto_local):
         return None
-    if mesh is None or mesh.size == 1:
+    if mesh is None or mesh.size == 1 or (mode == "auto" and len(row_counts) < 2):
         return None
     why = refusal(mesh, rules, is_moe, losses, row_counts)
     if why is not None:

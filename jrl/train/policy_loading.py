@@ -46,10 +46,9 @@ def _memory(devices) -> int | None:
     return memory_limit(local[0]) if local else None
 
 
-def _learner_layout(cfg, devices) -> MeshConfig:
-    """``cfg.mesh``, or for a mixture-of-experts model left on the default sizes the expert-parallel layout of
-    :func:`jrl.sharding.learner_mesh` where its training state fits."""
-    config = read_config(cfg.model.path)
+def _learner_layout(cfg, config, devices) -> MeshConfig:
+    """``cfg.mesh``, or for a mixture-of-experts model (``config``, its :class:`ModelConfig`) left on the default
+    sizes the expert-parallel layout of :func:`jrl.sharding.learner_mesh` where its training state fits."""
     if not config.is_moe:
         return cfg.mesh
     itemsize = jnp.dtype(cfg.model.param_dtype or cfg.model.dtype).itemsize
@@ -59,17 +58,6 @@ def _learner_layout(cfg, devices) -> MeshConfig:
     return learner_mesh(cfg.mesh, num_experts=config.num_experts, devices=len(devices), local_devices=len(local),
                         dense_state_bytes=(config.num_params() - experts) * per_param,
                         expert_state_bytes=experts * per_param, device_bytes=_memory(devices))
-
-
-def _layers_per_gather(cfg, devices) -> int:
-    """``cfg.model.fsdp_layers_per_gather`` resolved for the learner's ``devices`` (:mod:`jrl.train.fsdp_gathers`)."""
-    if cfg.model.fsdp_layers_per_gather is not None:
-        return cfg.model.fsdp_layers_per_gather
-    if len(devices) < 2:
-        return 0  # one device: no FSDP collectives to arrange
-    weight_bytes = read_config(cfg.model.path).num_params() * jnp.dtype(cfg.model.dtype).itemsize
-    local = [d for d in devices if d.process_index == jax.process_index()]
-    return layers_per_gather(None, weight_bytes=weight_bytes, device=local[0])
 
 
 def load_policy(cfg) -> Policy:
@@ -88,7 +76,9 @@ def load_policy(cfg) -> Policy:
             "point --model.path at one (the default tiny model is made by scripts/make_default_model.py)")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    layout = _learner_layout(cfg, learner_devices) if len(learner_devices) > 1 else cfg.mesh
+    config = read_config(cfg.model.path)
+    weight_bytes = config.num_params() * jnp.dtype(cfg.model.dtype).itemsize  # the whole weights, compute dtype
+    layout = _learner_layout(cfg, config, learner_devices) if len(learner_devices) > 1 else cfg.mesh
     if layout != cfg.mesh:
         logger.info("learner: %d devices laid out %s: expert parallel, the default for a mixture-of-experts model "
                     "(give --mesh sizes to choose another)", len(learner_devices),
@@ -100,14 +90,16 @@ def load_policy(cfg) -> Policy:
                             scan_layers=cfg.model.scan_layers, fsdp_prefetch=cfg.model.fsdp_prefetch,
                             grad_reduce_dtype=cfg.model.grad_reduce_dtype,
                             expert_capacity=cfg.model.expert_capacity, expert_chunks=cfg.model.expert_chunks,
-                            fsdp_layers_per_gather=_layers_per_gather(cfg, learner_devices))
+                            fsdp_layers_per_gather=layers_per_gather(
+                                cfg.model.fsdp_layers_per_gather, devices=len(learner_devices),
+                                platform=learner_devices[0].platform, weight_bytes=weight_bytes,
+                                device_bytes=_memory(learner_devices)))
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)
         if mesh is not None:
             shard_model(model, mesh, rules)
     rollout_mesh = rollout_rules = None  # on one device: the model's own
     if sampler_devices:
-        weight_bytes = model.config.num_params() * jnp.dtype(cfg.model.dtype).itemsize
         layout = sampler_mesh(cfg.rollout.mesh, weight_bytes=weight_bytes, device_bytes=_memory(sampler_devices),
                               devices=len(sampler_devices))
         rollout_mesh, rollout_rules = make_mesh(layout, sampler_devices), layout.logical_rules()

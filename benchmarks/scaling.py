@@ -9,8 +9,9 @@ trains ``n x rows-per-device`` rows). Per layout: median step time, tokens/s per
 (tokens/s per device against the run's one-device layout, when it has one), and the process's peak memory on its
 first device so far (JAX keeps one peak per process, so a layout's own peak needs a run of that layout alone);
 the wall time of the layout's first update (``first_update_s``: its compile and one update of ``--check-rows`` rows)
-and the seconds this process spent compiling the layout's programs (``compile_s``: XLA's backend compiles, from
-``jrl.train.compile_clock``, over the check update and the timed ones);
+and the seconds XLA spent compiling in it (``compile_s``: the backend compiles of ``jrl.train.compile_clock``; one
+update program per layout, so layouts compare program for program: the timed batch of n x ``--rows-per-device`` rows
+compiles a second one where n x rows differs from the check rows, not counted);
 with ``--profile DIR`` one more traced step's GPU kernels on the first device (time by category, the collectives'
 busy time and the part of it with no other kernel beside, idle gaps). ``--no-fsdp-prefetch`` leaves the FSDP
 collectives to XLA (``ModelConfig.fsdp_prefetch``).
@@ -182,12 +183,11 @@ def train(args) -> None:
         check_batch = T.step_batch(check_rows, args.seq, shape["vocab_size"], seed=1)
         compiled, t0 = compiled_seconds(), time.perf_counter()
         checked = jax.block_until_ready(update(learner, check_batch))  # this layout's first call: compiles
-        first_update = time.perf_counter() - t0
+        first_update, compile_s = time.perf_counter() - t0, compiled_seconds() - compiled
         rows = n * args.rows_per_device * args.micro_batches
         batch = T.step_batch(rows, args.seq, shape["vocab_size"])
         times, _ = T.time_updates(learner, update, batch, args.steps)
         step = T.steady_median(times)
-        compile_s = compiled_seconds() - compiled
         tokens = rows * args.seq
         row = dict(bench="scaling_train", shape=args.shape, mode=args.mode, devices=n, fsdp_prefetch=args.fsdp_prefetch,
                    fsdp_layers_per_gather=gathers,

@@ -6,8 +6,10 @@ reduce-scatter per group, all but the first and last beside compute). On 2 H200s
 GPU, one micro-batch) it kept 0.935-0.948 of one GPU's speed per GPU against 0.888-0.918 for each layer gathered in
 its checkpoint and for the whole weights gathered once per update, and one layer at a time measured as fast; four
 layers at a time left the first group's gather and the last group's reduce-scatter exposed (slower than per
-layer). Its cost is compile time, the groups being unrolled: 18-23 s against ~10 s per layer and 6-7 s on one GPU
-(``benchmarks/RESULTS.md``, twenty-first session). ``None`` takes it on a GPU where the whole weights in the compute
+layer). Its costs are memory (the whole weights in the compute dtype on every device) and compile time, the groups
+being unrolled: 9.7 s against 7.6 s on one GPU for 16 layers, 19.5 s against 7.1 s per layer for 32, where it
+gained 1.7% (``benchmarks/RESULTS.md``, twenty-first and twenty-second sessions; the scanned forms tried compile
+faster and run 5-18% slower). ``None`` takes it on a GPU where the whole weights in the compute
 dtype take at most :data:`jrl.train.grad_sync.AUTO_MEMORY_SHARE` of a device's memory; elsewhere (a CPU, a TPU, where
 it was not measured, or a model too large) each layer is gathered in its checkpoint.
 """

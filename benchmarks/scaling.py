@@ -220,11 +220,12 @@ def _layers_per_gather(args, shape: dict, n: int) -> int:
 
     from jrl.models.config import ModelConfig
     from jrl.sharding import memory_limit
-    from jrl.train.fsdp_gathers import layers_per_gather
+    from jrl.train.fsdp_gathers import layers_per_gather, training_state_bytes
 
-    device = jax.local_devices()[0]
-    return layers_per_gather(args.fsdp_layers_per_gather, devices=n, platform=device.platform,
-                             weight_bytes=2 * ModelConfig(**shape).num_params(), device_bytes=memory_limit(device))
+    device, params = jax.local_devices()[0], ModelConfig(**shape).num_params()
+    return layers_per_gather(args.fsdp_layers_per_gather, devices=n, platform=device.platform, weight_bytes=2 * params,
+                             state_bytes=training_state_bytes(params, 2, full=args.mode == "full"),
+                             device_bytes=memory_limit(device))
 
 
 def _profile(trace_dir: str, learner, update, batch) -> dict:

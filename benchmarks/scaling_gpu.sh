@@ -11,6 +11,8 @@
 #         nccl (the train stage's default program once per NCCL_MAX_NCHANNELS value of $CHANNELS, "2 4 8"),
 #         groups (the per-layer program, then the layers gathered P at a time for P in $LAYERS, "1 2 4", each
 #         --grad-sync micro_batch),
+#         big (the 8B full fine-tune on every GPU, each layer gathered in its checkpoint and two layers at a time,
+#         then its PyTorch FSDP2 peer with activation checkpointing; BIG_SHAPE, llama8b),
 #         moe_model (the Qwen3-30B-A3B LoRA update on one GPU, then on every GPU experts gathered and expert
 #         parallel dropless (efficiency against the one GPU), then expert parallel with capacity 1.25; its PyTorch
 #         FSDP2 peer with gradient checkpointing; ~6 min at 2 GPUs: a call of its own)
@@ -37,6 +39,9 @@ for stage in "$@"; do
     own) $S moe --own-experts "$N" $A && $S moe --own-experts "$N" --expert-capacity 1.25 $A ;;
     groups) for p in 0 ${LAYERS:-1 2 4}; do $S train $T --grad-sync micro_batch --fsdp-layers-per-gather $p $A; done ;;
     nccl) for ch in ${CHANNELS:-2 4 8}; do NCCL_MAX_NCHANNELS=$ch $S train $T --grad-sync micro_batch $A; done ;;
+    big) B="--shape ${BIG_SHAPE:-llama8b} --devices $N --steps 4"
+         for p in 0 2; do $S train $B --init device --fsdp-layers-per-gather $p $A; done
+         $S torch $B --wraps fsdp2 --torch-remat $A ;;
     moe_model) M="--shape ${MOE_SHAPE:-qwen3_30b_a3b} --mode lora --devices $N --rows-per-device 8 --seq 1024 --steps 4"
                $S train $M --devices 1,$N --init device --layouts fsdp,expert:$N $A
                $S train $M --init device --layouts expert:$N --expert-capacity 1.25 $A

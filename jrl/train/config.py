@@ -75,9 +75,9 @@ class ModelSpec:
     the layers in groups of ``P``, each group's weights gathered at once before it and kept for the backward, its
     gradient reduce-scattered when its backward ends (fewer, larger collectives, the weights moved once; the whole
     weights on every device; more compile time, the groups unrolled). ``None``: 2 on a GPU where the whole weights
-    take at most a quarter of a device's memory, else 0 (measured on 2 H200s: 0.935-0.948 of one GPU's speed per GPU
-    against 0.894 per layer; :mod:`jrl.train.fsdp_gathers`). Applies where an update runs that path, not where
-    ``optim.grad_sync`` accumulates per device."""
+    and a device's share of the training state take at most half its memory, else 0 (measured on 2 H200s:
+    0.935-0.948 of one GPU's speed per GPU against 0.894 per layer; :mod:`jrl.train.fsdp_gathers`). Applies where an
+    update runs that path, not where ``optim.grad_sync`` accumulates per device."""
     expert_capacity: float = 0.0
     """With expert parallelism (``mesh.expert`` > 1): the rows a device's experts run, as a multiple of its even share
     of the routed (token, expert) rows; rows routed to a device past that are dropped (they add nothing to their

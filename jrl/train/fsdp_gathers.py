@@ -9,26 +9,42 @@ layers at a time left the first group's gather and the last group's reduce-scatt
 layer). Its costs are memory (the whole weights in the compute dtype on every device) and compile time, the groups
 being unrolled: 9.7 s against 7.6 s on one GPU for 16 layers, 19.5 s against 7.1 s per layer for 32, where it
 gained 1.7% (``benchmarks/RESULTS.md``, twenty-first and twenty-second sessions; the scanned forms tried compile
-faster and run 5-18% slower). ``None`` takes it on a GPU where the whole weights in the compute
-dtype take at most :data:`jrl.train.grad_sync.AUTO_MEMORY_SHARE` of a device's memory; elsewhere (a CPU, a TPU, where
-it was not measured, or a model too large) each layer is gathered in its checkpoint.
+faster and run 5-18% slower).
+
+``None`` takes it on a GPU where a device's share of the training state and the whole weights together take at most
+:data:`AUTO_GROUPS_SHARE` of its memory (the allocator's limit), leaving the rest to activations and temporaries: the
+8B step on 2 H200s at 8 x 1024 tokens per GPU peaked at 58.0 GiB per layer and 70.5 GiB in groups, of which its state
+took 44.9 GiB and the whole weights ~12.5 GiB more. Elsewhere (a CPU, a TPU, where it was not measured, or a model
+too large) each layer is gathered in its checkpoint. The first form of this rule looked at the whole weights alone
+(at most a quarter of the memory): it picked the groups for a 7.6B model trained in full on two 80 GB GPUs (15.2 GB
+of bf16 weights under a quarter of the ~64 GB limit), whose state (45.6 GB per device) and whole weights leave ~3 GB
+for activations (arithmetic, not run).
 """
 
 from __future__ import annotations
 
-from jrl.train.grad_sync import AUTO_MEMORY_SHARE
-
-#: Layers gathered at once under ``fsdp_layers_per_gather=None`` where the whole weights fit (module docstring).
+#: Layers gathered at once under ``fsdp_layers_per_gather=None`` where they fit (module docstring).
 AUTO_LAYERS_PER_GATHER = 2
+#: Share of a device's memory that its share of the training state and the whole weights may take for
+#: ``fsdp_layers_per_gather=None`` to gather layers in groups (module docstring).
+AUTO_GROUPS_SHARE = 0.5
 
 
-def layers_per_gather(setting: int | None, *, devices: int, platform: str, weight_bytes: int,
+def training_state_bytes(params: int, param_itemsize: int, *, full: bool) -> int:
+    """Bytes of a model's training state for ``params`` parameters stored ``param_itemsize`` bytes each: the weights,
+    and when trained in ``full`` their gradients and two float32 optimizer moments (LoRA's own are left out)."""
+    return params * (2 * param_itemsize + 8 if full else param_itemsize)
+
+
+def layers_per_gather(setting: int | None, *, devices: int, platform: str, weight_bytes: int, state_bytes: int,
                       device_bytes: int | None) -> int:
     """``setting`` (``ModelSpec.fsdp_layers_per_gather``), or for None the automatic choice for a learner of
     ``devices`` devices of ``platform`` (``jax.Device.platform``) with ``device_bytes`` of memory each (None: not
-    known), whose whole weights take ``weight_bytes`` in the compute dtype (module docstring)."""
+    known), whose whole weights take ``weight_bytes`` in the compute dtype and whose training state
+    (:func:`training_state_bytes`), split over the devices, ``state_bytes`` (module docstring)."""
     if setting is not None:
         return setting
     if devices < 2 or platform != "gpu" or device_bytes is None:
         return 0
-    return AUTO_LAYERS_PER_GATHER if weight_bytes <= AUTO_MEMORY_SHARE * device_bytes else 0
+    fits = state_bytes / devices + weight_bytes <= AUTO_GROUPS_SHARE * device_bytes
+    return AUTO_LAYERS_PER_GATHER if fits else 0

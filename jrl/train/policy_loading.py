@@ -13,7 +13,7 @@ from jrl.models import from_pretrained, read_config
 from jrl.models.lora import apply_lora
 from jrl.rollout.config import sampler_mesh
 from jrl.sharding import MeshConfig, learner_mesh, make_mesh, memory_limit, shard_model, split_devices
-from jrl.train.fsdp_gathers import layers_per_gather
+from jrl.train.fsdp_gathers import layers_per_gather, training_state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +51,17 @@ def _learner_layout(cfg, config, devices) -> MeshConfig:
     sizes the expert-parallel layout of :func:`jrl.sharding.learner_mesh` where its training state fits."""
     if not config.is_moe:
         return cfg.mesh
-    itemsize = jnp.dtype(cfg.model.param_dtype or cfg.model.dtype).itemsize
-    per_param = itemsize if cfg.lora is not None else 2 * itemsize + 8  # weights (+ gradients, two float32 moments)
     experts = config.routed_expert_params()
     local = [d for d in devices if d.process_index == jax.process_index()]
     return learner_mesh(cfg.mesh, num_experts=config.num_experts, devices=len(devices), local_devices=len(local),
-                        dense_state_bytes=(config.num_params() - experts) * per_param,
-                        expert_state_bytes=experts * per_param, device_bytes=_memory(devices))
+                        dense_state_bytes=_state_bytes(cfg, config.num_params() - experts),
+                        expert_state_bytes=_state_bytes(cfg, experts), device_bytes=_memory(devices))
+
+
+def _state_bytes(cfg, params: int) -> int:
+    """:func:`training_state_bytes` of ``params`` parameters under ``cfg`` (``TrainConfig``)."""
+    return training_state_bytes(params, jnp.dtype(cfg.model.param_dtype or cfg.model.dtype).itemsize,
+                                full=cfg.lora is None)
 
 
 def load_policy(cfg) -> Policy:
@@ -93,6 +97,7 @@ def load_policy(cfg) -> Policy:
                             fsdp_layers_per_gather=layers_per_gather(
                                 cfg.model.fsdp_layers_per_gather, devices=len(learner_devices),
                                 platform=learner_devices[0].platform, weight_bytes=weight_bytes,
+                                state_bytes=_state_bytes(cfg, config.num_params()),
                                 device_bytes=_memory(learner_devices)))
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)

@@ -17,7 +17,7 @@ faster and run 5-18% slower).
 took 44.9 GiB and the whole weights ~12.5 GiB more. Elsewhere (a CPU, a TPU, where it was not measured, or a model
 too large) each layer is gathered in its checkpoint. The first form of this rule looked at the whole weights alone
 (at most a quarter of the memory): it picked the groups for a 7.6B model trained in full on two 80 GB GPUs (15.2 GB
-of bf16 weights under a quarter of the ~64 GB limit), whose state (45.6 GB per device) and whole weights leave ~3 GB
+of bf16 weights under a quarter of the ~64 GB limit), whose state (45.7 GB per device) and whole weights leave ~3 GB
 for activations (arithmetic, not run).
 """
 

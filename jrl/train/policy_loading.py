@@ -81,7 +81,8 @@ def load_policy(cfg) -> Policy:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = read_config(cfg.model.path)
-    weight_bytes = config.num_params() * jnp.dtype(cfg.model.dtype).itemsize  # the whole weights, compute dtype
+    params = config.num_params()
+    weight_bytes = params * jnp.dtype(cfg.model.dtype).itemsize  # the whole weights, compute dtype
     layout = _learner_layout(cfg, config, learner_devices) if len(learner_devices) > 1 else cfg.mesh
     if layout != cfg.mesh:
         logger.info("learner: %d devices laid out %s: expert parallel, the default for a mixture-of-experts model "
@@ -97,7 +98,7 @@ def load_policy(cfg) -> Policy:
                             fsdp_layers_per_gather=layers_per_gather(
                                 cfg.model.fsdp_layers_per_gather, devices=len(learner_devices),
                                 platform=learner_devices[0].platform, weight_bytes=weight_bytes,
-                                state_bytes=_state_bytes(cfg, config.num_params()),
+                                state_bytes=_state_bytes(cfg, params),
                                 device_bytes=_memory(learner_devices)))
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, seed=cfg.seed)

@@ -21,6 +21,7 @@
 #      PARTIAL_KV (--rollout.partial-kv of the partial cases: keep, the default, or recompute),
 #      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's),
 #      KV_DTYPE (--rollout.kv.dtype of the paged and partial cases: model, the default, or float8_e4m3fn),
+#      EXTRA (more config overrides of the paged and partial cases, e.g. "--model.no-scan-layers"),
 #      ROLLOUT_DEVICES (2: the devices that only generate in the split cases)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
@@ -37,7 +38,7 @@ R="run --work $WORK --steps ${STEPS:-3} --prompts-per-device ${PROMPTS:-32} --mi
 R="$R --out $OUT/e2e.jsonl${CACHE:+ --compile-cache $CACHE}"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 RD=${ROLLOUT_DEVICES:-2}
-PAGED="--rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ${KV_DTYPE:+--rollout.kv.dtype $KV_DTYPE}"
+PAGED="--rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ${KV_DTYPE:+--rollout.kv.dtype $KV_DTYPE} ${EXTRA:-}"
 for case in "$@"; do
   start=$(date +%s)
   case $case in

@@ -42,12 +42,13 @@ class OptimConfig:
     packing: bool = False
     """GRPO-family updates: whole sequences (prompt and completion up to its last loss token) packed end to end into
     rows of the padded width with segment ids (attention stays inside a sequence, positions restart), so the update
-    computes no padding; ``micro_batch_size`` then counts packed rows, each holding several sequences (rows of
-    thousands of tokens want 1). Log-probs come from the ``logprobs_impl`` kernel (not the loss-fused head) over the
-    columns that predict a completion token, old and reference log-probs too; the loss and gradient are the padded
-    rows'. On Hopper or later GPUs the attention of packed rows runs on cuDNN's packed layout. Not with
-    ``length_bucket``; not for the ``bnpo`` loss (its value depends on which rows share a micro-batch: it runs
-    padded); per-micro-batch metrics are averaged over other micro-batches than without it."""
+    computes no padding; ``micro_batch_size`` then counts packed rows, each holding several sequences (rows of thousands
+    of tokens want few: one needs the least memory, a few run a little faster). Log-probs come from the
+    ``logprobs_impl`` kernel (not the loss-fused head) over the columns that predict a completion token, old and
+    reference log-probs too; the loss and gradient are the padded rows'. On Hopper or later GPUs the attention of packed
+    rows runs on cuDNN's packed layout. Not with ``length_bucket``; not for the ``bnpo`` loss (its value depends on
+    which rows share a micro-batch: it runs padded); per-micro-batch metrics are averaged over other micro-batches than
+    without it."""
     grad_sync: Literal["auto", "micro_batch", "update"] = "auto"
     """On a mesh, when an update of several micro-batches combines the devices' gradients. ``micro_batch``: every
     micro-batch's gradient is reduced over the devices (with FSDP each micro-batch gathers every layer's weights,

@@ -11,7 +11,7 @@ from train_testlib import grpo_learner, max_rel_err, random_step_batch, tiny_mod
 
 from jrl.losses import GRPOConfig
 from jrl.train.config import OptimConfig
-from jrl.train.packing import pack, plan_rows, sequence_extents
+from jrl.train.packing import first_fit, pack, plan_rows, sequence_extents, thin_rows
 
 ALGO = GRPOConfig(num_generations=2, loss_type="dapo", metrics="full")
 
@@ -71,6 +71,34 @@ def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
     whole = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None)
     shards = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=None, least_rows=16)
     assert whole.input_ids.shape[0] & (whole.input_ids.shape[0] - 1) == 0 and shards.input_ids.shape[0] == 16
+
+
+def _rows_hold(plan: list[list[int]], sizes: np.ndarray, limits) -> bool:
+    """Every sequence in exactly one row, every row within its token and scored-column budgets."""
+    return (sorted(i for row in plan for i in row) == list(range(len(sizes)))
+            and all((sizes[row].sum(axis=0) <= limits).all() for row in plan))
+
+
+def test_crowded_rows_are_thinned_by_moves_and_swaps_without_another_row():
+    # Two rows of two 45-token sequences (10 tokens free each), one of ten 10-token ones; (tokens, scored columns).
+    sizes, plan = np.array([[45, 14]] * 4 + [[10, 3]] * 10), [[0, 1], [2, 3], list(range(4, 14))]
+    moved = thin_rows(plan, sizes, np.array([100, 40]))
+    assert _rows_hold(moved, sizes, [100, 40]) and len(moved) == 3
+    assert sorted(map(len, moved)) == [3, 3, 8]  # two 10s moved; 4 per row cannot hold 14 sequences in 3 rows
+    # The scored budget binds as the tokens do: 2 scored columns free in the first rows take no 10 (3 scored).
+    assert sorted(map(len, thin_rows(plan, sizes, np.array([100, 30])))) == [2, 2, 10]
+    sizes = np.array([[20, 0]] * 5 + [[10, 0]] * 10)  # both rows full: only two 10s for one 20 thins the second
+    swapped = thin_rows([list(range(5)), list(range(5, 15))], sizes, np.array([100, 0]))
+    assert _rows_hold(swapped, sizes, [100, 0]) and sorted(map(len, swapped)) == [7, 8]
+    # A long-tailed step: first fit crowds its shortest sequences into its last rows; thinned, the bound on
+    # sequences per row (what the packed attention costs by) halves, with as many rows.
+    rng = np.random.default_rng(0)
+    completions = np.minimum(rng.geometric(1 / 1024, 512), 8192)
+    lengths, width, t = completions + 256, 256 + int(completions.max()), int(completions.max())
+    crowded = first_fit(lengths, width, completions, t)
+    plan = plan_rows(lengths, width, completions, t)
+    assert _rows_hold(plan, np.stack([lengths, completions], axis=1), [width, t]) and len(plan) == len(crowded)
+    assert max(map(len, crowded)) > 16 and max(map(len, plan)) <= 16
 
 
 @pytest.mark.parametrize("loss_type,mb", [("dapo", 2), ("grpo", None), ("dr_grpo", 2)])

@@ -70,7 +70,7 @@ def run(args, shape: dict, micro_rows: int) -> dict:
         metrics = update(learner, batch)
         learner.block_until_ready()
         times.append(time.perf_counter() - t0)
-    med = statistics.median(times[1:])
+    med, peak = statistics.median(times[1:]), peak_bytes()
     profile = None
     if args.profile:
         profile = kernel_profile(lambda: (update(learner, batch), learner.block_until_ready()),
@@ -81,7 +81,7 @@ def run(args, shape: dict, micro_rows: int) -> dict:
                 update_s=round(med, 3), times=[round(t, 3) for t in times],
                 tokens_per_s=round(tokens / med),
                 mfu=round(6 * num_params(shape) * tokens / med / (args.peak_tflops * 1e12), 4),
-                peak_gib=None if peak_bytes() is None else round(peak_bytes() / 2**30, 2), loss=metrics["loss"],
+                peak_gib=None if peak is None else round(peak / 2**30, 2), loss=metrics["loss"],
                 device=jax.local_devices()[0].device_kind, env=env_line(), date=time.strftime("%Y-%m-%d"),
                 **({"profile": profile} if profile else {}))
 

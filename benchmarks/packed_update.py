@@ -98,11 +98,13 @@ def main():
     ap.add_argument("--micro-rows", default="1", help="comma list: rows (packed rows with packing) per micro-batch")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                     help="stacked, scanned layers (--no-scan-layers: unrolled)")
-    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=3, help="updates per setting, at least 2 (the first compiles)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also trace one more update per setting")
     ap.add_argument("--out", default=None, help="append one JSON line per setting here")
     args = ap.parse_args()
+    if args.updates < 2:
+        ap.error(f"--updates {args.updates}: at least 2 (the first update compiles and is not timed)")
     args.mode, args.attention, args.remat, args.logprobs, args.loss_head = "full", "auto", "auto", "auto", "auto"
     for micro in (int(m) for m in args.micro_rows.split(",")):
         row = run(args, dict(SHAPES[args.shape]), micro)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_common import env_line, kernel_profile, peak_bytes, report  # noqa: E402
-from train_step_vs_torch import SHAPES, jrl_update, num_params  # noqa: E402
+from train_step_vs_torch import SHAPES, jrl_update, num_params, time_updates  # noqa: E402
 
 
 def long_tailed_batch(rows: int, prompt: int, mean: float, max_new: int, vocab: int, seed: int):
@@ -64,12 +64,7 @@ def run(args, shape: dict, micro_rows: int) -> dict:
         r, width = packed.input_ids.shape
         layout = dict(packed_rows=r, sequences_per_row=packed.gather.shape[1], width=width,
                       fill=round(tokens / (r * width), 4))
-    times = []
-    for _ in range(args.updates):
-        t0 = time.perf_counter()
-        metrics = update(learner, batch)
-        learner.block_until_ready()
-        times.append(time.perf_counter() - t0)
+    times, metrics = time_updates(learner, update, batch, args.updates)
     med, peak = statistics.median(times[1:]), peak_bytes()
     profile = None
     if args.profile:
@@ -81,7 +76,7 @@ def run(args, shape: dict, micro_rows: int) -> dict:
                 update_s=round(med, 3), times=[round(t, 3) for t in times],
                 tokens_per_s=round(tokens / med),
                 mfu=round(6 * num_params(shape) * tokens / med / (args.peak_tflops * 1e12), 4),
-                peak_gib=None if peak is None else round(peak / 2**30, 2), loss=metrics["loss"],
+                peak_gib=None if peak is None else round(peak / 2**30, 2), loss=metrics[-1]["loss"],
                 device=jax.local_devices()[0].device_kind, env=env_line(), date=time.strftime("%Y-%m-%d"),
                 **({"profile": profile} if profile else {}))
 

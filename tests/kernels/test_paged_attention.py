@@ -149,8 +149,8 @@ F8 = jnp.float8_e4m3fn
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_a_float8_pool_is_widened_on_read_and_clipped_on_write(request, dtype, splits):
+@pytest.mark.parametrize("splits,block_k", [(None, None), (3, None), (None, 64)])
+def test_a_float8_pool_is_widened_on_read_and_clipped_on_write(request, dtype, splits, block_k):
     """A float8 pool (``rollout.kv.dtype``): the reference reads it as the same pool widened to float16 under float16
     queries (the output in the queries' dtype), stores the step's keys and values clipped to the type's range (values
     of 1000 become 448, not NaN), and the fused kernel (interpret mode) matches it: the output to float16's tolerance
@@ -172,13 +172,33 @@ def test_a_float8_pool_is_widened_on_read_and_clipped_on_write(request, dtype, s
     assert ref[0].dtype == dtype and ref[1].dtype == ref[2].dtype == F8
     assert (written[..., :3] == 448.0).all() and np.isfinite(np.asarray(ref[1], np.float32)).all()
     out = paged_decode_attention_append(qkv, cos, sin, kp8, vp8, table, lengths, page, offset, impl="pallas_gpu",
-                                        interpret=True, splits=splits)
+                                        interpret=True, splits=splits, block_k=block_k)
     assert all(o.dtype == r.dtype for o, r in zip(out, ref)) and np.isfinite(np.asarray(out[0], np.float32)).all()
     # Both read in float16: the tolerance of the coarser of float16 and the queries' dtype.
     assert_close(out[0][:-1], ref[0][:-1], dtype, f"float8 pool, splits={splits}: output",
                  tol=1e-2 if dtype == jnp.bfloat16 else 1e-3)
     assert_close(out[1], ref[1], jnp.bfloat16, f"float8 pool, splits={splits}: keys", tol=2e-2)
     assert_close(out[2], ref[2], dtype, f"float8 pool, splits={splits}: values", tol=0.0)
+
+
+def test_a_float8_pools_blocks_take_one_warp_on_a_wide_step_and_four_on_a_narrow_one():
+    """``paged_blocks``: a bfloat16 pool keeps 64-slot blocks on 2 warps at any width; a float8 pool's programs take
+    one warp on 64-slot blocks from 1,024 rows x KV heads (128 rows of 8 heads) and 4 warps on 128-slot blocks below
+    (the long tail's few rows); the kernel's defaults follow it, and both float8 shapes lower for a GPU."""
+    from jrl.kernels.attention import decode_pallas_gpu
+
+    assert decode_pallas_gpu.paged_blocks(jnp.bfloat16, 16) == decode_pallas_gpu.paged_blocks(jnp.bfloat16, 4096) \
+        == (64, 2)
+    assert decode_pallas_gpu.paged_blocks(F8, 128 * 8) == decode_pallas_gpu.paged_blocks(F8, 512 * 8) == (64, 1)
+    assert decode_pallas_gpu.paged_blocks(F8, 127 * 8) == decode_pallas_gpu.paged_blocks(F8, 16 * 8) == (128, 4)
+    kv, d = 8, 64
+    for rows, warps in ((16, 4), (128, 1)):
+        qkv, rope = jnp.zeros((rows, 6 * kv, d), jnp.bfloat16), jnp.zeros((rows, d), jnp.float32)
+        pool, ints = jnp.zeros((kv, 64, 16, d), F8), jnp.zeros((rows,), jnp.int32)
+        text = lower_for("cuda", lambda *a: decode_pallas_gpu.paged_decode_attention_append(
+            *a, scale=0.1, interpret=False), qkv, rope, rope, pool, pool, jnp.zeros((rows, 8), jnp.int32), ints,
+            ints, ints)
+        assert f"num_warps = {warps} " in text, rows
 
 
 def test_jaxs_paged_kernels_refuse_a_float8_pool_and_auto_reads_it_on_the_reference(request, monkeypatch):
@@ -279,9 +299,10 @@ def test_gpu_paged_append_kernel_matches_reference(request, m, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 4])
-def test_gpu_paged_append_kernel_on_a_float8_pool_matches_reference(request, splits):
-    qkv, cos, sin, kp, vp, table, lengths, page, offset = _append_inputs(rng_for(request), 16, 64, 16, 8, 4, 64,
+@pytest.mark.parametrize("rows,splits", [(16, None), (16, 4), (160, None)])
+def test_gpu_paged_append_kernel_on_a_float8_pool_matches_reference(request, rows, splits):
+    """16 rows of 8 KV heads: 128-slot blocks on 4 warps; 160: 64-slot blocks on one warp (``paged_blocks``)."""
+    qkv, cos, sin, kp, vp, table, lengths, page, offset = _append_inputs(rng_for(request), rows, 64, 16, 8, 4, 64,
                                                                          jnp.bfloat16)
     inputs = (qkv, cos, sin, stored_as(kp, F8), stored_as(vp, F8), table, lengths, page, offset)
     out = paged_decode_attention_append(*inputs, impl="pallas_gpu", splits=splits)

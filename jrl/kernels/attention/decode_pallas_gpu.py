@@ -332,12 +332,22 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))
 
 
-def paged_blocks(pool_dtype) -> tuple[int, int]:
-    """The paged kernel's default (``block_k``, ``num_warps``) for a pool of ``pool_dtype``: 64 slots and 2 warps
-    (fastest on an H100 and an H200 for bfloat16 pools, ``benchmarks/decode_attention.py --paged``), 128 slots and 4
-    warps for a float8 pool (its blocks are widened in registers, which takes more of them per program; on an H200,
-    512 long-tailed rows: 605 us per layer against 735 at 64 slots and 2 warps; benchmarks/RESULTS.md)."""
-    return (128, 4) if is_float8(pool_dtype) else (64, 2)
+_ONE_WARP_ROW_HEADS = 1024
+"""Rows x KV heads of a step from which a float8 pool's blocks are read by one warp per program (:func:`paged_blocks`)."""
+
+
+def paged_blocks(pool_dtype, row_heads: int) -> tuple[int, int]:
+    """The paged kernel's default (``block_k``, ``num_warps``) for a pool of ``pool_dtype`` and a step of
+    ``row_heads`` rows x KV heads: 64 slots and 2 warps for a bfloat16 pool (fastest on an H100 and an H200,
+    ``benchmarks/decode_attention.py --paged``). A float8 pool's blocks are widened in registers (188 per thread at 2
+    warps: 4 programs per SM), so from :data:`_ONE_WARP_ROW_HEADS` its programs run one warp each on 64-slot blocks
+    (more programs resident, more loads in flight; on an H200, 8 KV heads, 8 splits: 512 rows of ~1,900 slots 475 us
+    per layer against 597 at 128 slots and 4 warps and 561 on a bfloat16 pool; 128 rows 179 against 204 us), and
+    below it on 128 slots and 4 warps (16-32 rows, the long tail's last slots: 52-64 against 58-77 us;
+    benchmarks/RESULTS.md)."""
+    if not is_float8(pool_dtype):
+        return 64, 2
+    return (64, 1) if row_heads >= _ONE_WARP_ROW_HEADS else (128, 4)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "num_warps", "num_stages", "interpret"))
@@ -352,10 +362,10 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     after the kernel: a long row is read by several programs at once (the few long rows a long-tailed generation
     ends with would otherwise be read one block after another by one program per head). ``block_k`` and
     ``num_warps`` default to :func:`paged_blocks`."""
-    default_block, default_warps = paged_blocks(k_pages.dtype)
-    block_k, num_warps = block_k or default_block, num_warps or default_warps
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
+    default_block, default_warps = paged_blocks(k_pages.dtype, b * kv)
+    block_k, num_warps = block_k or default_block, num_warps or default_warps
     per_block = max(block_k // page_size, 1)  # the table padded to whole blocks
     page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % per_block)))
     splits = split_count(page_table.shape[1] * page_size, block_k) if splits is None else splits

@@ -48,7 +48,7 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--kv-dtype", default="bfloat16", help="--paged: the pool's dtype (bfloat16 or float8_e4m3fn)")
     ap.add_argument("--splits", default="1,2,4,8", help="--paged: comma-separated programs per (row, KV head)")
-    ap.add_argument("--blocks", default="64:2:2,128:4:2",
+    ap.add_argument("--blocks", default="64:2:2,64:1:2,128:4:2",
                     help="--paged: comma-separated block shapes, each block_k:num_warps:num_stages")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="--paged: also the kernel profile of one call per shape (traces under DIR)")

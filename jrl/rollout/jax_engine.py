@@ -292,9 +292,6 @@ class JaxRolloutEngine:
         self.copies_weights = self.mesh is not None and (self.mesh, self.rules) != (model_mesh, freeze_rules(model_rules))
         self.pad_id = int(pad_id)
         self.prompt_bucket = int(prompt_bucket)
-        if kv.layout == "paged" and self.mesh is not None and len(self.mesh.local_devices) < self.mesh.size:
-            raise ValueError("rollout.kv.layout='paged' decodes on the devices of one process; this sampler's mesh "
-                             "spans several processes: use rollout.kv.layout='dense'")
         self.kv = kv
         if kv.layout == "paged":  # conversations are not kept (episodes prefill each turn)
             self.capabilities = type(self).capabilities - {"sessions"}
@@ -407,11 +404,12 @@ class JaxRolloutEngine:
         return batch, DecodeSession(*kept, last_tokens=self._last_tokens(batch), rows=rows, graphdef=graphdef,
                                     state=state, version=version)
 
-    def _device_states(self, state) -> list:
-        """The weights on each of the mesh's devices (a paged generation runs one part per device): the arrays'
-        own single-device shards, which needs every weight whole on every device."""
+    def _device_states(self, state) -> tuple[list, list[int], int]:
+        """The weights on each of this process's devices of the mesh (a paged generation runs one part per device),
+        those devices' positions among the mesh's, and the mesh's device count: the arrays' own single-device
+        shards, which needs every weight whole on every device."""
         if self.mesh is None or self.mesh.size == 1:
-            return [state]
+            return [state], [0], 1
         leaves = jax.tree.leaves(state)
         split = [x for x in leaves if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated]
         if split:
@@ -426,7 +424,9 @@ class JaxRolloutEngine:
                 return next(s.data for s in x.addressable_shards if s.device == device)
             return jax.tree.map(shard, state)
 
-        return [on(d) for d in self.mesh.devices.flat]
+        devices = list(self.mesh.devices.flat)
+        mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+        return [on(devices[i]) for i in mine], mine, len(devices)
 
     def paged_generation(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> dict:
         """What :meth:`generate` computes with ``kv.layout='paged'``, as :func:`jrl.rollout.paged.generate_paged`
@@ -442,9 +442,11 @@ class JaxRolloutEngine:
         if self.kv.layout != "paged":
             raise ValueError("paged_groups needs rollout.kv.layout='paged'")
         graphdef, state, version = self._weights()
-        return generate_paged(graphdef, self._device_states(state), groups, params, seed=seed, kv=self.kv,
-                              pad_id=self.pad_id, prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket,
-                              groups_needed=groups_needed, slots=slots, keep=keep) | dict(version=version)
+        states, positions, device_count = self._device_states(state)
+        return generate_paged(graphdef, states, groups, params, seed=seed, kv=self.kv, pad_id=self.pad_id,
+                              prompt_bucket=self.prompt_bucket, slot_bucket=row_bucket, groups_needed=groups_needed,
+                              slots=slots, keep=keep, positions=positions,
+                              device_count=device_count) | dict(version=version)
 
     def _generate_paged(self, prompt_ids, params: SamplingParams, *, num_generations: int, seed: int) -> RolloutBatch:
         out = self.paged_generation(prompt_ids, params, num_generations=num_generations, seed=seed)

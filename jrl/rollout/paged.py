@@ -36,7 +36,8 @@ parts (its prefill, then each round: schedule, decode, read back) run in a threa
 (the stop test after every device's round, so a partial generation stops at the same groups whatever the timing): a
 round's program ends when its rows stop (a data-dependent loop), which on a GPU holds the host thread that started it
 until the round ends, so one thread would run the devices' rounds one after another. ``slots`` and ``pages`` are per
-device.
+device. Several processes (hosts) split the groups the same way over all the mesh's devices; each decodes its own
+devices' parts and the rows are gathered to every process when the generation ends (:func:`generate_paged`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from jrl.data.pipeline import left_pad
 from jrl.rollout.base import RolloutBatch, SamplingParams
 from jrl.rollout.kv_config import KVCacheConfig
 from jrl.rollout.sampling import Decoding, Draw
+from jrl.sharding.distributed import host_allgather
 from jrl.sharding.memory import memory_limit
 
 SCRATCH_PAGE = 0
@@ -680,7 +682,7 @@ def new_groups(prompt_ids: list[list[int]], num_generations: int) -> list[RowGro
 def generate_paged(graphdef, states: list, groups: list[RowGroup], params: SamplingParams, *, seed: int,
                    kv: KVCacheConfig, pad_id: int, prompt_bucket: int, slot_bucket,
                    groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS, slots: int = 0,
-                   keep: bool = False) -> dict:
+                   keep: bool = False, positions: list[int] | None = None, device_count: int | None = None) -> dict:
     """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
     entry of ``states`` (the weights on that device): the groups are split into contiguous parts, one per device,
     each device with its own pool, slots and scheduler, their rounds run side by side. With ``groups_needed`` the
@@ -696,8 +698,22 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
     largest, so that every call runs the same compiled program. ``keep``: also return ``kept``, per row its keys
     and values and next-token logits (:meth:`_Generation.keep`; a later call continues the row from them when its
-    :class:`RowGroup` passes them), and ``keep_s``, the seconds their copy took."""
-    parts = np.array_split(np.arange(len(groups)), min(len(states), len(groups)))
+    :class:`RowGroup` passes them), and ``keep_s``, the seconds their copy took.
+
+    Several processes (a sampler mesh over several hosts): ``states`` are the weights on this process's devices, at
+    ``positions`` among the mesh's ``device_count`` devices (default: every device is this process's). Every process
+    calls this with the same groups; each decodes the parts of its own devices, the stop test counts every process's
+    finished groups (a collective after each round), and the rows and counts are then gathered, so every process
+    returns the whole generation. ``keep`` runs in one process only (a kept row's pages stay on its device, which
+    another process's part of the next generation could not read)."""
+    device_count = len(states) if device_count is None else device_count
+    positions = list(range(len(states))) if positions is None else list(positions)
+    across = device_count > len(states)
+    if across and keep:
+        raise ValueError("generate_paged: keep (rows continued from their kept pages) runs in one process; across "
+                         "processes continue rows from their tokens (partial_kv='recompute')")
+    parts = np.array_split(np.arange(len(groups)), min(device_count, len(groups)))
+    mine = [(state, at) for state, at in zip(states, positions, strict=True) if at < len(parts)]
 
     def prefilled(state, part):
         gen = _Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
@@ -706,14 +722,14 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         jax.block_until_ready(gen.prompt_logits)  # the prefill's time is its own, not the first round's
         return gen
 
-    with _device_threads(len(parts)) as each:
+    with _device_threads(max(len(mine), 1)) as each:
         start = time.perf_counter()
-        gens = each(prefilled, states, parts)
+        gens = each(prefilled, [state for state, _ in mine], [parts[at] for _, at in mine])
         prefill_s, start = time.perf_counter() - start, time.perf_counter()
         temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)
         keys = [jax.device_put(jax.random.key(int(seed)), gen.device) for gen in gens]
         need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
-        while sum(gen.groups_done for gen in gens) < need:
+        while _groups_done(gens, across) < need:
             each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
         decode_s, start = time.perf_counter() - start, time.perf_counter()
         kept = None
@@ -721,16 +737,48 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
             kept = [row for rows in each(lambda gen: gen.keep(), gens) for row in rows]
             jax.block_until_ready([(row.pages.cache, row.pages.logits) for row in kept if row is not None])
         keep_s = time.perf_counter() - start
-    return row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
-                      pad_id) | dict(finished=np.concatenate([gen.finished_rows for gen in gens]),
-                                preempted=sum(gen.sched.preempted for gen in gens), pool=gens[0].pool,
-                                rounds=max(gen.rounds for gen in gens), shrinks=sum(gen.shrinks for gen in gens),
-                                peak_pages=sum(gen.sched.peak_pages for gen in gens),
-                                prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages),
-                                prefill_s=prefill_s, decode_s=decode_s,
-                                decode_steps=max(gen.decode_steps for gen in gens),
-                                slot_steps=sum(gen.slot_steps for gen in gens),
-                                decoded_tokens=sum(gen.decoded_tokens for gen in gens), kept=kept, keep_s=keep_s)
+    rows = row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
+                      pad_id) | dict(finished=np.array([f for gen in gens for f in gen.finished_rows], bool))
+    counts = dict(preempted=sum(gen.sched.preempted for gen in gens), pool=max((gen.pool for gen in gens), default=0),
+                  rounds=max((gen.rounds for gen in gens), default=0), shrinks=sum(gen.shrinks for gen in gens),
+                  peak_pages=sum(gen.sched.peak_pages for gen in gens),
+                  prompt_pages=sum(len(p) for gen in gens for p in gen.prompt_pages),
+                  prefill_s=prefill_s, decode_s=decode_s,
+                  decode_steps=max((gen.decode_steps for gen in gens), default=0),
+                  slot_steps=sum(gen.slot_steps for gen in gens),
+                  decoded_tokens=sum(gen.decoded_tokens for gen in gens), keep_s=keep_s)
+    if across:
+        rows, counts = _gathered(rows, counts, [at for _, at in mine], [len(gen.tokens) for gen in gens],
+                                 device_count)
+    return rows | counts | dict(kept=kept)
+
+
+#: How :func:`generate_paged`'s counts combine over processes (the others are added up).
+_LONGEST_COUNTS = ("pool", "rounds", "prefill_s", "decode_s", "decode_steps", "keep_s")
+
+
+def _groups_done(gens: list[_Generation], across: bool) -> int:
+    """Finished groups of ``gens``, and with ``across`` of every process's (a collective)."""
+    done = sum(gen.groups_done for gen in gens)
+    return int(host_allgather(np.int64(done)).sum()) if across else done
+
+
+def _gathered(rows: dict, counts: dict, positions: list[int], part_rows: list[int], device_count: int):
+    """Every process's ``rows`` (:func:`row_arrays`' arrays and ``finished``: its parts' rows, the part at
+    ``positions[i]`` holding ``part_rows[i]`` of them) in the order of the parts, and ``counts`` combined over the
+    processes. A collective: every process calls it once per generation."""
+    layout = np.full((2, device_count), -1, np.int64)  # this process's parts: their positions, their rows
+    layout[:, :len(positions)] = positions, part_rows
+    held = [(at[at >= 0], n[at >= 0]) for at, n in host_allgather(layout)]  # per process
+    most = max(int(n.sum()) for _, n in held)
+    gathered = {k: host_allgather(np.pad(v, [(0, most - len(v))] + [(0, 0)] * (v.ndim - 1))) for k, v in rows.items()}
+    pieces = sorted((int(at), proc, int(first), int(n))  # (part position, process, its first row there, rows)
+                    for proc, (ats, ns) in enumerate(held) for at, first, n in zip(ats, np.cumsum(ns) - ns, ns))
+    rows = {k: np.concatenate([v[proc, first:first + n] for _, proc, first, n in pieces]) for k, v in gathered.items()}
+    keys = sorted(counts)
+    values = host_allgather(np.array([counts[k] for k in keys], np.float64))
+    counts = {k: (values[:, i].max() if k in _LONGEST_COUNTS else values[:, i].sum()) for i, k in enumerate(keys)}
+    return rows, {k: (float(v) if k.endswith("_s") else int(v)) for k, v in counts.items()}
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 metrics, one metrics.jsonl, also with a rollout mesh of its own, with gradients summed per device over an update
 and for an MoE model with expert parallelism beside FSDP, checkpoints that resume across process counts, a
 stop signal to one process stopping both at one step boundary, a killed process taking its peer down with an
-error naming it, and what several processes cannot run (episodes, the paged sampler) refused by name."""
+error naming it, the paged sampler and partial rollouts as in one process, and what several processes cannot
+run (episodes, carried rows' kept keys and values) refused by name."""
 
 from __future__ import annotations
 
@@ -210,8 +211,26 @@ def test_a_killed_process_ends_its_peer_with_an_error_naming_it(tmp_path):
     assert "lost process 1 of 2" in stderr0 and "--resume" in stderr0, stderr0[-3000:]
 
 
+def test_the_paged_sampler_and_partial_rollouts_across_processes_train_like_one(tmp_path):
+    """``--rollout.kv.layout paged`` (each process decodes the prompts of its own devices, the rows gathered after)
+    and partial rollouts carrying rows by their tokens (``--rollout.partial-kv recompute``: the stop test counts
+    every process's finished groups) as 2 processes x 4 devices: the metrics of 1 process x 8 devices."""
+    paged = ("--max-steps", "3", "--rollout.kv.layout", "paged", "--rollout.kv.slots", "8")
+    partial = paged + ("--rollout.partial", "--rollout.partial-kv", "recompute", "--rollout.max-new-tokens", "24")
+    runs = {(name, n): _launch(tmp_path / f"{name}{n}", n, *extra)
+            for name, extra in (("paged", paged), ("partial", partial)) for n in (1, 2)}
+    _wait([p for procs in runs.values() for p in procs])
+    for name in ("paged", "partial"):
+        want = _metrics(tmp_path / f"{name}1")
+        assert [r["step"] for r in want] == [1, 2, 3] and any(r["grad_norm"] > 0 for r in want), name
+        _assert_close(_metrics(tmp_path / f"{name}2"), want)
+    carried = [r["partial/tokens_from_earlier_steps"] for r in _metrics(tmp_path / "partial2")]
+    assert any(c > 0 for c in carried), carried
+
+
 @pytest.mark.parametrize("extra, named", [(("--env.name", "higher_lower"), "env.name='higher_lower'"),
-                                          (("--rollout.kv.layout", "paged"), "rollout.kv.layout='paged'")])
+                                          (("--rollout.kv.layout", "paged", "--rollout.partial"),
+                                           "rollout.partial_kv='keep'")])
 def test_what_several_processes_cannot_run_is_refused_by_name(tmp_path, extra, named):
     for rc, _, stderr, _ in _wait(_launch(tmp_path / "run", 2, *extra), check=False):
         assert rc == 2 and named in stderr, stderr[-3000:]

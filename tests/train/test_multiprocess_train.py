@@ -214,7 +214,9 @@ def test_a_killed_process_ends_its_peer_with_an_error_naming_it(tmp_path):
 def test_the_paged_sampler_and_partial_rollouts_across_processes_train_like_one(tmp_path):
     """``--rollout.kv.layout paged`` (each process decodes the prompts of its own devices, the rows gathered after)
     and partial rollouts carrying rows by their tokens (``--rollout.partial-kv recompute``: the stop test counts
-    every process's finished groups) as 2 processes x 4 devices: the metrics of 1 process x 8 devices."""
+    every process's finished groups) as 2 processes x 4 devices: the metrics of 1 process x 8 devices. The paged run's
+    4 groups take parts on process 0's devices only (process 1 decodes nothing and still gathers); the partial run's
+    generations hold 8 groups, one per device, so both processes decode."""
     paged = ("--max-steps", "3", "--rollout.kv.layout", "paged", "--rollout.kv.slots", "8")
     partial = paged + ("--rollout.partial", "--rollout.partial-kv", "recompute", "--rollout.max-new-tokens", "24")
     runs = {(name, n): _launch(tmp_path / f"{name}{n}", n, *extra)

@@ -14,8 +14,10 @@ reported; a random model's token distribution is not uniform).
 (:func:`jrl.cli.train.parse_config`) and drives :class:`jrl.train.Trainer` step by step (what ``jrl train`` runs,
 without the checkpoints). Layouts: ``one`` (one device), ``shared`` (every visible device: the learner's mesh, the
 sampler on the same devices in ``rollout.mesh``'s layout), ``split`` (``--rollout-devices`` devices only
-generate, with prefetch 1). Weak scaling: ``--prompts-per-device`` prompts x ``--generations`` per learner device
-(in ``split``, per device of the whole host, so every layout trains the same rows per device). Reported per step
+generate, with prefetch 1); ``shared`` as ``--processes P`` processes of the host's devices, joined as a pod's
+hosts are (:mod:`local_processes`), times the multi-host path on one host. Weak scaling: ``--prompts-per-device``
+prompts x ``--generations`` per learner device (in ``split``, per device of the whole host, so every layout trains
+the same rows per device). Reported per step
 (medians of the steps after the first, which compiles, and, when generation runs ahead, before the last, whose wall
 is its update alone; every step's wall is kept in ``step_walls``): wall time; generate (``time/rollout``), experience
 (``time/reward``: scoring, old/reference log-probs), update (``time/train``), weight sync (``time/sync``) and the
@@ -30,6 +32,7 @@ decode step).
     python benchmarks/grpo_e2e.py prepare --work /tmp/e2e --shape llama1b --max-new-tokens 1024
     python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout shared --steps 4 --out e2e.jsonl
     python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout one --lora --steps 4 --out e2e.jsonl
+    python benchmarks/grpo_e2e.py run --work /tmp/e2e --layout shared --processes 2 --steps 4 --out e2e.jsonl
     CUDA_VISIBLE_DEVICES=0 python benchmarks/grpo_e2e.py trl --work /tmp/e2e --steps 3 --out e2e.jsonl
 
 ``trl`` runs the peer, TRL's ``GRPOTrainer`` with its own ``generate`` (``use_vllm=False``), on the same checkpoint,
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import logging
 import math
@@ -55,6 +59,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import local_processes  # noqa: E402
 
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "xi", "do", "fe", "gu", "hy")
 REWARD = '''def length_mod_5(prompts, completions, completion_ids, **kwargs):
@@ -238,8 +244,11 @@ def run(args) -> None:
     import jax
 
     from jrl.cli.train import parse_config
+    from jrl.sharding import initialize
     from jrl.train import Trainer
 
+    initialize()  # with --processes: this process joins the others (a no-op for one)
+    lead = jax.process_index() == 0
     meta = json.loads((Path(args.work) / "meta.json").read_text())
     devices = 1 if args.layout == "one" else jax.device_count()
     if args.layout == "one" and jax.device_count() > 1:
@@ -247,7 +256,8 @@ def run(args) -> None:
     argv = _overrides(args, meta, devices)
     cfg = parse_config(argv)
     rows = cfg.data.prompts_per_batch * cfg.algo.num_generations
-    print(f"# {args.layout} on {devices} device(s): {rows} rows, {' '.join(argv)}", flush=True)
+    say = functools.partial(print, flush=True) if lead else lambda *a, **kw: None
+    say(f"# {args.layout} on {devices} device(s), {jax.process_count()} process(es): {rows} rows, {' '.join(argv)}")
     t0 = time.perf_counter()
     trainer = Trainer(cfg, progress=False)
     peaks = {}
@@ -275,10 +285,10 @@ def run(args) -> None:
                               if k.startswith("partial/"))  # with rollout.partial: what was carried and restarted
             decode = "".join(f", {k.removeprefix('paged/')} {v:.3g}" for k, v in m.items() if k.startswith("paged/"))
             programs = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in sorted(compiled.take().items()))
-            print(f"step {i}: wall {m['wall']:.2f} s, generate {m['time/rollout']:.2f}, experience "
-                  f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, compile "
-                  f"{m['time/compile']:.2f}, mean length {m['completions/mean_length']:.0f}{partial}{decode}"
-                  f"{f', compiled: {programs}' if programs else ''}", flush=True)
+            say(f"step {i}: wall {m['wall']:.2f} s, generate {m['time/rollout']:.2f}, experience "
+                f"{m['time/reward']:.2f}, update {m['time/train']:.2f}, sync {m['time/sync']:.2f}, compile "
+                f"{m['time/compile']:.2f}, mean length {m['completions/mean_length']:.0f}{partial}{decode}"
+                f"{f', compiled: {programs}' if programs else ''}")
         if args.profile:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                 t = time.perf_counter()
@@ -298,7 +308,7 @@ def run(args) -> None:
     wall = med("wall")
     prompt_tokens = meta["prompt_tokens"]
     lengths = statistics.median(m["completions/mean_length"] for m in timed)
-    row = dict(shape=meta["shape"], layout=args.layout, devices=devices, lora=args.lora,
+    row = dict(shape=meta["shape"], layout=args.layout, devices=devices, processes=jax.process_count(), lora=args.lora,
                rollout_mesh=args.rollout_mesh or "default", overrides=" ".join(args.extra), rows=rows,
                max_new_tokens=meta["max_new_tokens"],
                mean_length=round(lengths, 1), step_s=wall, generate_s=med("time/rollout"),
@@ -315,8 +325,8 @@ def run(args) -> None:
                device=jax.devices()[0].device_kind, jax=jax.__version__)
     # the trainer's thread waits for generation (all of it when synchronous), then works: the rest is host gaps
     row["host_gap_s"] = round(wall - row["wait_rollout_s"] - row["experience_s"] - row["update_s"] - row["sync_s"], 3)
-    print(json.dumps(row), flush=True)
-    if args.out:
+    say(json.dumps(row))
+    if args.out and lead:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -419,6 +429,10 @@ def main() -> None:
     r.add_argument("--lora", action="store_true")
     r.add_argument("--lora-rank", type=int, default=16)
     r.add_argument("--profile", default=None, metavar="DIR")
+    r.add_argument("--processes", type=int, default=1,
+                   help="shared: the run as this many processes of the host's devices (one share each), "
+                        "joined as a multi-host run's processes are; process 0 reports")
+    r.add_argument("--timeout-s", type=float, default=1800, help="--processes: stop every process after this long")
     r.add_argument("--out", default=None)
     r.add_argument("extra", nargs="*", help="more config overrides (after --)")
     t = sub.add_parser("trl", help="the same steps with TRL's GRPOTrainer (one device)")
@@ -429,6 +443,12 @@ def main() -> None:
     t.add_argument("--micro-rows-per-device", type=int, default=8)
     t.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.command == "run" and args.processes > 1 and not local_processes.is_worker():
+        if args.layout != "shared":
+            raise SystemExit(f"--processes needs --layout shared, not {args.layout} (across processes a rollout mesh "
+                             "of its own cannot generate ahead: rollout.prefetch_depth must be 0 there)")
+        sys.exit(local_processes.launch(__file__, sys.argv[1:], args.processes, local_processes.host_device_count(),
+                                        args.timeout_s))
     {"prepare": prepare, "run": run, "trl": trl_run}[args.command](args)
 
 

@@ -9,9 +9,10 @@
 #        packed_saveprobs (packed, the log-prob kernel keeping probabilities for its backward),
 #        paged_packed / partial_packed (paged / partial with --optim.packing),
 #        paged (one GPU, --rollout.kv.layout paged, every row in a slot), partial (paged + --rollout.partial), shared,
-#        shared_packed / shared_paged (all GPUs, --optim.packing / paged), shared_micro_sync (shared, gradients reduced every
-#        micro-batch: --optim.grad-sync micro_batch), shared_fsdp (the sampler on the learner's FSDP shards), split (--rollout-devices
-#        $ROLLOUT_DEVICES, prefetch 1), split_paged_packed / split_partial_packed (split, paged + packing / + partial)
+#        shared_packed / shared_paged / shared_partial (all GPUs, --optim.packing / paged / paged + partial),
+#        shared_micro_sync (shared, gradients reduced every micro-batch: --optim.grad-sync micro_batch), shared_fsdp
+#        (the sampler on the learner's FSDP shards), split (--rollout-devices $ROLLOUT_DEVICES, prefetch 1),
+#        split_paged_packed / split_partial_packed (split, paged + packing / + partial)
 # env: ONE_GPU (0: the GPU of the one-GPU cases), SHAPE (llama1b), STEPS (3), MAX_NEW (1024), MEAN_FRACTION (0.4: mean
 #      completion length over MAX_NEW), PROMPTS (32 prompts per device and step), MICRO (8 rows per device and
 #      micro-batch; 1 for rows of thousands of tokens), CASE_TIMEOUT (170 s), WORK (/tmp/e2e),
@@ -22,7 +23,9 @@
 #      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's),
 #      KV_DTYPE (--rollout.kv.dtype of the paged and partial cases: model, the default, or float8_e4m3fn),
 #      EXTRA (more config overrides of the paged and partial cases, e.g. "--model.no-scan-layers"),
-#      ROLLOUT_DEVICES (2: the devices that only generate in the split cases)
+#      ROLLOUT_DEVICES (2: the devices that only generate in the split cases),
+#      PROCESSES (the shared cases as this many processes, one share of the GPUs each, joined as a pod's hosts are;
+#      across processes the partial cases need PARTIAL_KV=recompute)
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}
@@ -38,6 +41,7 @@ R="run --work $WORK --steps ${STEPS:-3} --prompts-per-device ${PROMPTS:-32} --mi
 R="$R --out $OUT/e2e.jsonl${CACHE:+ --compile-cache $CACHE}"
 ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 RD=${ROLLOUT_DEVICES:-2}
+SHARED="--layout shared${PROCESSES:+ --processes $PROCESSES}"
 PAGED="--rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ${KV_DTYPE:+--rollout.kv.dtype $KV_DTYPE} ${EXTRA:-}"
 for case in "$@"; do
   start=$(date +%s)
@@ -51,17 +55,19 @@ for case in "$@"; do
     partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED \
       --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
-    shared_lora) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --lora ;;
+    shared_lora) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED ;;
     partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED \
       --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
-    shared) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared ;;
-    shared_micro_sync) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.grad-sync micro_batch ;;
-    shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- --optim.packing ;;
-    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared -- $PAGED ;;
-    shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R --layout shared --rollout-mesh data=1,fsdp=-1 ;;
+    shared) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED ;;
+    shared_micro_sync) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- --optim.grad-sync micro_batch ;;
+    shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- --optim.packing ;;
+    shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- $PAGED ;;
+    shared_partial) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- $PAGED --rollout.partial \
+      ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
+    shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD ;;
     split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --optim.packing ;;
     split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --rollout.partial --optim.packing \

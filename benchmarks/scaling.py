@@ -73,7 +73,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -81,6 +80,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels_common as C  # noqa: E402
+import local_processes  # noqa: E402
 import train_step_vs_torch as T  # noqa: E402
 from moe_layer_vs_torch import moe_config  # noqa: E402
 
@@ -555,29 +555,6 @@ def _materialise(model, device) -> None:
                     getattr(m, name).copy_(buf)
 
 
-def launch(args, argv: list[str]) -> int:
-    """Run ``train`` as ``--processes`` processes over ``max(--devices)`` devices; returns the worst exit code."""
-    total = max(int(d) for d in args.devices.split(","))
-    if total % args.processes:
-        raise SystemExit(f"--processes {args.processes} does not divide the {total} devices of --devices")
-    per = total // args.processes
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
-    procs = []
-    for i in range(args.processes):
-        env = dict(os.environ, JRL_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JRL_NUM_PROCESSES=str(args.processes),
-                   JRL_PROCESS_ID=str(i))
-        if cpu:
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={per}".strip()
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * per, (i + 1) * per))
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--process-worker"], env=env))
-    codes = [p.wait(timeout=args.timeout_s) for p in procs]
-    return max(codes)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("train", "torch", "moe", "exchange", "torch-worker"))
@@ -629,7 +606,6 @@ def main() -> None:
     train_args.add_argument("--wraps", default="fsdp2,ddp", help="torch: comma list of fsdp2, ddp")
     train_args.add_argument("--torch-remat", action="store_true",
                             help="torch: transformers' gradient checkpointing of every decoder layer")
-    train_args.add_argument("--process-worker", action="store_true", help=argparse.SUPPRESS)
     moe_args = ap.add_argument_group("moe")
     moe_args.add_argument("--tokens-per-device", type=int, default=8192)
     moe_args.add_argument("--experts", type=int, default=128)
@@ -649,8 +625,9 @@ def main() -> None:
         torch_sides(args)
     elif args.what == "torch-worker":
         torch_worker(args)
-    elif args.processes > 1 and not args.process_worker:
-        sys.exit(launch(args, sys.argv[1:]))
+    elif args.processes > 1 and not local_processes.is_worker():
+        sys.exit(local_processes.launch(__file__, sys.argv[1:], args.processes,
+                                        max(int(d) for d in args.devices.split(",")), args.timeout_s))
     else:
         train(args)
 

@@ -27,17 +27,22 @@ Memory: the pool holds the prompts once and ``slots`` rows' completions as they 
 
 Rows continued later (partial rollouts): with ``keep`` a generation that ends before every row is done copies the
 unfinished rows' pages and next-token logits out of its pool (:class:`KeptPages`, a compact array per device); a
-later generation given those rows (:attr:`RowGroup.kept`) copies their pages into its own pool, moving them to
-another device where its split puts a row elsewhere, instead of prefilling each row's prompt and tokens.
+later generation given those rows (:attr:`RowGroup.kept`) copies their pages into its own pool, instead of
+prefilling each row's prompt and tokens. A group given the device that kept its rows (:attr:`RowGroup.home`, which
+every process learns from the generation's ``home``) decodes on that device again, so its pages never leave it:
+that is what lets a process continue its own carried rows when a generation spans several; a group kept without
+one is moved to the device its part is on (one process only).
 
-Several devices (a data-parallel sampler mesh, every device holding the whole model): each device takes a
-contiguous part of the prompts with all their rows, and runs its own pool, slots and scheduler. Each device's
+Several devices (a data-parallel sampler mesh, every device holding the whole model): each device takes a part of
+the prompts with all their rows (:func:`device_parts`: contiguous, as even as the groups sent home allow), and runs
+its own pool, slots and scheduler. Each device's
 parts (its prefill, then each round: schedule, decode, read back) run in a thread of their own, the rounds in step
 (the stop test after every device's round, so a partial generation stops at the same groups whatever the timing): a
 round's program ends when its rows stop (a data-dependent loop), which on a GPU holds the host thread that started it
 until the round ends, so one thread would run the devices' rounds one after another. ``slots`` and ``pages`` are per
 device. Several processes (hosts) split the groups the same way over all the mesh's devices; each decodes its own
-devices' parts and the rows are gathered to every process when the generation ends (:func:`generate_paged`).
+devices' parts and the rows are gathered to every process when the generation ends (:func:`generate_paged`), in the
+groups' order.
 """
 
 from __future__ import annotations
@@ -451,6 +456,36 @@ class RowGroup:
     kept: tuple[KeptRow | None, ...] = ()
     """Per row (empty: none), the keys and values a previous generation left for its prompt and prefix
     (:class:`KeptRow`): that row is placed into the pool instead of prefilled."""
+    home: int | None = None
+    """The position, among the sampler mesh's devices, of the device holding ``kept`` (:func:`generate_paged`'s
+    ``home``): the group decodes there. Needed across processes, where a process holds only its own devices' kept
+    rows (its ``kept`` entries for others' are None); None: any device."""
+
+
+def device_parts(groups: list[RowGroup], device_count: int) -> list[np.ndarray]:
+    """The groups (indices, ascending) each of ``device_count`` device positions decodes. A group with a
+    :attr:`RowGroup.home` goes there; the others, in order, fill the positions' shares of an even split
+    (``np.array_split``'s sizes) one position after another, and any left over (where the homes took more than a
+    position's share) go to the position with the fewest groups. Without homes: ``np.array_split``'s contiguous
+    parts. Every process computes the same parts from the same groups."""
+    n = len(groups)
+    share = [n // device_count + (p < n % device_count) for p in range(device_count)]
+    parts: list[list[int]] = [[] for _ in range(device_count)]
+    for i, group in enumerate(groups):
+        if group.home is not None:
+            if not 0 <= group.home < device_count:
+                raise ValueError(f"group {i}'s home, device position {group.home}, is not one of the sampler mesh's "
+                                 f"{device_count} devices")
+            parts[group.home].append(i)
+    position = 0
+    for i, group in enumerate(groups):
+        if group.home is not None:
+            continue
+        while position < device_count and len(parts[position]) >= share[position]:
+            position += 1
+        fewest = position if position < device_count else min(range(device_count), key=lambda p: len(parts[p]))
+        parts[fewest].append(i)
+    return [np.array(sorted(part), np.int64) for part in parts]
 
 
 class _Generation:
@@ -698,27 +733,30 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
     largest, so that every call runs the same compiled program. ``keep``: also return ``kept``, per row its keys
     and values and next-token logits (:meth:`_Generation.keep`; a later call continues the row from them when its
-    :class:`RowGroup` passes them), and ``keep_s``, the seconds their copy took.
+    :class:`RowGroup` passes them), ``home``, per row the position of the device holding them (-1: none kept), and
+    ``keep_s``, the seconds their copy took.
 
     Several processes (a sampler mesh over several hosts): ``states`` are the weights on this process's devices, at
     ``positions`` among the mesh's ``device_count`` devices (default: every device is this process's). Every process
     calls this with the same groups; each decodes the parts of its own devices, the stop test counts every process's
     finished groups (a collective after each round), and the rows and counts are then gathered, so every process
-    returns the whole generation. ``keep`` runs in one process only (a kept row's pages stay on its device, which
-    another process's part of the next generation could not read)."""
+    returns the whole generation (``kept`` holds only its own devices' rows, ``home`` every row's: a group continued
+    later from kept rows names its home, :attr:`RowGroup.home`, so that the process holding them decodes it)."""
     device_count = len(states) if device_count is None else device_count
     positions = list(range(len(states))) if positions is None else list(positions)
     across = device_count > len(states)
-    if across and keep:
-        raise ValueError("generate_paged: keep (rows continued from their kept pages) runs in one process; across "
-                         "processes continue rows from their tokens (partial_kv='recompute')")
-    parts = np.array_split(np.arange(len(groups)), min(device_count, len(groups)))
-    mine = [(state, at) for state, at in zip(states, positions, strict=True) if at < len(parts)]
+    homeless = [i for i, g in enumerate(groups) if g.home is None and any(row is not None for row in g.kept)]
+    if across and homeless:
+        raise ValueError(f"generate_paged: group {homeless[0]} continues kept rows without naming their device "
+                         "(RowGroup.home); across processes a kept row continues on the device that kept it")
+    parts = device_parts(groups, device_count)
+    busy = [at for at, part in enumerate(parts) if len(part)]
+    mine = [(state, at) for state, at in zip(states, positions, strict=True) if len(parts[at])]
 
     def prefilled(state, part):
         gen = _Generation(graphdef, state, [groups[i] for i in part], params, kv=kv, pad_id=pad_id,
                           prompt_bucket=prompt_bucket, slot_bucket=slot_bucket, prefill_tokens=prefill_tokens,
-                          slots=-(-slots // len(parts)))
+                          slots=-(-slots // len(busy)))
         jax.block_until_ready(gen.prompt_logits)  # the prefill's time is its own, not the first round's
         return gen
 
@@ -732,13 +770,13 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         while _groups_done(gens, across) < need:
             each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
         decode_s, start = time.perf_counter() - start, time.perf_counter()
-        kept = None
-        if keep:
-            kept = [row for rows in each(lambda gen: gen.keep(), gens) for row in rows]
-            jax.block_until_ready([(row.pages.cache, row.pages.logits) for row in kept if row is not None])
+        held = each(lambda gen: gen.keep(), gens) if keep else [[None] * gen.rows for gen in gens]  # per part
+        jax.block_until_ready([(row.pages.cache, row.pages.logits) for rows in held for row in rows if row is not None])
         keep_s = time.perf_counter() - start
     rows = row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
-                      pad_id) | dict(finished=np.array([f for gen in gens for f in gen.finished_rows], bool))
+                      pad_id) | dict(finished=np.array([f for gen in gens for f in gen.finished_rows], bool),
+                                     home=np.array([at if row is not None else -1 for (_, at), part in zip(mine, held)
+                                                    for row in part], np.int32))
     counts = dict(preempted=sum(gen.sched.preempted for gen in gens), pool=max((gen.pool for gen in gens), default=0),
                   rounds=max((gen.rounds for gen in gens), default=0), shrinks=sum(gen.shrinks for gen in gens),
                   peak_pages=sum(gen.sched.peak_pages for gen in gens),
@@ -750,6 +788,17 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     if across:
         rows, counts = _gathered(rows, counts, [at for _, at in mine], [len(gen.tokens) for gen in gens],
                                  device_count)
+    # The parts' rows, one part after another, back in the groups' order.
+    sizes = [len(g.prefixes) for g in groups]
+    firsts = np.cumsum([0] + sizes)
+    in_groups = np.argsort(np.concatenate([np.arange(firsts[i], firsts[i] + sizes[i]) for at in busy
+                                           for i in parts[at]] or [np.zeros(0, np.int64)]))
+    rows = {k: v[in_groups] for k, v in rows.items()}
+    kept = None
+    if keep:
+        own = dict(zip([at for _, at in mine], held))
+        kept = [row for at in busy for row in own.get(at, [None] * sum(sizes[i] for i in parts[at]))]
+        kept = [kept[i] for i in in_groups]
     return rows | counts | dict(kept=kept)
 
 

@@ -7,7 +7,8 @@ until enough are finished. Each step hands the paged sampler
 (:meth:`jrl.rollout.jax_engine.JaxRolloutEngine.paged_groups`) the groups carried from earlier steps first (only
 their unfinished rows decode, each after the tokens it has), then the new prompts' groups, and stops once enough
 groups are finished. A carried row continues from the keys and values its earlier generations computed, kept on the
-device between generations (``rollout.partial_kv = "keep"``: no prefill), or from its prompt and tokens prefilled
+device between generations (``rollout.partial_kv = "keep"``: no prefill; its group decodes on that device again, in
+whichever process holds it), or from its prompt and tokens prefilled
 again under the newest weights (``recompute``; also in the first generation after a checkpoint step, and after a
 resume). The step trains on the first ``prompts_per_batch``
 finished groups, oldest first; the others are carried. Every token keeps the log-prob it was sampled with and the
@@ -48,7 +49,9 @@ class _Row:
     finished: bool = False
     kv: KeptRow | None = dataclasses.field(default=None, compare=False, repr=False)
     """Its prompt's and tokens' keys and values as the generation that sampled its last token left them (none
-    where they are to be prefilled again)."""
+    where they are to be prefilled again, and in a process other than the one holding them)."""
+    home: int | None = dataclasses.field(default=None, compare=False)
+    """The sampler device (its position in the mesh) holding ``kv``, known to every process (None: nothing kept)."""
 
     def state(self) -> dict:
         """What a checkpoint keeps of it (JSON-safe; not ``kv``)."""
@@ -74,7 +77,7 @@ class _Group:
 
     def without_kv(self) -> _Group:
         """The group with no row holding kept keys and values (so that it does not hold the device memory)."""
-        return _Group(self.prompt, tuple(dataclasses.replace(r, kv=None) for r in self.rows))
+        return _Group(self.prompt, tuple(dataclasses.replace(r, kv=None, home=None) for r in self.rows))
 
 
 @dataclasses.dataclass
@@ -157,9 +160,10 @@ class PartialRollouts:
             if running:
                 keys = list(range(len(where), len(where) + len(running)))
                 kept = tuple(g.rows[k].kv if placed else None for k in running)
-                kept_rows += sum(kv is not None for kv in kept)
+                homes = {g.rows[k].home for k in running if placed and g.rows[k].home is not None}
+                kept_rows += len([k for k in running if placed and g.rows[k].home is not None])
                 row_groups.append(RowGroup(g.prompt.prompt_ids[0], [list(g.rows[k].tokens) for k in running], keys,
-                                           kept))
+                                           kept, min(homes, default=None)))
                 where += [(i, k) for k in running]
         # As many slots as a step can have rows (one batch carried beside one new): the same program every step.
         out = engine.paged_groups(row_groups, params, seed=seed, groups_needed=needed,
@@ -168,9 +172,11 @@ class PartialRollouts:
         for j, (i, k) in enumerate(where):
             rows = went_on.setdefault(i, list(groups[i].rows))
             row, n = rows[k], int(out["mask"][j].sum())
+            home = int(out["home"][j])
             rows[k] = _Row(row.tokens + tuple(out["tokens"][j, :n].tolist()),
                            row.logprobs + tuple(out["logprobs"][j, :n].tolist()), row.versions + (version,) * n,
-                           bool(out["finished"][j]), out["kept"][j] if self.keep_kv else None)
+                           bool(out["finished"][j]), out["kept"][j] if self.keep_kv else None,
+                           home if home >= 0 else None)
         decoded = {"time/rollout_prefill": float(out["prefill_s"]), "time/rollout_decode": float(out["decode_s"]),
                    "time/rollout_keep": float(out["keep_s"]), "partial/kept_rows_placed": float(kept_rows),
                    "partial/decode_steps": float(out["decode_steps"]), "partial/slot_occupancy": slot_occupancy(out)}

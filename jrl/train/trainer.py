@@ -296,10 +296,6 @@ def check_processes(cfg: TrainConfig, processes: int | None = None) -> None:
                          "the episodes on its own, and an environment answering differently on one of them would feed "
                          "the processes different observations; train on episodes in one process, or play them in "
                          "explorer processes (--mode explore) that feed a one-process trainer")
-    if cfg.rollout.partial and cfg.rollout.partial_kv == "keep":
-        raise ValueError("rollout.partial_kv='keep': a carried row's keys and values stay on the device that decoded "
-                         f"it, which the next step's part of another process may not reach; with {processes} "
-                         "processes use --rollout.partial-kv recompute")
     if cfg.rollout.prefetch_depth > 0:
         raise ValueError(f"rollout.prefetch_depth={cfg.rollout.prefetch_depth}: with {processes} processes "
                          "rollouts are generated in the trainer's thread (the processes must launch their programs "

@@ -1,6 +1,6 @@
 """Child process of ``test_rollout_mesh.py``: on 2 fake CPU devices, a paged generation continued twice from its kept
-pages, the rows' groups split over both devices (so kept rows move between them), against one generation on one
-device; prints JSON."""
+pages, the rows' groups split over both devices without naming the device that kept them (so kept rows move between
+devices) and naming it (so none moves), against one generation on one device; prints JSON."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rollout_testlib import PAD, continue_from_kept, random_prompts, tiny_model
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import row_bucket
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import generate_paged, new_groups
+from jrl.rollout.paged import device_parts, generate_paged, new_groups
 
 
 def main(lengths_json):
@@ -29,19 +29,21 @@ def main(lengths_json):
     whole = generate_paged(graphdef, states[:1], new_groups(prompts, 3), params, seed=7, kv=kv, pad_id=PAD,
                            prompt_bucket=8, slot_bucket=row_bucket)
     kvs = (kv, dataclasses.replace(kv, slots=2), kv)
-    tokens, logprobs, outs = continue_from_kept(graphdef, states, prompts, params, kvs, g=3, needed=(1, 2, 0))
-    moved = 0  # kept rows placed on the other device than the one that kept them
-    for before in outs[:-1]:
-        rest = np.flatnonzero(~before["finished"])
-        for part, rows in enumerate(np.array_split(np.arange(len(rest)), min(2, len(rest)))):
-            for q in rows:
-                row = before["kept"][rest[q]]
-                moved += row is not None and jax.devices()[part] not in row.pages.logits.devices()
     n = [int(m.sum()) for m in whole["mask"]]
-    print(json.dumps(dict(tokens=tokens, logprobs=logprobs, whole_tokens=[whole["tokens"][r, :k].tolist()
-                                                                          for r, k in enumerate(n)],
-                          whole_logprobs=[whole["logprobs"][r, :k].tolist() for r, k in enumerate(n)],
-                          moved=int(moved), generations=len(outs))))
+    result = dict(whole_tokens=[whole["tokens"][r, :k].tolist() for r, k in enumerate(n)],
+                  whole_logprobs=[whole["logprobs"][r, :k].tolist() for r, k in enumerate(n)])
+    for name, homes in (("moving", False), ("homed", True)):
+        tokens, logprobs, outs = continue_from_kept(graphdef, states, prompts, params, kvs, g=3, needed=(1, 2, 0),
+                                                    homes=homes)
+        moved = 0  # kept rows placed on another device than the one that kept them
+        for out in outs[1:]:
+            for part, members in enumerate(device_parts(out["groups"], 2)):
+                for i in members:
+                    row = out["groups"][i].kept[0]
+                    moved += row is not None and jax.devices()[part] not in row.pages.logits.devices()
+        result[name] = dict(tokens=tokens, logprobs=logprobs, moved=int(moved), generations=len(outs),
+                            homes=[int(h) for out in outs for h in out["home"]])
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -82,11 +82,13 @@ def greedy_by_full_forward(model, prompts: list[list[int]], max_new_tokens: int,
     return out
 
 
-def continue_from_kept(graphdef, states, prompts, params, kvs, *, g: int, needed: tuple[int, ...], seed: int = 7):
+def continue_from_kept(graphdef, states, prompts, params, kvs, *, g: int, needed: tuple[int, ...], seed: int = 7,
+                       homes: bool = False):
     """A paged generation of ``g`` rows per prompt that stops at ``needed[0]`` finished groups, its unfinished rows
     continued by further generations from the keys and values each left (``keep``), the i-th stopping at
-    ``needed[i]`` finished groups (0: all) with the cache config ``kvs[i]``; returns each row's tokens and log-probs
-    over the chain, and the generations' outputs."""
+    ``needed[i]`` finished groups (0: all) with the cache config ``kvs[i]``, each continued row's group naming the
+    device that kept it where ``homes``; returns each row's tokens and log-probs over the chain, and the
+    generations' outputs (each with ``groups``, the groups it was given)."""
     from jrl.rollout.jax_engine import row_bucket
     from jrl.rollout.paged import RowGroup, generate_paged, new_groups
 
@@ -96,14 +98,15 @@ def continue_from_kept(graphdef, states, prompts, params, kvs, *, g: int, needed
     for n, kv in zip(needed, kvs, strict=True):
         out = generate_paged(graphdef, states, groups, params, seed=seed, kv=kv, pad_id=PAD, prompt_bucket=8,
                              slot_bucket=row_bucket, groups_needed=n or None, keep=True)
-        outs.append(out)
+        outs.append(out | dict(groups=groups))
         for j, r in enumerate(rows):
             m = int(out["mask"][j].sum())
             tokens[r] += out["tokens"][j, :m].tolist()
             logprobs[r] += out["logprobs"][j, :m].tolist()
         # each unfinished row its own group, with its key and its kept keys and values
         rest = [j for j in range(len(rows)) if not out["finished"][j]]
-        groups = [RowGroup(prompts[rows[j] // g], [list(tokens[rows[j]])], [rows[j]], (out["kept"][j],)) for j in rest]
+        groups = [RowGroup(prompts[rows[j] // g], [list(tokens[rows[j]])], [rows[j]], (out["kept"][j],),
+                           int(out["home"][j]) if homes and out["home"][j] >= 0 else None) for j in rest]
         rows = [rows[j] for j in rest]
         if not rows:
             break

@@ -18,7 +18,8 @@ from rollout_testlib import (PAD, continue_from_kept, full_forward_logprobs, gre
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import JaxRolloutEngine
 from jrl.rollout.kv_config import KVCacheConfig
-from jrl.rollout.paged import (POOL_FREE_FRACTION, SCRATCH_PAGE, PageScheduler, RowGroup, generate_paged, new_groups,
+from jrl.rollout.paged import (POOL_FREE_FRACTION, SCRATCH_PAGE, PageScheduler, RowGroup, device_parts, generate_paged,
+                               new_groups,
                                pages_for, pool_pages)
 from jrl.rollout.jax_engine import row_bucket
 from flax import nnx
@@ -113,6 +114,30 @@ def test_a_rows_tokens_do_not_depend_on_slots_pool_page_size_or_round_length():
         assert np.abs(run["logprobs"] - runs[0]["logprobs"]).max() <= 1e-5
     other_seed = _paged(model, prompts, params, KVCacheConfig(layout="paged"), seed=8)
     assert not np.array_equal(other_seed["tokens"], runs[0]["tokens"])
+
+
+def test_groups_go_to_their_home_device_and_the_others_fill_an_even_split():
+    rng = np.random.default_rng(3)
+    for count, devices in ((7, 3), (16, 8), (2, 4), (0, 2)):
+        plain = [RowGroup([1], [[]], [i]) for i in range(count)]
+        want = np.array_split(np.arange(count), min(devices, count) or 1)
+        got = [part for part in device_parts(plain, devices) if len(part)]
+        assert [p.tolist() for p in got] == [p.tolist() for p in want if len(p)]
+    for _ in range(20):
+        count, devices = int(rng.integers(1, 24)), int(rng.integers(1, 6))
+        homes = [int(h) if h < devices else None for h in rng.integers(0, 2 * devices, count)]
+        groups = [RowGroup([1], [[]], [i], home=h) for i, h in enumerate(homes)]
+        parts = device_parts(groups, devices)
+        assert sorted(i for part in parts for i in part.tolist()) == list(range(count))  # each group once
+        for at, part in enumerate(parts):
+            assert all(homes[i] in (None, at) for i in part)
+        shares = [len(p) for p in np.array_split(np.arange(count), devices)]
+        fewest = min(len(part) for part in parts)
+        for at, part in enumerate(parts):  # groups without a home fill a position to its share, or to the fewest + 1
+            if any(homes[i] is None for i in part):
+                assert len(part) <= max(shares[at], fewest + 1), (homes, [p.tolist() for p in parts])
+    with pytest.raises(ValueError, match="home, device position 2"):
+        device_parts([RowGroup([1], [[]], [0], home=2)], 2)
 
 
 def test_the_scheduler_keeps_every_page_in_one_place():

@@ -19,7 +19,6 @@ from rollout_testlib import PAD, random_prompts, tiny_model
 from jrl.rollout import SamplingParams
 from jrl.rollout.config import RolloutConfig, sampler_mesh
 from jrl.rollout.jax_engine import JaxRolloutEngine, narrowed
-from jrl.rollout.kv_config import KVCacheConfig
 from jrl.sharding import MeshConfig
 
 HERE = Path(__file__).parent
@@ -103,16 +102,22 @@ def test_the_default_sampler_layout_shards_weights_that_would_crowd_a_device():
     assert sampler_mesh(default, weight_bytes=60 * gib, device_bytes=None, devices=4) == default
 
 
-def test_kept_pages_move_to_the_device_that_continues_their_rows():
-    """A paged generation over 2 devices continued twice from its kept pages (rows regrouped, so some continue on the
-    other device) samples the tokens and log-probs of one uninterrupted generation on one device."""
+def test_kept_pages_continue_on_the_device_that_kept_them_or_move_to_the_one_given():
+    """A paged generation over 2 devices continued twice from its kept pages samples the tokens and log-probs of one
+    uninterrupted generation on one device, both when the rows' groups are regrouped without naming where their pages
+    are (some continue on the other device, their pages moved) and when each names the device that kept it
+    (:attr:`RowGroup.home`: none moves, and both devices keep rows)."""
     env = helpers.worker_env(2)
     env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, str(HERE / "paged_keep_worker.py"), json.dumps([1, 8, 13, 17, 5, 6])],
                           env=env, capture_output=True, text=True, timeout=300, cwd=helpers.REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = helpers.parse_json_tail(proc.stdout)
-    assert result["generations"] == 3 and result["moved"] > 0
-    assert result["tokens"] == result["whole_tokens"]
-    for got, want in zip(result["logprobs"], result["whole_logprobs"]):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    moving, homed = result["moving"], result["homed"]
+    assert moving["generations"] == homed["generations"] == 3
+    assert moving["moved"] > 0 and homed["moved"] == 0
+    assert {0, 1} <= set(homed["homes"])
+    for chain in (moving, homed):
+        assert chain["tokens"] == result["whole_tokens"]
+        for got, want in zip(chain["logprobs"], result["whole_logprobs"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

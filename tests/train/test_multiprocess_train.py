@@ -3,8 +3,8 @@
 metrics, one metrics.jsonl, also with a rollout mesh of its own, with gradients summed per device over an update
 and for an MoE model with expert parallelism beside FSDP, checkpoints that resume across process counts, a
 stop signal to one process stopping both at one step boundary, a killed process taking its peer down with an
-error naming it, the paged sampler and partial rollouts as in one process, and what several processes cannot
-run (episodes, carried rows' kept keys and values) refused by name."""
+error naming it, the paged sampler and partial rollouts (carried rows' kept keys and values too) as in one process,
+and what several processes cannot run (episodes) refused by name."""
 
 from __future__ import annotations
 
@@ -213,26 +213,28 @@ def test_a_killed_process_ends_its_peer_with_an_error_naming_it(tmp_path):
 
 def test_the_paged_sampler_and_partial_rollouts_across_processes_train_like_one(tmp_path):
     """``--rollout.kv.layout paged`` (each process decodes the prompts of its own devices, the rows gathered after)
-    and partial rollouts carrying rows by their tokens (``--rollout.partial-kv recompute``: the stop test counts
-    every process's finished groups) as 2 processes x 4 devices: the metrics of 1 process x 8 devices. The paged run's
-    4 groups take parts on process 0's devices only (process 1 decodes nothing and still gathers); the partial run's
-    generations hold 8 groups, one per device, so both processes decode."""
+    and partial rollouts (the stop test counts every process's finished groups) as 2 processes x 4 devices: the
+    metrics of 1 process x 8 devices. The paged run's 4 groups take parts on process 0's devices only (process 1
+    decodes nothing and still gathers); the partial runs' generations hold 8 groups, one per device, so both processes
+    decode in rounds of 4 steps, so that a generation stops with rows running, and carry those by their kept keys and
+    values (the default ``partial_kv='keep'``: each group goes back to the device, and so the process, that kept its
+    rows; the generation after the checkpoint step prefills them) or by their tokens (``recompute``)."""
     paged = ("--max-steps", "3", "--rollout.kv.layout", "paged", "--rollout.kv.slots", "8")
-    partial = paged + ("--rollout.partial", "--rollout.partial-kv", "recompute", "--rollout.max-new-tokens", "24")
-    runs = {(name, n): _launch(tmp_path / f"{name}{n}", n, *extra)
-            for name, extra in (("paged", paged), ("partial", partial)) for n in (1, 2)}
+    partial = paged + ("--rollout.partial", "--rollout.max-new-tokens", "24", "--rollout.kv.round-steps", "4")
+    cases = (("paged", paged), ("partial", partial), ("recompute", partial + ("--rollout.partial-kv", "recompute")))
+    runs = {(name, n): _launch(tmp_path / f"{name}{n}", n, *extra) for name, extra in cases for n in (1, 2)}
     _wait([p for procs in runs.values() for p in procs])
-    for name in ("paged", "partial"):
+    for name, _ in cases:
         want = _metrics(tmp_path / f"{name}1")
         assert [r["step"] for r in want] == [1, 2, 3] and any(r["grad_norm"] > 0 for r in want), name
         _assert_close(_metrics(tmp_path / f"{name}2"), want)
-    carried = [r["partial/tokens_from_earlier_steps"] for r in _metrics(tmp_path / "partial2")]
-    assert any(c > 0 for c in carried), carried
+    for name in ("partial", "recompute"):
+        carried = [r["partial/tokens_from_earlier_steps"] for r in _metrics(tmp_path / f"{name}2")]
+        assert any(c > 0 for c in carried), (name, carried)
+    placed = [r.get("partial/kept_rows_placed", 0) for r in _metrics(tmp_path / "partial2")]
+    assert any(p > 0 for p in placed), placed
 
 
-@pytest.mark.parametrize("extra, named", [(("--env.name", "higher_lower"), "env.name='higher_lower'"),
-                                          (("--rollout.kv.layout", "paged", "--rollout.partial"),
-                                           "rollout.partial_kv='keep'")])
-def test_what_several_processes_cannot_run_is_refused_by_name(tmp_path, extra, named):
-    for rc, _, stderr, _ in _wait(_launch(tmp_path / "run", 2, *extra), check=False):
-        assert rc == 2 and named in stderr, stderr[-3000:]
+def test_what_several_processes_cannot_run_is_refused_by_name(tmp_path):
+    for rc, _, stderr, _ in _wait(_launch(tmp_path / "run", 2, "--env.name", "higher_lower"), check=False):
+        assert rc == 2 and "env.name='higher_lower'" in stderr, stderr[-3000:]

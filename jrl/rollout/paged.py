@@ -118,8 +118,11 @@ class PagedProgram:
 PREFILL_TOKENS = 32768
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size", "dtype"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size", "dtype"), keep_unused=True)
 def _empty_pool(graphdef, state, *, pool: int, page_size: int, dtype) -> tuple[PagedKV, ...]:
+    """A zeroed pool on the device of ``state`` (the weights are unused, and kept as arguments so that they place the
+    program: without them it runs on the default device, and one process's generations on other devices would each
+    allocate their pool on the first device before moving it)."""
     return nnx.merge(graphdef, state).init_pages(pool, page_size, dtype)
 
 

@@ -1,6 +1,7 @@
 """Child process of ``test_rollout_mesh.py``: on 2 fake CPU devices, a paged generation continued twice from its kept
 pages, the rows' groups split over both devices without naming the device that kept them (so kept rows move between
-devices) and naming it (so none moves), against one generation on one device; prints JSON."""
+devices) and naming it (so none moves), against one generation on one device, noting where each device's pool was
+allocated; prints JSON."""
 
 from __future__ import annotations
 
@@ -16,11 +17,27 @@ from rollout_testlib import PAD, continue_from_kept, random_prompts, tiny_model
 from jrl.rollout import SamplingParams
 from jrl.rollout.jax_engine import row_bucket
 from jrl.rollout.kv_config import KVCacheConfig
+from jrl.rollout import paged
 from jrl.rollout.paged import device_parts, generate_paged, new_groups
+
+
+def _noting_pools(pools: dict) -> None:
+    """Note in ``pools`` the devices of each pool :func:`paged._empty_pool` returns, by its weights' device."""
+    empty_pool = paged._empty_pool
+
+    def noted(graphdef, state, **kw):
+        out = empty_pool(graphdef, state, **kw)
+        held = pools.setdefault(str(paged._device(state)), set())
+        held.update(str(d) for x in jax.tree.leaves(out) for d in x.devices())
+        return out
+
+    paged._empty_pool = noted
 
 
 def main(lengths_json):
     assert jax.device_count() == 2, jax.devices()
+    pools: dict[str, set] = {}
+    _noting_pools(pools)
     prompts = random_prompts(np.random.default_rng(6), json.loads(lengths_json))
     params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=(5, 9, 17))
     kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, slots=8)
@@ -43,6 +60,7 @@ def main(lengths_json):
                     moved += row is not None and jax.devices()[part] not in row.pages.logits.devices()
         result[name] = dict(tokens=tokens, logprobs=logprobs, moved=int(moved), generations=len(outs),
                             homes=[int(h) for out in outs for h in out["home"]])
+    result["pools"] = {device: sorted(held) for device, held in pools.items()}
     print(json.dumps(result))
 
 

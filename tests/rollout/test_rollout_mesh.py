@@ -106,7 +106,7 @@ def test_kept_pages_continue_on_the_device_that_kept_them_or_move_to_the_one_giv
     """A paged generation over 2 devices continued twice from its kept pages samples the tokens and log-probs of one
     uninterrupted generation on one device, both when the rows' groups are regrouped without naming where their pages
     are (some continue on the other device, their pages moved) and when each names the device that kept it
-    (:attr:`RowGroup.home`: none moves, and both devices keep rows)."""
+    (:attr:`RowGroup.home`: none moves, and both devices keep rows); each device's pool is allocated on it."""
     env = helpers.worker_env(2)
     env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, str(HERE / "paged_keep_worker.py"), json.dumps([1, 8, 13, 17, 5, 6])],
@@ -117,6 +117,8 @@ def test_kept_pages_continue_on_the_device_that_kept_them_or_move_to_the_one_giv
     assert moving["generations"] == homed["generations"] == 3
     assert moving["moved"] > 0 and homed["moved"] == 0
     assert {0, 1} <= set(homed["homes"])
+    # each device's pool is allocated on that device (not first on the default one, which then held two at once)
+    assert result["pools"] == {"cpu:0": ["cpu:0"], "cpu:1": ["cpu:1"]}, result["pools"]
     for chain in (moving, homed):
         assert chain["tokens"] == result["whole_tokens"]
         for got, want in zip(chain["logprobs"], result["whole_logprobs"]):

@@ -19,10 +19,14 @@ def is_worker() -> bool:
     return ENV_PROCESS_ID in os.environ
 
 
+def _on_cpu() -> bool:
+    return os.environ.get("JAX_PLATFORMS", "") == "cpu"
+
+
 def host_device_count() -> int:
     """The devices the launched processes share, counted without starting JAX (which would take GPU memory):
     ``XLA_FLAGS``'s fake device count on CPU (``JAX_PLATFORMS=cpu``), else the visible GPUs."""
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    if _on_cpu():
         found = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
         return int(found.group(1)) if found else 1
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -42,13 +46,12 @@ def launch(script: str, argv: list[str], processes: int, devices: int, timeout_s
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
     gpus = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(devices)))).split(",")
     procs = []
     for i in range(processes):
         env = dict(os.environ, JRL_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JRL_NUM_PROCESSES=str(processes),
                    JRL_PROCESS_ID=str(i))
-        if cpu:
+        if _on_cpu():
             flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={per}".strip()
         else:

@@ -160,8 +160,8 @@ class PartialRollouts:
             if running:
                 keys = list(range(len(where), len(where) + len(running)))
                 kept = tuple(g.rows[k].kv if placed else None for k in running)
-                homes = {g.rows[k].home for k in running if placed and g.rows[k].home is not None}
-                kept_rows += len([k for k in running if placed and g.rows[k].home is not None])
+                homes = [g.rows[k].home for k in running if placed and g.rows[k].home is not None]
+                kept_rows += len(homes)
                 row_groups.append(RowGroup(g.prompt.prompt_ids[0], [list(g.rows[k].tokens) for k in running], keys,
                                            kept, min(homes, default=None)))
                 where += [(i, k) for k in running]

@@ -185,7 +185,7 @@ def _note_paged_generations(engine) -> list[dict]:
     def noted(*a, **kw):
         out = paged_groups(*a, **kw)
         calls.append({k: out[k] for k in ("prefill_s", "decode_s", "keep_s", "decode_steps", "slot_steps",
-                                          "decoded_tokens", "rounds", "shrinks", "preempted")})
+                                          "decoded_tokens", "rounds", "shrinks", "preempted", "pool")})
         return out
 
     engine.paged_groups = noted
@@ -193,18 +193,20 @@ def _note_paged_generations(engine) -> list[dict]:
 
 
 def _paged_figures(calls: list[dict]) -> dict:
-    """The paged generations noted since the last call, summed (and forgotten): where their time went."""
+    """The paged generations noted since the last call, summed (and forgotten): where their time went, and the largest
+    pool a device held (pages)."""
     from jrl.rollout.paged import slot_occupancy
 
     if not calls:
         return {}
     total = {k: sum(c[k] for c in calls) for k in calls[0]}
+    pool = max(c["pool"] for c in calls)
     calls.clear()
     return {"paged/prefill_s": total["prefill_s"], "paged/decode_s": total["decode_s"], "paged/keep_s": total["keep_s"],
             "paged/decode_steps": total["decode_steps"], "paged/rounds": total["rounds"],
             "paged/occupancy": slot_occupancy(total),
             "paged/ms_per_decode_step": 1e3 * total["decode_s"] / max(total["decode_steps"], 1),
-            "paged/preempted": total["preempted"]}
+            "paged/preempted": total["preempted"], "paged/pool_pages": pool}
 
 
 class _CompiledPrograms(logging.Handler):

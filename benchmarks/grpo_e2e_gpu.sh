@@ -24,8 +24,9 @@
 #      KV_DTYPE (--rollout.kv.dtype of the paged and partial cases: model, the default, or float8_e4m3fn),
 #      EXTRA (more config overrides of the paged and partial cases, e.g. "--model.no-scan-layers"),
 #      ROLLOUT_DEVICES (2: the devices that only generate in the split cases),
-#      PROCESSES (the shared cases as this many processes, one share of the GPUs each, joined as a pod's hosts are;
-#      across processes the partial cases need PARTIAL_KV=recompute)
+#      PROCESSES (the shared cases as this many processes, one share of the GPUs each, joined as a pod's hosts are)
+# A partial case reaches its steady state once its carried rows have aged to the staleness bound: give it STEPS of
+# at least STALENESS + 3.
 set -u
 OUT=${OUT:-$PWD/e2e_out}
 WORK=${WORK:-/tmp/e2e}

@@ -12,14 +12,15 @@ fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONFAULTHANDLER=1
 
 fold_logs() {  # DIR FILE: the last 40 lines of every DIR/*.log appended to FILE (a device call returns only a few
-  # files, and may run several scripts into one); of a log with a fault handler's dump, everything from the dump on
-  # (up to 400 lines)
+  # files, and may run several scripts into one), after the earlier lines that report a step ("step N: ..."); of a
+  # log with a fault handler's dump, everything from the dump on (up to 400 lines)
   for f in "$1"/*.log; do
     [ -f "$f" ] || continue
     echo "##### $(basename "$f")"
     if grep -q "^Fatal Python error" "$f"; then
       sed -n '/^Fatal Python error/,$p' "$f" | head -n 400 | cut -c1-600
     else
+      head -n -40 "$f" | grep "^step [0-9]*:" | cut -c1-600
       tail -n 40 "$f" | cut -c1-600
     fi
   done >> "$2"

@@ -34,7 +34,7 @@ that is what lets a process continue its own carried rows when a generation span
 one is moved to the device its part is on (one process only).
 
 Several devices (a data-parallel sampler mesh, every device holding the whole model): each device takes a part of
-the prompts with all their rows (:func:`device_parts`: contiguous, as even as the groups sent home allow), and runs
+the prompts with all their rows (:func:`device_parts`: as many rows each as the groups sent home allow), and runs
 its own pool, slots and scheduler. Each device's
 parts (its prefill, then each round: schedule, decode, read back) run in a thread of their own, the rounds in step
 (the stop test after every device's round, so a partial generation stops at the same groups whatever the timing): a
@@ -465,29 +465,42 @@ class RowGroup:
     rows (its ``kept`` entries for others' are None); None: any device."""
 
 
+def _water_level(loads: list[float], amount: float) -> float:
+    """The level ``L`` at which ``amount`` poured over ``loads`` settles: ``sum(max(L - load, 0)) == amount``."""
+    ordered = sorted(loads)
+    for k in range(1, len(ordered) + 1):
+        level = (amount + sum(ordered[:k])) / k
+        if k == len(ordered) or level <= ordered[k]:
+            return level
+    return 0.0
+
+
 def device_parts(groups: list[RowGroup], device_count: int) -> list[np.ndarray]:
-    """The groups (indices, ascending) each of ``device_count`` device positions decodes. A group with a
-    :attr:`RowGroup.home` goes there; the others, in order, fill the positions' shares of an even split
-    (``np.array_split``'s sizes) one position after another, and any left over (where the homes took more than a
-    position's share) go to the position with the fewest groups. Without homes: ``np.array_split``'s contiguous
-    parts. Every process computes the same parts from the same groups."""
-    n = len(groups)
-    share = [n // device_count + (p < n % device_count) for p in range(device_count)]
+    """The groups (indices, ascending) each of ``device_count`` device positions decodes, balanced by rows (a
+    carried group may hold one running row, a new one ``num_generations``). A group with a :attr:`RowGroup.home`
+    goes there; the others, in order, are laid along the positions' room (each position filled up to the level its
+    homed rows leave, :func:`_water_level`, so that every position ends with about as many rows) and a group goes
+    to the position its middle row falls in: each position's groups are contiguous and a position is off its room by
+    at most one group. Without homes, groups of equal size split as ``np.array_split`` does where they divide evenly
+    (one group more or less per position otherwise). Every process computes the same parts from the same groups."""
+    sizes = [len(g.prefixes) for g in groups]
     parts: list[list[int]] = [[] for _ in range(device_count)]
+    loads = [0] * device_count
     for i, group in enumerate(groups):
         if group.home is not None:
             if not 0 <= group.home < device_count:
                 raise ValueError(f"group {i}'s home, device position {group.home}, is not one of the sampler mesh's "
                                  f"{device_count} devices")
             parts[group.home].append(i)
-    position = 0
-    for i, group in enumerate(groups):
-        if group.home is not None:
-            continue
-        while position < device_count and len(parts[position]) >= share[position]:
-            position += 1
-        fewest = position if position < device_count else min(range(device_count), key=lambda p: len(parts[p]))
-        parts[fewest].append(i)
+            loads[group.home] += sizes[i]
+    free = [i for i, group in enumerate(groups) if group.home is None]
+    level = _water_level(loads, sum(sizes[i] for i in free))
+    edges = np.cumsum([max(level - load, 0.0) for load in loads])  # position p's room ends at edges[p]
+    laid = 0
+    for i in free:
+        position = int(np.searchsorted(edges, laid + sizes[i] / 2, side="right"))
+        parts[min(position, device_count - 1)].append(i)
+        laid += sizes[i]
     return [np.array(sorted(part), np.int64) for part in parts]
 
 

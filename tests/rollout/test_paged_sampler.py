@@ -116,26 +116,44 @@ def test_a_rows_tokens_do_not_depend_on_slots_pool_page_size_or_round_length():
     assert not np.array_equal(other_seed["tokens"], runs[0]["tokens"])
 
 
-def test_groups_go_to_their_home_device_and_the_others_fill_an_even_split():
+def test_groups_go_to_their_home_device_and_the_others_even_out_the_rows():
     rng = np.random.default_rng(3)
-    for count, devices in ((7, 3), (16, 8), (2, 4), (0, 2)):
-        plain = [RowGroup([1], [[]], [i]) for i in range(count)]
-        want = np.array_split(np.arange(count), min(devices, count) or 1)
+    for count, devices in ((6, 3), (16, 8), (2, 4), (0, 2), (7, 3)):
+        plain = [RowGroup([1], [[]] * 4, [i]) for i in range(count)]
         got = [part for part in device_parts(plain, devices) if len(part)]
-        assert [p.tolist() for p in got] == [p.tolist() for p in want if len(p)]
-    for _ in range(20):
+        assert np.array_equal(np.concatenate(got or [np.zeros(0)]), np.arange(count))  # contiguous, in order
+        if count and count % devices == 0:
+            assert [p.tolist() for p in got] == [p.tolist() for p in np.array_split(np.arange(count), devices)]
+        assert max(map(len, got), default=0) - min(map(len, got), default=0) <= 1
+    for _ in range(50):
         count, devices = int(rng.integers(1, 24)), int(rng.integers(1, 6))
         homes = [int(h) if h < devices else None for h in rng.integers(0, 2 * devices, count)]
-        groups = [RowGroup([1], [[]], [i], home=h) for i, h in enumerate(homes)]
+        sizes = rng.integers(1, 9, count).tolist()  # carried groups hold few running rows, new ones all of theirs
+        groups = [RowGroup([1], [[]] * n, list(range(n)), home=h) for n, h in zip(sizes, homes)]
         parts = device_parts(groups, devices)
         assert sorted(i for part in parts for i in part.tolist()) == list(range(count))  # each group once
         for at, part in enumerate(parts):
             assert all(homes[i] in (None, at) for i in part)
-        shares = [len(p) for p in np.array_split(np.arange(count), devices)]
-        fewest = min(len(part) for part in parts)
-        for at, part in enumerate(parts):  # groups without a home fill a position to its share, or to the fewest + 1
-            if any(homes[i] is None for i in part):
-                assert len(part) <= max(shares[at], fewest + 1), (homes, [p.tolist() for p in parts])
+        free = [i for i in range(count) if homes[i] is None]
+        at_of = {i: at for at, part in enumerate(parts) for i in part.tolist()}
+        assert [at_of[i] for i in free] == sorted(at_of[i] for i in free)  # the homeless laid out in order
+        homed = [sum(sizes[i] for i in part if homes[i] is not None) for part in parts]
+        rows = [sum(sizes[i] for i in part) for part in parts]
+        # The level that pouring the homeless rows over the homed ones reaches, found by bisection here.
+        low, high = 0.0, float(sum(sizes))
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if sum(max(mid - h, 0) for h in homed) < sum(sizes[i] for i in free) else (low, mid)
+        for at in range(devices):
+            if rows[at] > homed[at]:  # a position given homeless groups ends within one group of the level
+                assert abs(rows[at] - max(low, homed[at])) <= max(sizes) + 1e-6, (sizes, homes, rows, low)
+            else:  # one given none was at or above the level, or within one group below it
+                assert homed[at] >= low - max(sizes) - 1e-6, (sizes, homes, rows, low)
+    # The homed rows count: a position whose carried groups hold many rows takes fewer new groups.
+    carried = [RowGroup([1], [[]] * 8, list(range(8)), home=0) for _ in range(2)]
+    new = [RowGroup([1], [[]] * 8, list(range(8))) for _ in range(6)]
+    parts = device_parts(carried + new, 2)
+    assert [sum(len((carried + new)[i].prefixes) for i in part) for part in parts] == [32, 32]
     with pytest.raises(ValueError, match="home, device position 2"):
         device_parts([RowGroup([1], [[]], [0], home=2)], 2)
 

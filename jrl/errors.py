@@ -88,7 +88,9 @@ def _out_of_memory_line(error: BaseException) -> str:
 #: What to try after a device ran out of memory.
 OUT_OF_MEMORY_FIX = ("lower --optim.micro-batch-size, --data.prompts-per-batch or --rollout.max-new-tokens; for long "
                      "completions of different lengths use --rollout.kv.layout paged (the KV cache follows the tokens "
-                     "generated); on several devices give the sampler a tensor axis (--rollout.mesh.tensor N)")
+                     "generated; there a float8 pool, --rollout.kv.dtype float8_e4m3fn, holds twice the tokens, and "
+                     "--rollout.kv.pages sets the pool's size); on several devices give the sampler a tensor axis "
+                     "(--rollout.mesh.tensor N)")
 
 
 def is_expected(error: BaseException) -> bool:

@@ -171,6 +171,7 @@ def test_an_autotuner_that_ran_out_of_memory_is_told_as_out_of_memory():
     text = describe(error)
     assert is_expected(error) and text.startswith("a device ran out of memory (EXECUTION FAILED: RESOURCE_EXHAUSTED")
     assert "--optim.micro-batch-size" in text.splitlines()[1]
+    assert "--rollout.kv.dtype float8_e4m3fn" in text.splitlines()[1] and len(text.splitlines()) == 2
     other = jax.errors.JaxRuntimeError("NOT_FOUND: All configs failed during profiling (a kernel did not compile)")
     assert not is_expected(other)
 

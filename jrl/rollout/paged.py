@@ -735,10 +735,10 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
                    groups_needed: int | None = None, prefill_tokens: int = PREFILL_TOKENS, slots: int = 0,
                    keep: bool = False, positions: list[int] | None = None, device_count: int | None = None) -> dict:
     """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
-    entry of ``states`` (the weights on that device): the groups are split into contiguous parts, one per device,
-    each device with its own pool, slots and scheduler, their rounds run side by side. With ``groups_needed`` the
-    generation stops once that many groups have every row finished (a partial rollout; the other rows return the
-    tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
+    entry of ``states`` (the weights on that device): the groups are split into parts of about as many rows, one per
+    device (:func:`device_parts`), each device with its own pool, slots and scheduler, their rounds run side by side.
+    With ``groups_needed`` the generation stops once that many groups have every row finished (a partial rollout;
+    the other rows return the tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
     this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
     ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots), and where

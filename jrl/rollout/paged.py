@@ -738,8 +738,8 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     entry of ``states`` (the weights on that device): the groups are split into parts of about as many rows, one per
     device (:func:`device_parts`), each device with its own pool, slots and scheduler, their rounds run side by side.
     With ``groups_needed`` the generation stops once that many groups have every row finished (a partial rollout;
-    the other rows return the tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (the tokens sampled in
-    this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
+    the other rows return the tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N,
+    max_new_tokens] (the tokens sampled in this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
     ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
     ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots), and where
     the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most any device ran),

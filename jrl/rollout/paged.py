@@ -736,21 +736,21 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
                    keep: bool = False, positions: list[int] | None = None, device_count: int | None = None) -> dict:
     """The rows of ``groups`` (in order) decoded with a paged cache (see the module docstring), on one device per
     entry of ``states`` (the weights on that device): the groups are split into parts of about as many rows, one per
-    device (:func:`device_parts`), each device with its own pool, slots and scheduler, their rounds run side by side.
-    With ``groups_needed`` the generation stops once that many groups have every row finished (a partial rollout;
-    the other rows return the tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N,
-    max_new_tokens] (the tokens sampled in this call, after each row's prefix), ``stopped`` and ``finished`` [N], and the counts ``preempted`` (rows),
-    ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at once, devices added up),
-    ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into fewer slots), and where
-    the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most any device ran),
-    ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens`` (:func:`slot_occupancy`).
-    ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so that few programs compile).
-    ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode
-    with (devices together) instead of one per row: a caller whose row count changes from call to call passes its
-    largest, so that every call runs the same compiled program. ``keep``: also return ``kept``, per row its keys
-    and values and next-token logits (:meth:`_Generation.keep`; a later call continues the row from them when its
-    :class:`RowGroup` passes them), ``home``, per row the position of the device holding them (-1: none kept), and
-    ``keep_s``, the seconds their copy took.
+    device (:func:`device_parts`), each device with its own pool, slots and scheduler, their rounds run side by
+    side. With ``groups_needed`` the generation stops once that many groups have every row finished (a partial
+    rollout; the other rows return the tokens they have). Returns numpy ``tokens``, ``mask``, ``logprobs`` [N,
+    max_new_tokens] (the tokens sampled in this call, after each row's prefix), ``stopped`` and ``finished`` [N],
+    and the counts ``preempted`` (rows), ``pool`` (pages per device), ``peak_pages`` (the most the rows owned at
+    once, devices added up), ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into
+    fewer slots), and where the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most
+    any device ran), ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens``
+    (:func:`slot_occupancy`). ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so
+    that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with
+    ``kv.slots`` 0, the slots to decode with (devices together) instead of one per row: a caller whose row count
+    changes from call to call passes its largest, so that every call runs the same compiled program. ``keep``: also
+    return ``kept``, per row its keys and values and next-token logits (:meth:`_Generation.keep`; a later call
+    continues the row from them when its :class:`RowGroup` passes them), ``home``, per row the position of the
+    device holding them (-1: none kept), and ``keep_s``, the seconds their copy took.
 
     Several processes (a sampler mesh over several hosts): ``states`` are the weights on this process's devices, at
     ``positions`` among the mesh's ``device_count`` devices (default: every device is this process's). Every process

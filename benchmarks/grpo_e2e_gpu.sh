@@ -44,6 +44,7 @@ ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 RD=${ROLLOUT_DEVICES:-2}
 SHARED="--layout shared${PROCESSES:+ --processes $PROCESSES}"
 PAGED="--rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ${KV_DTYPE:+--rollout.kv.dtype $KV_DTYPE} ${EXTRA:-}"
+PARTIAL="$PAGED --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV}"
 for case in "$@"; do
   start=$(date +%s)
   case $case in
@@ -53,27 +54,22 @@ for case in "$@"; do
     packed_saveprobs) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- --optim.packing \
       --logprobs-impl triton_saveprobs ;;
     paged_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED --optim.packing ;;
-    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED \
-      --rollout.partial --optim.packing ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
+    partial_packed) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PARTIAL --optim.packing ;;
     lora) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one --lora ;;
     shared_lora) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED --lora ;;
     paged) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED ;;
-    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PAGED \
-      --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
+    partial) $ONE timeout ${CASE_TIMEOUT:-170} $B $R --layout one -- $PARTIAL ;;
     trl) $ONE timeout ${CASE_TIMEOUT:-170} $B trl --work "$WORK" --steps "${STEPS:-3}" --prompts-per-device "${PROMPTS:-32}" \
       --out "$OUT/e2e.jsonl" ;;
     shared) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED ;;
     shared_micro_sync) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- --optim.grad-sync micro_batch ;;
     shared_packed) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- --optim.packing ;;
     shared_paged) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- $PAGED ;;
-    shared_partial) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- $PAGED --rollout.partial \
-      ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
+    shared_partial) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED -- $PARTIAL ;;
     shared_fsdp) timeout ${CASE_TIMEOUT:-170} $B $R $SHARED --rollout-mesh data=1,fsdp=-1 ;;
     split) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD ;;
     split_paged_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --optim.packing ;;
-    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PAGED --rollout.partial --optim.packing \
-      ${STALENESS:+--rollout.max-staleness $STALENESS} \
-      ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV} ;;
+    split_partial_packed) timeout ${CASE_TIMEOUT:-170} $B $R --layout split --rollout-devices $RD -- $PARTIAL --optim.packing ;;
     *) echo "unknown case $case" ;;
   esac > "$LOGS/$case.log" 2>&1
   echo "== $case: exit $? in $(( $(date +%s) - start )) s"; grep -h "^step\|^trl step" "$LOGS/$case.log" | tail -3

@@ -220,6 +220,10 @@ def test_long_tables_split_each_row_over_several_programs():
     assert split_count(2048, 64) == 2
     assert split_count(8464, 64) == 8  # 8192 new tokens after a 256-token prompt
     assert split_count(1 << 20, 64) == 8
+    # a step whose rows fill the GPU on their own splits less (at most 16,384 programs)
+    assert split_count(8464, 64, 256 * 8) == 8
+    assert split_count(8464, 64, 512 * 8) == 4
+    assert split_count(8464, 64, 2048 * 8) == 1
 
 
 def test_paged_append_refusals_are_named_and_auto_falls_back(request):

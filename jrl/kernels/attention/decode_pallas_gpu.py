@@ -47,7 +47,10 @@ def unavailable_reason() -> str | None:
 def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int):
     """Online softmax of one (row, KV head) with queries ``q`` [16, D] over the cache blocks holding slots [lo, hi)
     (slots outside, and slots not allowed, get no weight). ``blocks``: (``load(j, in_range)`` -> K and V [block_k, D]
-    of block ``j``, ``allowed(j, in_range)``) (:func:`_cache_blocks`, :func:`_page_blocks`).
+    of block ``j``, ``allowed(j, in_range)`` or None) (:func:`_cache_blocks`, :func:`_page_blocks`). None says every
+    slot in range is allowed: each block the loop visits then holds one, so the running max is a real score and a
+    masked score's ``exp`` is 0 without a second mask on the probabilities (one select fewer per block: 6-8% of a
+    float8 pool's step, ``benchmarks/RESULTS.md``).
     Returns the unnormalised (acc [16, D], running max [16], running sum [16]) in float32."""
     load, allowed = blocks
     offsets = jnp.arange(block_k)
@@ -58,12 +61,14 @@ def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int):
         idx = j * block_k + offsets
         in_range = (idx >= lo) & (idx < hi)
         k, v = load(j, in_range)
-        ok = allowed(j, in_range) & in_range
+        ok = in_range if allowed is None else allowed(j, in_range) & in_range
         s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact) * scale  # [16, block_k]
         s = jnp.where(ok[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        if allowed is not None:  # a block of disallowed slots only: its scores are all _MASKED, and so may be m_new
+            p = jnp.where(ok[None, :], p, 0.0)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -98,7 +103,7 @@ def _page_blocks(k_ref, v_ref, table_ref, page_size: int, block_k: int, dtype):
         rows = table_ref[slot // page_size] * page_size + slot % page_size
         return k_ref[rows, :].astype(dtype), v_ref[rows, :].astype(dtype)
 
-    return load, lambda j, m: m
+    return load, None
 
 
 def _store_normalised(o_ref, heads, row_ok, acc, l):
@@ -357,10 +362,10 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     """See :func:`jrl.kernels.attention.api.paged_decode_attention_append`: the step's rope, its write to the
     pool and the attention over the row's pages in one kernel (inside a jitted decoding loop the pools are updated
     in place). One program per (row, KV head, split); a block is ``block_k`` slots gathered through the table (any
-    power-of-two page size: small pages do not make small matrix products). ``splits`` (None: from the
-    table's width, :func:`split_count`) divides each row's blocks over that many programs, whose parts are combined
-    after the kernel: a long row is read by several programs at once (the few long rows a long-tailed generation
-    ends with would otherwise be read one block after another by one program per head). ``block_k`` and
+    power-of-two page size: small pages do not make small matrix products). ``splits`` (None: from the table's
+    width and the step's rows, :func:`split_count`) divides each row's blocks over that many programs, whose parts
+    are combined after the kernel: a long row is read by several programs at once (the few long rows a long-tailed
+    generation ends with would otherwise be read one block after another by one program per head). ``block_k`` and
     ``num_warps`` default to :func:`paged_blocks`."""
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
@@ -368,7 +373,7 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     block_k, num_warps = block_k or default_block, num_warps or default_warps
     per_block = max(block_k // page_size, 1)  # the table padded to whole blocks
     page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % per_block)))
-    splits = split_count(page_table.shape[1] * page_size, block_k) if splits is None else splits
+    splits = split_count(page_table.shape[1] * page_size, block_k, b * kv) if splits is None else splits
     filled = jnp.maximum(jnp.asarray(lengths, jnp.int32) - 1, 0)
     bounds = jnp.stack([filled, jnp.asarray(page, jnp.int32), jnp.asarray(offset, jnp.int32),
                         jnp.zeros_like(filled)], axis=1)
@@ -399,11 +404,21 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     return out, k_pages.reshape(kv, pool, page_size, d), v_pages.reshape(kv, pool, page_size, d)
 
 
-def split_count(width: int, block_k: int, *, blocks_per_split: int = 16, most: int = 8) -> int:
-    """Programs per (row, KV head) of :func:`paged_decode_attention_append` for a page table of ``width`` slots: a
-    power of two, at most ``most``, each split holding at least ``blocks_per_split`` blocks of a full-width row
-    (short tables: one program, no combination step)."""
+_MOST_PROGRAMS = 16384
+"""Programs of a paged decode step (rows x KV heads x splits) past which :func:`split_count` splits no further: each
+program pays its own setup (the step's rope, its first block's loads in sequence), and once a step's rows alone
+fill the GPU, more splits cost more than the balance they buy (H200, 8 KV heads, float8 pool: 512 rows of ~1,900
+slots 439 us per layer at 4 splits, 448 at 8, 472 at 2; 256 rows of ~2,700 slots 320 us at 8, 333 at 4;
+``benchmarks/RESULTS.md``)."""
+
+
+def split_count(width: int, block_k: int, row_heads: int = 1, *, blocks_per_split: int = 16, most: int = 8) -> int:
+    """Programs per (row, KV head) of :func:`paged_decode_attention_append` for a page table of ``width`` slots and a
+    step of ``row_heads`` rows x KV heads: a power of two, at most ``most``, each split holding at least
+    ``blocks_per_split`` blocks of a full-width row (short tables: one program, no combination step), and the step
+    at most :data:`_MOST_PROGRAMS` programs."""
     splits = 1
-    while 2 * splits <= most and 2 * splits * blocks_per_split * block_k <= width:
+    while (2 * splits <= most and 2 * splits * blocks_per_split * block_k <= width
+           and 2 * splits * row_heads <= _MOST_PROGRAMS):
         splits *= 2
     return splits

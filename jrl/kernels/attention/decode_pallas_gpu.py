@@ -25,6 +25,7 @@ Off GPU all three run in Pallas interpret mode (tests compare them with :mod:`.r
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +39,38 @@ _MIN_ROWS = 16
 (masked past the G = N / K heads of the group), so G is at most 16."""
 _MASKED = -1e30
 """Score of a disallowed slot (finite, so a block with no allowed slot leaves the running max defined)."""
+_LOG2E, _LN2 = math.log2(math.e), math.log(2.0)
 
 
 def unavailable_reason() -> str | None:
     return None  # compiled on an NVIDIA GPU, in interpret mode elsewhere
 
 
-def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int):
+def _exp2(interpret: bool):
+    """Elementwise 2 ** x in float32 for the kernels' softmax: the GPU's ``ex2.approx`` when compiled (one
+    instruction an element, relative error ~2 ** -22; the lowering of ``jnp.exp`` and ``jnp.exp2`` calls libdevice's
+    accurate functions, ~8 instructions an element, a fifth of a float8 pool's block loop), ``jnp.exp2`` when
+    interpreted."""
+    if interpret:
+        return jnp.exp2
+
+    def approx(x):
+        [out] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                             result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+        return out
+
+    return approx
+
+
+def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int, exp2):
     """Online softmax of one (row, KV head) with queries ``q`` [16, D] over the cache blocks holding slots [lo, hi)
     (slots outside, and slots not allowed, get no weight). ``blocks``: (``load(j, in_range)`` -> K and V [block_k, D]
     of block ``j``, ``allowed(j, in_range)`` or None) (:func:`_cache_blocks`, :func:`_page_blocks`). None says every
     slot in range is allowed: each block the loop visits then holds one, so the running max is a real score and a
     masked score's ``exp`` is 0 without a second mask on the probabilities (one select fewer per block: 6-8% of a
-    float8 pool's step, ``benchmarks/RESULTS.md``).
-    Returns the unnormalised (acc [16, D], running max [16], running sum [16]) in float32."""
+    float8 pool's step, ``benchmarks/RESULTS.md``). Scores are kept in base 2 (scaled by log2(e) with the softmax
+    scale) for ``exp2`` (:func:`_exp2`).
+    Returns the unnormalised (acc [16, D], running max [16], running sum [16]) in float32, the max in natural units."""
     load, allowed = blocks
     offsets = jnp.arange(block_k)
     exact = False if q.dtype == jnp.float32 else None  # float32: no TF32 rounding in the products
@@ -62,11 +81,11 @@ def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int):
         in_range = (idx >= lo) & (idx < hi)
         k, v = load(j, in_range)
         ok = in_range if allowed is None else allowed(j, in_range) & in_range
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact) * scale  # [16, block_k]
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact) * (scale * _LOG2E)  # [16, block_k], base 2
         s = jnp.where(ok[None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        alpha = exp2(m - m_new)
+        p = exp2(s - m_new[:, None])
         if allowed is not None:  # a block of disallowed slots only: its scores are all _MASKED, and so may be m_new
             p = jnp.where(ok[None, :], p, 0.0)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact)
@@ -74,7 +93,8 @@ def _attend_blocks(q, blocks, lo, hi, *, scale: float, block_k: int):
 
     init = (jnp.zeros((_MIN_ROWS, q.shape[1]), jnp.float32), jnp.full((_MIN_ROWS,), _MASKED, jnp.float32),
             jnp.zeros((_MIN_ROWS,), jnp.float32))
-    return jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, init)
+    acc, m, l = jax.lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, init)
+    return acc, jnp.where(m > _MASKED, m * _LN2, _MASKED), l
 
 
 def _cache_blocks(k_ref, v_ref, allowed_ref, block_k: int):
@@ -97,10 +117,11 @@ def _page_blocks(k_ref, v_ref, table_ref, page_size: int, block_k: int, dtype):
     may span several pages or part of one and the loads need no reshape. Slots out of range are read (the table's
     padding points at a real page) and get no weight."""
     offsets = jnp.arange(block_k)
+    shift = page_size.bit_length() - 1  # slots are not negative, and pages a power of two: no signed division
 
     def load(j, m):
         slot = j * block_k + offsets
-        rows = table_ref[slot // page_size] * page_size + slot % page_size
+        rows = table_ref[slot >> shift] * page_size + (slot & (page_size - 1))
         return k_ref[rows, :].astype(dtype), v_ref[rows, :].astype(dtype)
 
     return load, None
@@ -139,13 +160,13 @@ def _heads(group: int):
     return pl.ds(pl.program_id(1) * group, _MIN_ROWS), (jnp.arange(_MIN_ROWS) < group)[:, None]
 
 
-def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float, block_k: int, group: int):
+def _kernel(bounds_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, *, scale: float, block_k: int, group: int, exp2):
     """One (row, KV head): q_ref / o_ref [N, D] (this row's heads), k_ref / v_ref [S, D], allowed_ref [S] int8,
     bounds_ref [2] int32 = (first, last + 1) allowed slot of this row."""
     heads, row_ok = _heads(group)
     q = plgpu.load(q_ref.at[heads, :], mask=row_ok, other=0.0)
     acc, _, l = _attend_blocks(q, _cache_blocks(k_ref, v_ref, allowed_ref, block_k), bounds_ref[0],
-                               bounds_ref[1], scale=scale, block_k=block_k)
+                               bounds_ref[1], scale=scale, block_k=block_k, exp2=exp2)
     _store_normalised(o_ref, heads, row_ok, acc, l)
 
 
@@ -159,7 +180,7 @@ def _rotated(x, x_partner, cos, sin, dtype):
 
 
 def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_ok, new_slot, store, *,
-                         scale: float, block_k: int, group: int):
+                         scale: float, block_k: int, group: int, exp2):
     """One (row, KV head) of a decode step with its rope and cache write: qkv_ref [N + 2K, D] (this row's queries,
     then the step's keys, then its values), cos_ref / sin_ref [D]. The cache (``blocks``) is read over slots
     [lo, hi) only; the step's key and value enter the softmax from registers (with weight when ``new_ok``) and are
@@ -182,7 +203,7 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
                                dtype), k_at.dtype)  # [1, D], as the cache keeps it
     v_new = stored_as(qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :], v_at.dtype)  # [1, D]
     q = q.astype(read_dtype(dtype, k_at.dtype))
-    acc, m, l = _attend_blocks(q, blocks, lo, hi, scale=scale, block_k=block_k)
+    acc, m, l = _attend_blocks(q, blocks, lo, hi, scale=scale, block_k=block_k, exp2=exp2)
     f32 = jnp.float32
     s = jnp.sum(q.astype(f32) * k_new.astype(f32), axis=1)
     s = jnp.where(new_ok, s * scale, _MASKED)
@@ -197,7 +218,7 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
 
 
 def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_ref, o_ref, ko_ref, vo_ref, *,
-                   scale: float, block_k: int, group: int):
+                   scale: float, block_k: int, group: int, exp2):
     """:func:`_step_with_new_token` over a contiguous cache: k_ref / v_ref (and their aliases ko_ref / vo_ref)
     [S, D], allowed_ref [S] int8, bounds_ref [4] int32 = (first allowed slot, one past the last allowed slot before
     the step's, the step's slot, whether that slot is allowed)."""
@@ -208,11 +229,11 @@ def _append_kernel(bounds_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, allowed_
 
     _step_with_new_token(qkv_ref, cos_ref, sin_ref, o_ref.shape[0], _cache_blocks(k_ref, v_ref, allowed_ref, block_k),
                          bounds_ref[0], bounds_ref[1], bounds_ref[3] != 0, new_slot, _normalised_into(o_ref),
-                         scale=scale, block_k=block_k, group=group)
+                         scale=scale, block_k=block_k, group=group, exp2=exp2)
 
 
 def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *refs, scale: float,
-                         page_size: int, block_k: int, group: int, splits: int):
+                         page_size: int, block_k: int, group: int, splits: int, exp2):
     """:func:`_step_with_new_token` over a paged cache: k_ref / v_ref (and their aliases) [P x page_size, D] (this KV
     head's pool, pages one after another), table_ref [M] (the row's pages), bounds_ref [4] int32 = (the row's filled
     slots before the step's, the page and the offset the step's key and value go to, unused). ``refs``: the output
@@ -234,7 +255,7 @@ def _paged_append_kernel(bounds_ref, table_ref, qkv_ref, cos_ref, sin_ref, k_ref
         lo, hi, first, store = split * per, jnp.minimum((split + 1) * per, filled), split == 0, _parts_into(*outs)
     blocks = _page_blocks(k_ref, v_ref, table_ref, page_size, block_k, read_dtype(qkv_ref.dtype, k_ref.dtype))
     _step_with_new_token(qkv_ref, cos_ref, sin_ref, outs[0].shape[0], blocks, lo, hi, first, new_slot, store,
-                         scale=scale, block_k=block_k, group=group)
+                         scale=scale, block_k=block_k, group=group, exp2=exp2)
 
 
 def _bounds(allowed: jax.Array) -> jax.Array:
@@ -276,8 +297,11 @@ def call_unsupported_paged_append(q: jax.Array, k_pages: jax.Array, cos: jax.Arr
     return call_unsupported_append(q, k_pages.transpose(1, 2, 0, 3), cos)
 
 
-def _params(num_warps: int, num_stages: int, interpret: bool | None) -> dict:
-    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+def _interpreting(interpret: bool | None) -> bool:
+    return jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+
+
+def _params(num_warps: int, num_stages: int, interpret: bool) -> dict:
     return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                 interpret=interpret)
 
@@ -298,9 +322,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     program of the step to be resident at once."""
     b, n, d = q.shape
     s, kv = k.shape[1], k.shape[2]
+    interpret = _interpreting(interpret)
     queries, cache, slots = _row_head_specs(n, s, d)
     return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_k=block_k, group=n // kv),
+        functools.partial(_kernel, scale=scale, block_k=block_k, group=n // kv, exp2=_exp2(interpret)),
         grid=(b, kv),
         in_specs=[pl.BlockSpec((None, 2), lambda i, h: (i, 0)), queries, cache, cache, slots],
         out_specs=queries,
@@ -317,6 +342,7 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     :func:`decode_attention`."""
     b, s, kv, d = k_cache.shape
     n = qkv.shape[1] - 2 * kv
+    interpret = _interpreting(interpret)
     index = jnp.asarray(index, jnp.int32)
     bounds = _bounds(allowed)
     new_ok = jax.lax.dynamic_index_in_dim(allowed, index, axis=1, keepdims=False)
@@ -325,7 +351,7 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     queries, cache, slots = _row_head_specs(n, s, d)
     rope = pl.BlockSpec((None, d), lambda i, h: (i, 0))
     return pl.pallas_call(
-        functools.partial(_append_kernel, scale=scale, block_k=block_k, group=n // kv),
+        functools.partial(_append_kernel, scale=scale, block_k=block_k, group=n // kv, exp2=_exp2(interpret)),
         grid=(b, kv),
         in_specs=[pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
                   pl.BlockSpec((None, n + 2 * kv, d), lambda i, h: (i, 0, 0)), rope, rope, cache, cache, slots],
@@ -369,6 +395,7 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     ``num_warps`` default to :func:`paged_blocks`."""
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
+    interpret = _interpreting(interpret)
     default_block, default_warps = paged_blocks(k_pages.dtype, b * kv)
     block_k, num_warps = block_k or default_block, num_warps or default_warps
     per_block = max(block_k // page_size, 1)  # the table padded to whole blocks
@@ -390,7 +417,7 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     flat = k_pages.reshape(kv, pool * page_size, d)  # each head's pages one after another (a free reshape)
     *outs, k_pages, v_pages = pl.pallas_call(
         functools.partial(_paged_append_kernel, scale=scale, page_size=page_size, block_k=block_k, group=n // kv,
-                          splits=splits),
+                          splits=splits, exp2=_exp2(interpret)),
         grid=(b, kv, splits),
         in_specs=[pl.BlockSpec((None, 4), lambda i, h, s: (i, 0)),
                   pl.BlockSpec((None, page_table.shape[1]), lambda i, h, s: (i, 0)),

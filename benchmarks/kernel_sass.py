@@ -4,8 +4,8 @@ the instructions of its block loop, by opcode.
 The kernel is lowered for CUDA with ``pallas_call(debug=True)``, which prints its Triton IR; that IR is compiled by
 the installed ``triton`` package for the chosen architecture (its own ptxas) and disassembled with its nvdisasm.
 The device compiles with the Triton inside jaxlib instead, so registers and counts differ a little from a GPU's
-(e.g. 168 registers and 1,362 loop instructions on an H200 where this reports 202 and 1,370 for the same kernel) — use it to compare variants of a kernel
-before spending GPU time on them, not as a measurement of one.
+(e.g. 168 registers and 1,362 loop instructions on an H200 where this reports 202 and 1,370 for the same kernel):
+use it to compare variants of a kernel before spending GPU time on them, not as a measurement of one.
 
     python benchmarks/kernel_sass.py --kv-dtype float8_e4m3fn --block-k 64 --warps 1
     python benchmarks/kernel_sass.py --kv-dtype bfloat16 --block-k 64 --warps 2 --sass out.sass

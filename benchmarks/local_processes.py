@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 from jrl.sharding.distributed import ENV_PROCESS_ID
 
@@ -57,12 +58,11 @@ def launch(script: str, argv: list[str], processes: int, devices: int, timeout_s
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
         procs.append(subprocess.Popen([sys.executable, script, *argv], env=env))
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=timeout_s))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            codes.append(124)
-    return max(codes)
+    deadline = time.monotonic() + timeout_s  # one limit for the run, not a fresh one per process waited for
+    try:
+        return max(p.wait(timeout=max(deadline - time.monotonic(), 0.0)) for p in procs)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        return 124

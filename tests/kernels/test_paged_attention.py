@@ -181,24 +181,21 @@ def test_a_float8_pool_is_widened_on_read_and_clipped_on_write(request, dtype, s
     assert_close(out[2], ref[2], dtype, f"float8 pool, splits={splits}: values", tol=0.0)
 
 
-def test_a_float8_pools_blocks_take_one_warp_on_a_wide_step_and_four_on_a_narrow_one():
-    """``paged_blocks``: a bfloat16 pool keeps 64-slot blocks on 2 warps at any width; a float8 pool's programs take
-    one warp on 64-slot blocks from 1,024 rows x KV heads (128 rows of 8 heads) and 4 warps on 128-slot blocks below
-    (the long tail's few rows); the kernel's defaults follow it, and both float8 shapes lower for a GPU."""
+def test_a_float8_pools_blocks_take_one_warp_and_a_bfloat16_pools_two():
+    """``paged_blocks``: 64-slot blocks, on 2 warps for a bfloat16 pool and one for a float8 pool; the kernel's
+    defaults follow it, and the float8 shape lowers for a GPU at a narrow and a wide step."""
     from jrl.kernels.attention import decode_pallas_gpu
 
-    assert decode_pallas_gpu.paged_blocks(jnp.bfloat16, 16) == decode_pallas_gpu.paged_blocks(jnp.bfloat16, 4096) \
-        == (64, 2)
-    assert decode_pallas_gpu.paged_blocks(F8, 128 * 8) == decode_pallas_gpu.paged_blocks(F8, 512 * 8) == (64, 1)
-    assert decode_pallas_gpu.paged_blocks(F8, 127 * 8) == decode_pallas_gpu.paged_blocks(F8, 16 * 8) == (128, 4)
+    assert decode_pallas_gpu.paged_blocks(jnp.bfloat16) == (64, 2)
+    assert decode_pallas_gpu.paged_blocks(F8) == (64, 1)
     kv, d = 8, 64
-    for rows, warps in ((16, 4), (128, 1)):
+    for rows in (16, 512):
         qkv, rope = jnp.zeros((rows, 6 * kv, d), jnp.bfloat16), jnp.zeros((rows, d), jnp.float32)
         pool, ints = jnp.zeros((kv, 64, 16, d), F8), jnp.zeros((rows,), jnp.int32)
         text = lower_for("cuda", lambda *a: decode_pallas_gpu.paged_decode_attention_append(
             *a, scale=0.1, interpret=False), qkv, rope, rope, pool, pool, jnp.zeros((rows, 8), jnp.int32), ints,
             ints, ints)
-        assert f"num_warps = {warps} " in text, rows
+        assert "num_warps = 1 " in text, rows
 
 
 def test_jaxs_paged_kernels_refuse_a_float8_pool_and_auto_reads_it_on_the_reference(request, monkeypatch):
@@ -306,7 +303,8 @@ def test_gpu_paged_append_kernel_matches_reference(request, m, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,splits", [(16, None), (16, 4), (160, None)])
 def test_gpu_paged_append_kernel_on_a_float8_pool_matches_reference(request, rows, splits):
-    """16 rows of 8 KV heads: 128-slot blocks on 4 warps; 160: 64-slot blocks on one warp (``paged_blocks``)."""
+    """16 and 160 rows of 8 KV heads on the defaults' 64-slot blocks and one warp (``paged_blocks``), with the
+    splits the defaults pick and with four."""
     qkv, cos, sin, kp, vp, table, lengths, page, offset = _append_inputs(rng_for(request), rows, 64, 16, 8, 4, 64,
                                                                          jnp.bfloat16)
     inputs = (qkv, cos, sin, stored_as(kp, F8), stored_as(vp, F8), table, lengths, page, offset)

@@ -191,16 +191,19 @@ def _step_with_new_token(qkv_ref, cos_ref, sin_ref, n: int, blocks, lo, hi, new_
     heads, row_ok = _heads(group)
     kv_heads = (qkv_ref.shape[0] - n) // 2
     d = qkv_ref.shape[1]
-    partner = ((jnp.arange(d) + d // 2) % d)[None, :]  # rotate_half's source column of each column
+    # rotate_half's source column of each column: the second half's columns, then the first's, as [1, 2, D/2] so
+    # each half loads as a contiguous vector (one [D] index vector takes a load per column)
+    half = d // 2
+    partner = ((1 - jnp.arange(2))[:, None] * half + jnp.arange(half)[None, :])[None]  # [1, 2, D/2]
     cos, sin = cos_ref[...], sin_ref[...]
     dtype = qkv_ref.dtype
-    head_rows = (pl.program_id(1) * group + jnp.arange(_MIN_ROWS))[:, None]
-    q = _rotated(plgpu.load(qkv_ref.at[heads, :], mask=row_ok, other=0.0),
-                 plgpu.load(qkv_ref.at[head_rows, partner], mask=row_ok, other=0.0), cos, sin, dtype)
+    head_rows = (pl.program_id(1) * group + jnp.arange(_MIN_ROWS))[:, None, None]
+    q_partner = plgpu.load(qkv_ref.at[head_rows, partner], mask=row_ok[:, :, None], other=0.0).reshape(_MIN_ROWS, d)
+    q = _rotated(plgpu.load(qkv_ref.at[heads, :], mask=row_ok, other=0.0), q_partner, cos, sin, dtype)
     key = n + pl.program_id(1)
     k_at, v_at = new_slot(False), new_slot(True)
-    k_new = stored_as(_rotated(qkv_ref[pl.ds(key, 1), :], qkv_ref[key + jnp.zeros_like(partner), partner], cos, sin,
-                               dtype), k_at.dtype)  # [1, D], as the cache keeps it
+    k_partner = qkv_ref[key + jnp.zeros_like(partner), partner].reshape(1, d)
+    k_new = stored_as(_rotated(qkv_ref[pl.ds(key, 1), :], k_partner, cos, sin, dtype), k_at.dtype)  # [1, D], as stored
     v_new = stored_as(qkv_ref[pl.ds(n + kv_heads + pl.program_id(1), 1), :], v_at.dtype)  # [1, D]
     q = q.astype(read_dtype(dtype, k_at.dtype))
     acc, m, l = _attend_blocks(q, blocks, lo, hi, scale=scale, block_k=block_k, exp2=exp2)
@@ -363,22 +366,13 @@ def decode_attention_append(qkv, cos, sin, k_cache, v_cache, allowed, index, *, 
     )(bounds, qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, allowed.astype(jnp.int8))
 
 
-_ONE_WARP_ROW_HEADS = 1024
-"""Rows x KV heads of a step from which a float8 pool's blocks are read by one warp per program (:func:`paged_blocks`)."""
-
-
-def paged_blocks(pool_dtype, row_heads: int) -> tuple[int, int]:
-    """The paged kernel's default (``block_k``, ``num_warps``) for a pool of ``pool_dtype`` and a step of
-    ``row_heads`` rows x KV heads: 64 slots and 2 warps for a bfloat16 pool (fastest on an H100 and an H200,
-    ``benchmarks/decode_attention.py --paged``). A float8 pool's blocks are widened in registers (188 per thread at 2
-    warps: 4 programs per SM), so from :data:`_ONE_WARP_ROW_HEADS` its programs run one warp each on 64-slot blocks
-    (more programs resident, more loads in flight; on an H200, 8 KV heads, 8 splits: 512 rows of ~1,900 slots 475 us
-    per layer against 597 at 128 slots and 4 warps and 561 on a bfloat16 pool; 128 rows 179 against 204 us), and
-    below it on 128 slots and 4 warps (16-32 rows, the long tail's last slots: 52-64 against 58-77 us;
-    benchmarks/RESULTS.md)."""
-    if not is_float8(pool_dtype):
-        return 64, 2
-    return (64, 1) if row_heads >= _ONE_WARP_ROW_HEADS else (128, 4)
+def paged_blocks(pool_dtype) -> tuple[int, int]:
+    """The paged kernel's default (``block_k``, ``num_warps``) for a pool of ``pool_dtype``: 64 slots on 2 warps for
+    a bfloat16 pool, on one warp for a float8 pool, whose blocks are widened in registers (~200 per thread: one warp
+    per program keeps the most programs resident and the most loads in flight). Fastest at every step width timed on
+    an H200 (``benchmarks/decode_attention.py --paged``, 8 KV heads, float8 pool: 16 to 512 rows, 48-387 us per
+    layer, 6-35% under the next best shape; ``benchmarks/RESULTS.md``)."""
+    return (64, 1) if is_float8(pool_dtype) else (64, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "num_warps", "num_stages", "interpret"))
@@ -396,7 +390,7 @@ def paged_decode_attention_append(qkv, cos, sin, k_pages, v_pages, page_table, l
     kv, pool, page_size, d = k_pages.shape
     b, n = qkv.shape[0], qkv.shape[1] - 2 * kv
     interpret = _interpreting(interpret)
-    default_block, default_warps = paged_blocks(k_pages.dtype, b * kv)
+    default_block, default_warps = paged_blocks(k_pages.dtype)
     block_k, num_warps = block_k or default_block, num_warps or default_warps
     per_block = max(block_k // page_size, 1)  # the table padded to whole blocks
     page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % per_block)))

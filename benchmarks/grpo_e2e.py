@@ -61,6 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import local_processes  # noqa: E402
+from kernels_common import report  # noqa: E402
 
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "xi", "do", "fe", "gu", "hy")
 REWARD = '''def length_mod_5(prompts, completions, completion_ids, **kwargs):
@@ -397,10 +398,7 @@ def trl_run(args) -> None:
     row = dict(shape=meta["shape"], layout="trl", devices=1, rows=rows, max_new_tokens=meta["max_new_tokens"],
                trl_mean_length=round(float(lengths), 1), step_s=round(wall, 3), steps=len(steps), device=torch.cuda.get_device_name() if gpu else "cpu",
                trl=__import__("trl").__version__, torch=torch.__version__)
-    print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    report(row, args.out)
 
 
 def main() -> None:

@@ -12,11 +12,15 @@ the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_common import report  # noqa: E402
 
 
 class FixedTurns:
@@ -94,10 +98,7 @@ def main() -> None:
                    hidden=args.hidden, layers=args.layers, episode_s=round(statistics.median(times[1:]), 4),
                    first_s=round(times[0], 2), device=jax.devices()[0].device_kind, jax=jax.__version__)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        report(row, args.out)
     print(f"KV reuse: {rows[1]['episode_s'] / rows[0]['episode_s']:.2f}x faster than prefilling every turn")
 
 

@@ -12,6 +12,7 @@ and its idle time.
 
     python benchmarks/packed_update.py --shape llama1b --micro-rows 1,2 --out packed.jsonl
     python benchmarks/packed_update.py --shape llama1b --micro-rows 4 --no-scan-layers    # layers unrolled
+    python benchmarks/packed_update.py --shape llama1b --micro-rows 4 --no-scan-layers --loss-head logprobs
     python benchmarks/packed_update.py --shape llama1b --no-packing --micro-rows 4
 
 Against ``train_step_vs_torch.py --batch B --seq S`` (rows of one width, no segments) it tells what packing costs
@@ -70,8 +71,9 @@ def run(args, shape: dict, micro_rows: int) -> dict:
     if args.profile:
         profile = kernel_profile(lambda: (update(learner, batch), learner.block_until_ready()),
                                  trace_dir=f"{args.profile}/micro{micro_rows}")
-    return dict(shape=args.shape, packing=args.packing, scan_layers=args.scan_layers, micro_rows=micro_rows,
-                rows=args.rows, prompt=args.prompt, mean_new=round(float(lengths.mean()), 1),
+    return dict(shape=args.shape, packing=args.packing, scan_layers=args.scan_layers, remat=args.remat,
+                loss_head=args.loss_head, micro_rows=micro_rows, rows=args.rows, prompt=args.prompt,
+                mean_new=round(float(lengths.mean()), 1),
                 max_new=int(lengths.max()), tokens=tokens, **layout,
                 update_s=round(med, 3), times=[round(t, 3) for t in times],
                 tokens_per_s=round(tokens / med),
@@ -93,6 +95,9 @@ def main():
     ap.add_argument("--micro-rows", default="1", help="comma list: rows (packed rows with packing) per micro-batch")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                     help="stacked, scanned layers (--no-scan-layers: unrolled)")
+    ap.add_argument("--remat", default="auto", help="remat policy of the decoder layers (ModelConfig.remat)")
+    ap.add_argument("--loss-head", default="auto", choices=("auto", "fused", "logprobs"),
+                    help="how the loss reaches the LM head (TrainConfig.loss_head)")
     ap.add_argument("--updates", type=int, default=3, help="updates per setting, at least 2 (the first compiles)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also trace one more update per setting")
@@ -100,7 +105,7 @@ def main():
     args = ap.parse_args()
     if args.updates < 2:
         ap.error(f"--updates {args.updates}: at least 2 (the first update compiles and is not timed)")
-    args.mode, args.attention, args.remat, args.logprobs, args.loss_head = "full", "auto", "auto", "auto", "auto"
+    args.mode, args.attention, args.logprobs = "full", "auto", "auto"
     for micro in (int(m) for m in args.micro_rows.split(",")):
         row = run(args, dict(SHAPES[args.shape]), micro)
         report(row, args.out)

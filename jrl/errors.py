@@ -89,8 +89,9 @@ def _out_of_memory_line(error: BaseException) -> str:
 OUT_OF_MEMORY_FIX = ("lower --optim.micro-batch-size, --data.prompts-per-batch or --rollout.max-new-tokens; for long "
                      "completions of different lengths use --rollout.kv.layout paged (the KV cache follows the tokens "
                      "generated; there a float8 pool, --rollout.kv.dtype float8_e4m3fn, holds twice the tokens, and "
-                     "--rollout.kv.pages sets the pool's size); on several devices give the sampler a tensor axis "
-                     "(--rollout.mesh.tensor N)")
+                     "--rollout.kv.pages sets the pool's size); rows of thousands of tokens keep a float32 "
+                     "[tokens, vocab] chunk of logits in the loss-fused head, --loss-head logprobs does not; on "
+                     "several devices give the sampler a tensor axis (--rollout.mesh.tensor N)")
 
 
 def is_expected(error: BaseException) -> bool:

@@ -81,14 +81,16 @@ def main():
     moe_err = dict(grad=max_rel_err(moe_grads["mesh"], moe_grads["single"]),
                    old_logprobs=float(np.abs(moe_grads["mesh_old"] - moe_grads["single_old"]).max()))
     packed = {}
-    for mb in (2, None):  # micro-batches of 2 packed rows; one micro-batch of a power of two of rows
+    # micro-batches of 2 packed rows (through the log-prob kernel, and through the loss-fused head); one micro-batch
+    # of a power of two of rows
+    for mb, head in ((2, "logprobs"), (2, "fused"), (None, "logprobs")):
         packing = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules),
                           OptimConfig(micro_batch_size=mb, packing=True), total_updates=2, mesh=mesh, rules=rules)
-        up = PolicyUpdate(algo, packing, temperature=1.0, num_iterations=1, impl="auto")
+        up = PolicyUpdate(algo, packing, temperature=1.0, num_iterations=1, impl="auto", loss_head=head)
         (term,) = up.policy_terms(packing, batch)
         gp, cp, _ = packing.accumulate([term])
-        packed[str(mb)] = dict(grad_err=max_rel_err(gp, g1), loss=float(sum(cp["loss"])),
-                               rows=int(term.rows.input_ids.shape[0]))
+        packed[f"{mb}_{head}"] = dict(grad_err=max_rel_err(gp, g1), loss=float(sum(cp["loss"])),
+                                      rows=int(term.rows.input_ids.shape[0]))
     m2 = u2(sharded, batch)
     m1 = u1(single, batch)
     devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params))

@@ -101,16 +101,25 @@ def test_crowded_rows_are_thinned_by_moves_and_swaps_without_another_row():
     assert max(map(len, crowded)) > 16 and max(map(len, plan)) <= 16
 
 
-@pytest.mark.parametrize("loss_type,mb", [("dapo", 2), ("grpo", None), ("dr_grpo", 2)])
-def test_a_packed_update_is_the_padded_update(loss_type, mb):
-    algo = dataclasses.replace(ALGO, loss_type=loss_type)
+@pytest.mark.parametrize("loss_head", ["logprobs", "fused"])
+@pytest.mark.parametrize("loss_type,mb,extra", [
+    ("dapo", 2, {}), ("grpo", None, {}), ("dr_grpo", 2, {}),
+    ("grpo", 2, dict(importance_sampling_level="sequence", beta=0.05)),
+], ids=["dapo", "grpo", "dr_grpo", "gspo+kl"])
+def test_a_packed_update_is_the_padded_update(loss_type, mb, extra, loss_head):
+    """Packed rows through the log-prob kernel or the loss-fused head give the padded rows' loss, gradient and
+    update (the padded side through the log-prob kernel; float32)."""
+    algo = dataclasses.replace(ALGO, loss_type=loss_type, **extra)
     batch = _long_tailed_batch(seed=3)
+    if algo.beta:
+        batch = batch._replace(ref_logprobs=np.where(batch.completion_mask > 0, -2.5, 0.0).astype(np.float32))
     padded, u1 = grpo_learner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=mb), total_updates=2,
-                              temperature=0.7)
+                              temperature=0.7, loss_head="logprobs")
     packed, u2 = grpo_learner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=mb, packing=True),
-                              total_updates=2, temperature=0.7)
+                              total_updates=2, temperature=0.7, loss_head=loss_head)
     (term,) = u2.policy_terms(packed, batch)
     assert term.rows.input_ids.shape[0] < batch.input_ids.shape[0]
+    assert term.loss.loss.fused_head == (loss_head == "fused")
     g1, c1, _ = padded.accumulate(u1.policy_terms(padded, batch))
     g2, c2, _ = packed.accumulate([term])
     assert np.isfinite(float(sum(c1["loss"]))) and float(abs(sum(c1["loss"]))) > 0

@@ -233,19 +233,41 @@ def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
     ), seq
 
 
+def packed_hidden(model, packed: PackedStep):
+    """[R, C, H] final hidden states of packed rows at their scored columns (each predicts that column's target)."""
+    s = packed.gather.shape[1]
+    hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids, max_segments=s + 1)
+    return jnp.take_along_axis(hidden, packed.scored[:, :, None], axis=1)
+
+
+def per_slot(x, gather):
+    """``x`` [R, C] of packed rows' scored columns in the padded layout of their sequence slots [R·S, T] (``gather``
+    [R, S, T]: each slot position's column); None stays None."""
+    if x is None:
+        return None
+    r, s, t = gather.shape
+    return jnp.take_along_axis(x, gather.reshape(r, s * t), axis=1).reshape(r * s, t)
+
+
+def slot_rows(packed: PackedStep) -> StepBatch:
+    """The per-token and per-sequence arrays of packed rows' sequence slots as padded rows [R·S, ...] (an empty slot
+    has no loss token)."""
+
+    def flat(x):
+        return None if x is None else x.reshape((-1,) + x.shape[2:])
+
+    return StepBatch(input_ids=None, attention_mask=None, completion_ids=None,
+                     completion_mask=flat(packed.completion_mask), advantages=flat(packed.advantages),
+                     truncated=flat(packed.truncated), sampler_logprobs=flat(packed.sampler_logprobs),
+                     old_logprobs=flat(packed.old_logprobs), ref_logprobs=flat(packed.ref_logprobs))
+
+
 def packed_logprobs(model, packed: PackedStep, *, temperature: float, impl: str, with_entropy: bool = False):
     """(logπ, entropy or None) [R·S, T] of each sequence slot's completion tokens in packed rows: the ``impl``
     log-prob kernel over each row's scored columns, gathered into the padded layout."""
-    r, s, t = packed.gather.shape
-    hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids, max_segments=s + 1)
-    scored = jnp.take_along_axis(hidden, packed.scored[:, :, None], axis=1)  # [R, C, H]
-    lp, ent = model.token_logprobs(scored, packed.targets, temperature=temperature, with_entropy=with_entropy,
-                                   impl=impl)
-
-    def per_slot(x):
-        return None if x is None else jnp.take_along_axis(x, packed.gather.reshape(r, s * t), axis=1).reshape(r * s, t)
-
-    return per_slot(lp), per_slot(ent)
+    lp, ent = model.token_logprobs(packed_hidden(model, packed), packed.targets, temperature=temperature,
+                                   with_entropy=with_entropy, impl=impl)
+    return per_slot(lp, packed.gather), per_slot(ent, packed.gather)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,32 +283,42 @@ class PackedCompletionLogprobs:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedGRPOLoss:
-    """``grpo_loss`` of packed rows (:func:`packed_logprobs`): the padded loss over the sequence slots ([R·S, T];
-    an empty slot has no loss token)."""
+class PackedGRPORowLoss:
+    """``grpo_loss`` of some packed rows under the step's normalisers (the ``row_loss`` of the loss-fused head over
+    packed rows' scored columns: a packed row holds whole sequences, so the step loss sums over packed rows)."""
 
     algo: GRPOConfig
-    temperature: float
-    impl: str
+
+    def __call__(self, lp, ent, rows: PackedStep, normalizers):
+        inputs = _loss_inputs(slot_rows(rows), per_slot(lp, rows.gather), per_slot(ent, rows.gather))
+        return grpo_loss(inputs, self.algo, normalizers)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedGRPOLoss:
+    """``loss`` (its algorithm, temperature, log-prob kernel and head) over packed rows: the padded loss over the
+    sequence slots ([R·S, T]). With ``loss.fused_head`` the loss and its head gradients come from the loss-fused LM
+    head over the scored columns (three head matmuls), else from the log-prob kernel (four)."""
+
+    loss: GRPOLoss
 
     @property
     def rows_separable(self) -> bool:
-        """See :func:`sums_over_rows` (a packed row holds whole sequences)."""
-        return sums_over_rows(self.algo)
+        """As the padded loss's (a packed row holds whole sequences)."""
+        return self.loss.rows_separable
 
     def __call__(self, model, packed: PackedStep, normalizers):
-        r, s = packed.advantages.shape
-        lp, ent = packed_logprobs(model, packed, temperature=self.temperature, impl=self.impl,
-                                  with_entropy=self.algo.needs_entropy)
-
-        def flat(x):
-            return None if x is None else x.reshape((r * s,) + x.shape[2:])
-
-        rows = StepBatch(input_ids=None, attention_mask=None, completion_ids=None,
-                         completion_mask=flat(packed.completion_mask), advantages=flat(packed.advantages),
-                         truncated=flat(packed.truncated), sampler_logprobs=flat(packed.sampler_logprobs),
-                         old_logprobs=flat(packed.old_logprobs), ref_logprobs=flat(packed.ref_logprobs))
-        return grpo_loss(_loss_inputs(rows, lp, ent), self.algo, normalizers)
+        algo, temperature = self.loss.algo, self.loss.temperature
+        if not self.loss.fused_head:
+            lp, ent = packed_logprobs(model, packed, temperature=temperature, impl=self.loss.impl,
+                                      with_entropy=algo.needs_entropy)
+            return grpo_loss(_loss_inputs(slot_rows(packed), lp, ent), algo, normalizers)
+        rows = packed._replace(input_ids=None, segment_ids=None, scored=None, targets=None)
+        loss, lp, ent = model.head_loss(packed_hidden(model, packed), packed.targets, PackedGRPORowLoss(algo), rows,
+                                        normalizers, temperature=temperature, with_entropy=algo.needs_entropy)
+        lp, ent = per_slot(lp, packed.gather), per_slot(ent, packed.gather)
+        _, metrics = grpo_loss(_loss_inputs(slot_rows(packed), lp, ent), algo, normalizers)
+        return loss, metrics
 
 
 def _with_completion_length(loss: GRPOLoss, width: int) -> GRPOLoss:
@@ -383,7 +415,7 @@ class PolicyUpdate:
         if learner.optim.packing and self.algo.loss_type != "bnpo":
             packed, seq = packed_step(term.rows, learner)
             keep = None if term.keep is None else (term.keep[np.maximum(seq, 0)] & (seq >= 0)).any(axis=1)
-            return [LossTerm(PackedGRPOLoss(self.algo, self.loss.temperature, self.loss.impl), packed, term.aux, keep)]
+            return [LossTerm(PackedGRPOLoss(self.loss), packed, term.aux, keep)]
         bucket, mb = learner.optim.length_bucket, learner.optim.micro_batch_size or n
         if not bucket or width <= bucket or self.algo.loss_type == "bnpo":
             return [term]

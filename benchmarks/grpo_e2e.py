@@ -19,7 +19,8 @@ hosts are (:mod:`local_processes`), times the multi-host path on one host. Weak 
 prompts x ``--generations`` per learner device (in ``split``, per device of the whole host, so every layout trains
 the same rows per device). Reported per step
 (medians of the steps after the first, which compiles, and, when generation runs ahead, before the last, whose wall
-is its update alone; every step's wall is kept in ``step_walls``): wall time; generate (``time/rollout``), experience
+is its update alone, without the steps that compiled for a second or more, listed in ``compiling_steps``; every
+step's wall is kept in ``step_walls``): wall time; generate (``time/rollout``), experience
 (``time/reward``: scoring, old/reference log-probs), update (``time/train``), weight sync (``time/sync``) and the
 rest of the step (host gaps); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
 every row, padding excluded); peak device memory after the first generation and after the first step (JAX keeps
@@ -63,6 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import local_processes  # noqa: E402
 from kernels_common import report  # noqa: E402
 
+#: A timed step that compiled at least this long is left out of the medians (``compiling_steps``).
+COMPILING_STEP_S = 1.0
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "xi", "do", "fe", "gu", "hy")
 REWARD = '''def length_mod_5(prompts, completions, completion_ids, **kwargs):
     """Completion length mod 5: cheap, and with spread on a random model."""
@@ -301,9 +304,12 @@ def run(args) -> None:
     finally:
         trainer.close()
     # Timed: the steps after the first (which compiles); when generating ahead, also before the last, which has no
-    # next generation to wait for (its wall is the update alone, not the steady state's).
+    # next generation to wait for (its wall is the update alone, not the steady state's); and of those the ones that
+    # compiled for less than COMPILING_STEP_S (a later step that meets a new shape, e.g. a packed-row layout the run
+    # had not seen, is not the steady state either; its wall stays in step_walls and its index in compiling_steps).
     end = len(steps) - 1 if cfg.rollout.prefetch_depth > 0 and len(steps) > 2 else len(steps)
-    timed = steps[1:end] or steps
+    compiling = [i for i in range(1, end) if steps[i]["time/compile"] >= COMPILING_STEP_S]
+    timed = [m for i, m in enumerate(steps[1:end], 1) if i not in compiling] or steps[1:end] or steps
 
     def med(key):  # over the timed steps that have the figure (a partial step may not generate)
         return round(statistics.median(m[key] for m in timed if key in m), 3)
@@ -324,7 +330,8 @@ def run(args) -> None:
                trained_tok_s=round(rows * (prompt_tokens + lengths) / wall),
                trained_tok_s_per_device=round(rows * (prompt_tokens + lengths) / wall / devices),
                peak_gib=peaks, gpu_busy=busy, steps=len(steps), timed_steps=len(timed),
-               step_walls=[round(m["wall"], 3) for m in steps], setup_and_steps_s=round(time.perf_counter() - t0, 1),
+               step_walls=[round(m["wall"], 3) for m in steps], compiling_steps=compiling,
+               setup_and_steps_s=round(time.perf_counter() - t0, 1),
                device=jax.devices()[0].device_kind, jax=jax.__version__)
     # the trainer's thread waits for generation (all of it when synchronous), then works: the rest is host gaps
     row["host_gap_s"] = round(wall - row["wait_rollout_s"] - row["experience_s"] - row["update_s"] - row["sync_s"], 3)

@@ -10,11 +10,14 @@ config checks, data readers and loaders word these for the user; one raised insi
 otherwise); SQLite's "disk is full"; a device out of memory (XLA's ``RESOURCE_EXHAUSTED``), told with the knobs that
 shrink a step. After a device ran out of memory the process leaves at once (``os._exit``): the other devices of its
 program may wait in a collective for the one that failed, and the interpreter's normal exit would wait for them.
+A crash in native code (a segmentation fault, an abort) prints every thread's Python stack before the process dies
+(:mod:`faulthandler`), so a report says where it happened.
 """
 
 from __future__ import annotations
 
 import errno
+import faulthandler
 import os
 import shutil
 import sys
@@ -89,7 +92,7 @@ def _out_of_memory_line(error: BaseException) -> str:
 OUT_OF_MEMORY_FIX = ("lower --optim.micro-batch-size, --data.prompts-per-batch or --rollout.max-new-tokens; for long "
                      "completions of different lengths use --rollout.kv.layout paged (the KV cache follows the tokens "
                      "generated; there a float8 pool, --rollout.kv.dtype float8_e4m3fn, holds twice the tokens, and "
-                     "--rollout.kv.pages sets the pool's size); rows of thousands of tokens keep a float32 "
+                     "--rollout.kv.pages sets the pool's size); a row of up to 8,192 tokens keeps a float32 "
                      "[tokens, vocab] chunk of logits in the loss-fused head, --loss-head logprobs does not; on "
                      "several devices give the sampler a tensor axis (--rollout.mesh.tensor N)")
 
@@ -121,7 +124,8 @@ def describe(error: BaseException) -> str:
 def report(main, argv: list[str] | None = None) -> int:
     """``main(argv)``'s exit code; an expected error (:func:`is_expected`) is printed as ``error: ...`` (two lines at
     most, and a third saying how to see the traceback) and gives exit code 2. ``--debug`` in ``argv`` (or
-    ``JRL_DEBUG=1``) lets every error raise with its traceback."""
+    ``JRL_DEBUG=1``) lets every error raise with its traceback. A fatal signal prints every thread's stack."""
+    faulthandler.enable(all_threads=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("JRL_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]

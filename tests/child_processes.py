@@ -21,9 +21,11 @@ FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable
 
 
 def worker_env(num_devices: int, **extra: str) -> dict[str, str]:
-    """Environment for a child JAX process on ``num_devices`` fake CPU devices."""
+    """Environment for a child JAX process on ``num_devices`` fake CPU devices (a crash in native code prints every
+    thread's Python stack)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JRL_", "JAX_", "XLA_"))}
     env.update(
+        PYTHONFAULTHANDLER="1",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE_XLA_FLAGS}",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,29 @@ def test_a_device_out_of_memory_names_the_knobs_and_the_process_leaves_at_once()
     _assert_user_error(proc, "a device ran out of memory", "RESOURCE_EXHAUSTED")
     assert "--optim.micro-batch-size" in _error_lines(proc)[1], proc.stderr
     assert "--rollout.kv.layout paged" in _error_lines(proc)[1], proc.stderr
+
+
+#: A command whose worker thread crashes the process in native code (a segmentation fault).
+NATIVE_CRASH_RUN = """
+import ctypes
+import threading
+from jrl.errors import report
+
+def crash_in_native_code():
+    ctypes.string_at(0)
+
+def main(argv):
+    worker = threading.Thread(target=crash_in_native_code, name="crashing-worker")
+    worker.start()
+    worker.join()
+    return 0
+
+raise SystemExit(report(main, []))
+"""
+
+
+def test_a_crash_in_native_code_prints_every_threads_stack():
+    proc = _run(sys.executable, "-c", NATIVE_CRASH_RUN, timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr
+    assert "in crash_in_native_code" in proc.stderr and "in main" in proc.stderr, proc.stderr

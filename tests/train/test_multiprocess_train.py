@@ -80,7 +80,7 @@ def _wait(procs: list[subprocess.Popen], *, check: bool = True) -> list[tuple[in
                 p.wait()
     if check:
         for i, (rc, stdout, stderr, _) in enumerate(results):
-            assert rc == 0, f"process {i} exited {rc}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-6000:]}"
+            assert rc == 0, f"process {i} exited {rc}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-30000:]}"
     return results
 
 

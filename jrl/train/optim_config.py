@@ -45,8 +45,8 @@ class OptimConfig:
     computes no padding; ``micro_batch_size`` then counts packed rows, each holding several sequences (rows of thousands
     of tokens want few: one needs the least memory, a few run a little faster). The LM head runs over the columns
     that predict a completion token only: the loss reaches it as ``loss_head`` says (on a GPU the loss-fused head, a
-    packed row's sequences its chunk), old and reference log-probs through the ``logprobs_impl`` kernel; the loss and
-    gradient are the padded rows'. On Hopper or later GPUs the attention of packed
+    packed row's sequences its chunk, split along its tokens past 8,192 scored columns), old and reference
+    log-probs through the ``logprobs_impl`` kernel; the loss and gradient are the padded rows'. On Hopper or later GPUs the attention of packed
     rows runs on cuDNN's packed layout. Not with ``length_bucket``; not for the ``bnpo`` loss (its value depends on
     which rows share a micro-batch: it runs padded); per-micro-batch metrics are averaged over other micro-batches than
     without it."""

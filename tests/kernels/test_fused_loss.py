@@ -82,14 +82,17 @@ def test_fused_head_matches_full_logits(request, dtype, row_loss, with_entropy):
     # with |advantages|), not against a sum that may nearly cancel.
     scale = abs(float(_reference(hidden, w, y, {**rows, "adv": jnp.abs(rows["adv"])}, aux, row_loss, temperature,
                                  with_entropy)[0]))
-    for chunk_tokens in (t, 3 * t, 10_000):  # 1, 3 and all 6 rows per chunk
+    # 1, 3 and all 6 whole rows per chunk; rows split into chunks of 5 tokens (the last one padded), of 16 and of
+    # all 42 tokens.
+    for chunk_tokens, max_row_tokens in ((t, t), (3 * t, t), (10_000, t), (5, t - 1), (16, t - 1), (10_000, t - 1)):
         def f(hidden, w):
             loss, lp, _ = fused_head_loss(hidden, w, y, row_loss, rows, aux, temperature=temperature,
-                                          with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+                                          with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                                          max_row_tokens=max_row_tokens)
             return loss, lp
 
         (loss, lp), (dh, dw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(hidden, w)
-        what = f"{type(row_loss).__name__} chunk_tokens={chunk_tokens}"
+        what = f"{type(row_loss).__name__} chunk_tokens={chunk_tokens} max_row_tokens={max_row_tokens}"
         assert dh.dtype == hidden.dtype and dw.dtype == w.dtype
         tol = 1e-5 if dtype == jnp.float32 else 1e-2
         assert np.isfinite(float(loss)) and abs(float(loss) - float(ref_loss)) <= tol * scale, (
@@ -97,6 +100,28 @@ def test_fused_head_matches_full_logits(request, dtype, row_loss, with_entropy):
         assert_close(lp, ref_lp, dtype, f"{what} logp")
         assert_close(dh, ref_dh, dtype, f"{what} d hidden")
         assert_close(dw, ref_dw, dtype, f"{what} d head")
+
+
+def test_a_row_longer_than_max_row_tokens_keeps_the_logits_of_one_chunk():
+    """A row of 4,096 tokens over a 4,096-token vocabulary: whole, the compiled gradient holds its [4096, V] float32
+    logits (64 MiB); split into chunks of 256 tokens, XLA's temporary buffers stay under 1/4 of that."""
+    r, t, h, v = 1, 4096, 16, 4096
+    hidden, w = jax.ShapeDtypeStruct((r, t, h), jnp.float32), jax.ShapeDtypeStruct((h, v), jnp.float32)
+    y = jnp.zeros((r, t), jnp.int32)
+    rows = {"old": jnp.zeros((r, t)), "adv": jnp.ones(r), "mask": jnp.ones((r, t))}
+
+    def temp_bytes(max_row_tokens):
+        def loss(hidden, w):
+            return fused_head_loss(hidden, w, y, SequenceWithEntropy(), rows, jnp.float32(t), with_entropy=True,
+                                   chunk_tokens=256, max_row_tokens=max_row_tokens)[0]
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, w).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    logits = t * v * 4
+    whole, split = temp_bytes(t), temp_bytes(t - 1)
+    assert whole >= logits, (whole, logits)
+    assert split < logits / 4, (split, logits)
 
 
 def test_cotangent_scales_the_gradient(request):

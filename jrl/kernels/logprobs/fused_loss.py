@@ -9,6 +9,12 @@ chunk's loss and ``g = dloss/dlogp`` (autodiff of the small per-row function), t
 (onehot - p)`` (plus the entropy term), ``dh = dlogits · Wᵀ`` and ``dW += hᵀ · dlogits``: three matmuls,
 memory bounded by one chunk's ``[rows · T, V]`` float32 logits. The backward only scales the saved
 gradients by the loss cotangent. (The design of Liger's fused linear losses.)
+
+A row longer than ``max_row_tokens`` (a long completion, or a packed row of many) would make one chunk of
+``T x V`` float32 logits (16 GiB at 32k tokens and a 128k vocabulary). Such rows are split along their tokens,
+and since the loss's gradient w.r.t. a token's log-prob may depend on its whole row (a sequence-level ratio),
+they take two passes: the log-probs of every chunk of tokens, ``g`` of the whole rows, then per chunk the logits
+again and ``dh``, ``dW``: four matmuls (as ``token_logprobs``), memory bounded by ``chunk_tokens``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ import jax.numpy as jnp
 
 DEFAULT_CHUNK_TOKENS = 2048
 """Tokens per chunk: the float32 logits of a chunk are ``tokens x V x 4`` bytes (1 GiB at V = 128k)."""
+
+DEFAULT_MAX_ROW_TOKENS = 8192
+"""Rows up to this long are chunked whole (one pass, three matmuls; a chunk's float32 logits at most 4 GiB at
+V = 128k); longer ones by ``chunk_tokens`` tokens in two passes (four matmuls)."""
 
 
 def rows_per_chunk(num_rows: int, row_len: int, chunk_tokens: int) -> int:
@@ -55,81 +65,141 @@ def _logsumexp_entropy(logits: jax.Array, with_entropy: bool) -> tuple[jax.Array
     return lse, (lse - t[0] / s if with_entropy else None)
 
 
-def _chunk_grads(h, w, y, rows, aux, row_loss, inv_temp, with_entropy):
-    """(loss, logp [c, T], entropy [c, T], dh [c, T, H], dW [H, V] float32) of one chunk of rows.
+def _logits(hf, w, inv_temp):
+    """float32 logits [N, V] of hidden states ``hf`` [N, H] (products in their dtype, float32 sums)."""
+    return jnp.dot(hf, w.astype(hf.dtype), preferred_element_type=jnp.float32) * inv_temp
 
-    Written so XLA reads the float32 logits few times: the log-sum-exp, then one elementwise pass that
-    forms ``dlogits`` (softmax, one-hot by iota comparison, scale, cast) for both matmuls."""
-    c, t, hdim = h.shape
-    hf = h.reshape(c * t, hdim)
-    yf = y.reshape(c * t)
-    logits = jnp.dot(hf, w.astype(hf.dtype), preferred_element_type=jnp.float32) * inv_temp
+
+def _head_logprobs(hf, yf, *, lm_head, inv_temp, with_entropy):
+    """(float32 logits [N, V], log-sum-exp [N], entropy [N] or None, log-prob [N]) of hidden states ``hf`` [N, H]
+    predicting ``yf`` [N]."""
+    logits = _logits(hf, lm_head, inv_temp)
     lse, ent = _logsumexp_entropy(logits, with_entropy)
     lp = jnp.take_along_axis(logits, yf[:, None], axis=-1)[:, 0] - lse
-    ent_rows = None if ent is None else ent.reshape(c, t)
+    return logits, lse, ent, lp
 
-    def f(lp_rows, ent_rows):
-        return row_loss(lp_rows, ent_rows, rows, aux)
 
-    if with_entropy:
-        loss, (g_lp, g_ent) = jax.value_and_grad(f, argnums=(0, 1))(lp.reshape(c, t), ent_rows)
-    else:
-        loss, g_lp = jax.value_and_grad(f)(lp.reshape(c, t), None)
-    g_lp = g_lp.reshape(c * t, 1)
+def _head_grads(hf, w, yf, logits, lse, ent, g_lp, g_ent, inv_temp):
+    """(dh [N, H] float32, dW [H, V] float32) of a loss whose gradients w.r.t. the tokens' log-probs and entropies
+    are ``g_lp`` and ``g_ent`` [N] (None: no entropy term), from the tokens' :func:`_head_logprobs`.
+
+    Written so XLA reads the float32 logits few times: one elementwise pass forms ``dlogits`` (softmax, one-hot by
+    iota comparison, scale, cast) for both matmuls."""
+    g_lp = g_lp[:, None]
     p = jnp.exp(logits - lse[:, None])
     onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == yf[:, None]
     dlogits = jnp.where(onehot, g_lp, 0.0) - g_lp * p
-    if with_entropy:
+    if g_ent is not None:
         # dH/dz = -p (log p + H)
-        dlogits = dlogits - g_ent.reshape(c * t, 1) * p * (logits - lse[:, None] + ent[:, None])
+        dlogits = dlogits - g_ent[:, None] * p * (logits - lse[:, None] + ent[:, None])
     dl = (dlogits * inv_temp).astype(hf.dtype)
-    dh = jnp.dot(dl, w.astype(hf.dtype).T, preferred_element_type=jnp.float32).reshape(c, t, hdim)
+    dh = jnp.dot(dl, w.astype(hf.dtype).T, preferred_element_type=jnp.float32)
     dw = jnp.dot(hf.T, dl, preferred_element_type=jnp.float32)
-    return loss, lp.reshape(c, t), ent_rows, dh, dw
+    return dh, dw
 
 
-def _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, chunk):
+def _loss_grads(row_loss, lp, ent, rows, aux):
+    """(loss, dloss/dlp, dloss/dent or None) of ``row_loss`` over the rows' log-probs and entropies [c, T]."""
+
+    def f(lp, ent):
+        return row_loss(lp, ent, rows, aux)
+
+    if ent is None:
+        loss, g_lp = jax.value_and_grad(f)(lp, None)
+        return loss, g_lp, None
+    loss, (g_lp, g_ent) = jax.value_and_grad(f, argnums=(0, 1))(lp, ent)
+    return loss, g_lp, g_ent
+
+
+def _summed_scan(fn, xs):
+    """(Σ of ``fn``'s first output, its other outputs stacked) over the leading axis of ``xs``. The first item's sum
+    starts the scan's carry (no zero-filled accumulator, e.g. a float32 [H, V] head gradient, to add it to)."""
+    total, *first = fn(jax.tree.map(lambda x: x[0], xs))
+    if jax.tree.leaves(xs)[0].shape[0] == 1:
+        return total, jax.tree.map(lambda a: a[None], first)
+
+    def step(carry, x):
+        part, *out = fn(x)
+        return carry + part, out
+
+    total, rest = jax.lax.scan(step, total, jax.tree.map(lambda x: x[1:], xs))
+    return total, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+
+
+def _forward_rows(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, with_entropy, chunk):
+    """One pass over chunks of ``chunk`` whole rows: the logits, the chunk's loss and its gradients at once."""
     r, t, hdim = hidden.shape
     n = r // chunk
-    inv_temp = 1.0 / temperature
 
     def split(x):
         return x.reshape((n, chunk) + x.shape[1:])
 
     def chunk_grads(xs):
         h, y, rows_c = xs
-        return _chunk_grads(h, lm_head, y, rows_c, aux, row_loss, inv_temp, with_entropy)
+        hf, yf = h.reshape(chunk * t, hdim), y.reshape(chunk * t)
+        logits, lse, ent, lp = _head_logprobs(hf, yf, lm_head=lm_head, inv_temp=inv_temp, with_entropy=with_entropy)
+        ent = None if ent is None else ent.reshape(chunk, t)
+        loss, g_lp, g_ent = _loss_grads(row_loss, lp.reshape(chunk, t), ent, rows_c, aux)
+        dh, dw = _head_grads(hf, lm_head, yf, logits, lse, None if ent is None else ent.reshape(-1), g_lp.reshape(-1),
+                             None if g_ent is None else g_ent.reshape(-1), inv_temp)
+        return dw, loss, lp, ent, dh
 
-    def step(dw, xs):
-        loss, lp, ent, dh, dw_c = chunk_grads(xs)
-        return dw + dw_c, (loss, lp, ent, dh)
+    dw, (losses, lp, ent, dh) = _summed_scan(chunk_grads, (split(hidden), split(targets), jax.tree.map(split, rows)))
+    return jnp.sum(losses), lp.reshape(r, t), None if ent is None else ent.reshape(r, t), dh.reshape(r, t, hdim), dw
 
-    # The first chunk's head gradient starts the sum (no zero-filled float32 [H, V] accumulator to add it to).
-    chunks = (split(hidden), split(targets), jax.tree.map(split, rows))
-    loss0, lp0, ent0, dh0, dw = chunk_grads(jax.tree.map(lambda x: x[0], chunks))
-    firsts = (loss0, lp0, ent0, dh0)
-    if n > 1:
-        dw, rest = jax.lax.scan(step, dw, jax.tree.map(lambda x: x[1:], chunks))
-        losses, lp, ent, dh = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), firsts, rest)
-    else:
-        losses, lp, ent, dh = jax.tree.map(lambda a: a[None], firsts)
-    lp = lp.reshape(r, t)
-    ent = None if ent is None else ent.reshape(r, t)
-    return jnp.sum(losses), lp, ent, dh.reshape(r, t, hdim).astype(hidden.dtype), dw.astype(lm_head.dtype)
+
+def _forward_tokens(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, with_entropy, tokens):
+    """Two passes over chunks of ``tokens`` tokens (rows split anywhere): every token's log-prob, the loss and its
+    gradients over the whole rows, then per chunk the logits again and the head gradients."""
+    r, t, hdim = hidden.shape
+    n = -(-r * t // tokens)
+    pad = n * tokens - r * t
+
+    def split(x):
+        x = x.reshape((r * t,) + x.shape[2:])
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((n, tokens) + x.shape[1:])
+
+    def whole(x):
+        return x.reshape(n * tokens)[:r * t].reshape(r, t)
+
+    hs, ys = split(hidden), split(targets)
+
+    def logprobs(xs):
+        return _head_logprobs(*xs, lm_head=lm_head, inv_temp=inv_temp, with_entropy=with_entropy)[1:]
+
+    lse, ent, lp = jax.lax.map(logprobs, (hs, ys))
+    loss, g_lp, g_ent = _loss_grads(row_loss, whole(lp), None if ent is None else whole(ent), rows, aux)
+
+    def head_grads(xs):
+        h, y, lse_c, ent_c, g_lp_c, g_ent_c = xs
+        dh, dw = _head_grads(h, lm_head, y, _logits(h, lm_head, inv_temp), lse_c, ent_c, g_lp_c, g_ent_c, inv_temp)
+        return dw, dh
+
+    dw, (dh,) = _summed_scan(head_grads, (hs, ys, lse, ent, split(g_lp), None if g_ent is None else split(g_ent)))
+    dh = dh.reshape(n * tokens, hdim)[:r * t].reshape(r, t, hdim)
+    return loss, whole(lp), None if ent is None else whole(ent), dh, dw
+
+
+def _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, plan):
+    """(loss, logp, entropy, dh, dW) under ``plan``: ("rows", rows per chunk) or ("tokens", tokens per chunk)."""
+    kind, size = plan
+    fn = _forward_rows if kind == "rows" else _forward_tokens
+    loss, lp, ent, dh, dw = fn(hidden, lm_head, targets, rows, aux, row_loss, 1.0 / temperature, with_entropy, size)
+    return loss, lp, ent, dh.astype(hidden.dtype), dw.astype(lm_head.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fused(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, chunk):
-    loss, lp, ent, _, _ = _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, chunk)
+def _fused(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, plan):
+    loss, lp, ent, _, _ = _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, plan)
     return loss, lp, ent
 
 
-def _fused_fwd(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, chunk):
-    loss, lp, ent, dh, dw = _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, chunk)
+def _fused_fwd(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, plan):
+    loss, lp, ent, dh, dw = _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, plan)
     return (loss, lp, ent), (dh, dw, targets, rows, aux)
 
 
-def _fused_bwd(row_loss, temperature, with_entropy, chunk, res, cts):
+def _fused_bwd(row_loss, temperature, with_entropy, plan, res, cts):
     dh, dw, targets, rows, aux = res
     g = cts[0]
     none = functools.partial(jax.tree.map, lambda _: None)
@@ -141,8 +211,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_head_loss(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, row_loss: Callable, rows, aux=None, *,
-                    temperature: float = 1.0, with_entropy: bool = False,
-                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                    temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                    max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """A row-separable loss of the tokens ``targets`` under the head, and its log-probs.
 
     Args:
@@ -155,7 +225,9 @@ def fused_head_loss(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, r
       aux: pytree given whole to every chunk (e.g. normalisers). Neither ``rows`` nor ``aux`` gets gradients.
       with_entropy: compute the entropy of each token's distribution (and differentiate ``row_loss``
         through it).
-      chunk_tokens: about this many tokens per chunk (whole rows; at least one row).
+      chunk_tokens: about this many tokens per chunk (whole rows; at least one row unless rows are split).
+      max_row_tokens: rows longer than this are split into chunks of ``chunk_tokens`` tokens (two passes: module
+        docstring).
 
     Returns:
       (loss, logp [R, T] float32, entropy [R, T] float32 or None). ``loss`` is differentiable w.r.t.
@@ -166,7 +238,8 @@ def fused_head_loss(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, r
                          f"{lm_head.shape}")
     if targets.shape != hidden.shape[:2]:
         raise ValueError(f"targets must be [R, T] = {hidden.shape[:2]}, got {targets.shape}")
-    chunk = rows_per_chunk(hidden.shape[0], hidden.shape[1], chunk_tokens)
+    r, t = targets.shape
+    plan = ("tokens", int(chunk_tokens)) if t > max_row_tokens else ("rows", rows_per_chunk(r, t, chunk_tokens))
     loss, lp, ent = _fused(hidden, lm_head, targets, rows, aux, row_loss, float(temperature), bool(with_entropy),
-                           chunk)
+                           plan)
     return loss, jax.lax.stop_gradient(lp), None if ent is None else jax.lax.stop_gradient(ent)

@@ -4,12 +4,16 @@ For N tokens (R rows of T), hidden H and vocab V, one forward + backward of a to
 
 - ``matmuls``: logits = h·W, dh = g·Wᵀ, dW = hᵀ·g alone (three bf16 matmuls, f32 accumulation): the floor;
 - ``fused``: :func:`jrl.kernels.logprobs.fused_head_loss` (logits once per chunk, loss and gradients in that pass);
+- ``fused_split``: the same with every row split along its tokens (what a row past ``max_row_tokens`` takes: its
+  log-probs, then the logits again for the gradients);
 - ``logprobs``: :func:`jrl.kernels.logprobs.token_logprobs` (``auto``) and the loss on top (recomputes logits);
 - ``naive``: full float32 logits, log-softmax, gather, autodiff.
 
 Time is the median of jitted calls; memory is XLA's temporary-buffer size of the compiled program.
 
     python benchmarks/fused_head.py --rows 16 --row-len 1024 --hidden 4096 --vocab 151936
+    python benchmarks/fused_head.py --rows 1 --row-len 16384 --hidden 2048 --vocab 128256 \
+        --variants matmuls,fused,fused_split,logprobs
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ def main():
     def fused(hidden, w):
         return jax.grad(lambda a, b: fused_head_loss(a, b, y, loss_fn, rows, n_tok)[0], argnums=(0, 1))(hidden, w)
 
+    def fused_split(hidden, w):
+        return jax.grad(lambda a, b: fused_head_loss(a, b, y, loss_fn, rows, n_tok, max_row_tokens=0)[0],
+                        argnums=(0, 1))(hidden, w)
+
     def logprobs(hidden, w):
         def f(a, b):
             lp, _ = token_logprobs(a.reshape(r * t, h), b, y.reshape(r * t))
@@ -84,7 +92,7 @@ def main():
 
         return jax.grad(f, argnums=(0, 1))(hidden, w)
 
-    fns = {"matmuls": matmuls, "fused": fused, "logprobs": logprobs, "naive": naive}
+    fns = {"matmuls": matmuls, "fused": fused, "fused_split": fused_split, "logprobs": logprobs, "naive": naive}
     results = []
     for name in args.variants.split(","):
         fn = jax.jit(fns[name])

@@ -82,8 +82,8 @@ def test_fused_head_matches_full_logits(request, dtype, row_loss, with_entropy):
     # with |advantages|), not against a sum that may nearly cancel.
     scale = abs(float(_reference(hidden, w, y, {**rows, "adv": jnp.abs(rows["adv"])}, aux, row_loss, temperature,
                                  with_entropy)[0]))
-    # 1, 3 and all 6 whole rows per chunk; rows split into chunks of 5 tokens (the last one padded), of 16 and of
-    # all 42 tokens.
+    # 1, 3 and all 6 whole rows per chunk; rows split into 9 chunks of 5 tokens (the last one padded), 3 of 14 (at
+    # most 16) and one of all 42.
     for chunk_tokens, max_row_tokens in ((t, t), (3 * t, t), (10_000, t), (5, t - 1), (16, t - 1), (10_000, t - 1)):
         def f(hidden, w):
             loss, lp, _ = fused_head_loss(hidden, w, y, row_loss, rows, aux, temperature=temperature,

@@ -149,10 +149,12 @@ def _forward_rows(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, with_
 
 
 def _forward_tokens(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, with_entropy, tokens):
-    """Two passes over chunks of ``tokens`` tokens (rows split anywhere): every token's log-prob, the loss and its
-    gradients over the whole rows, then per chunk the logits again and the head gradients."""
+    """Two passes over chunks of at most ``tokens`` tokens, as many as the fewest such chunks need (rows split
+    anywhere, the last chunk padded): every token's log-prob, the loss and its gradients over the whole rows, then per
+    chunk the logits again and the head gradients."""
     r, t, hdim = hidden.shape
     n = -(-r * t // tokens)
+    tokens = -(-r * t // n)
     pad = n * tokens - r * t
 
     def split(x):

@@ -46,10 +46,10 @@ class OptimConfig:
     of tokens want few: one needs the least memory, a few run a little faster). The LM head runs over the columns
     that predict a completion token only: the loss reaches it as ``loss_head`` says (on a GPU the loss-fused head, a
     packed row's sequences its chunk, split along its tokens past 8,192 scored columns), old and reference
-    log-probs through the ``logprobs_impl`` kernel; the loss and gradient are the padded rows'. On Hopper or later GPUs the attention of packed
-    rows runs on cuDNN's packed layout. Not with ``length_bucket``; not for the ``bnpo`` loss (its value depends on
-    which rows share a micro-batch: it runs padded); per-micro-batch metrics are averaged over other micro-batches than
-    without it."""
+    log-probs through the ``logprobs_impl`` kernel; the loss and gradient are the padded rows'. On Hopper or later
+    GPUs the attention of packed rows runs on cuDNN's packed layout. Not with ``length_bucket``; not for the ``bnpo``
+    loss (its value depends on which rows share a micro-batch: it runs padded); per-micro-batch metrics are averaged
+    over other micro-batches than without it."""
     grad_sync: Literal["auto", "micro_batch", "update"] = "auto"
     """On a mesh, when an update of several micro-batches combines the devices' gradients. ``micro_batch``: every
     micro-batch's gradient is reduced over the devices (with FSDP each micro-batch gathers every layer's weights,

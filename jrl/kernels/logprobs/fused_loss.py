@@ -138,9 +138,9 @@ def _forward_rows(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, with_
         h, y, rows_c = xs
         hf, yf = h.reshape(chunk * t, hdim), y.reshape(chunk * t)
         logits, lse, ent, lp = _head_logprobs(hf, yf, lm_head=lm_head, inv_temp=inv_temp, with_entropy=with_entropy)
-        ent = None if ent is None else ent.reshape(chunk, t)
-        loss, g_lp, g_ent = _loss_grads(row_loss, lp.reshape(chunk, t), ent, rows_c, aux)
-        dh, dw = _head_grads(hf, lm_head, yf, logits, lse, None if ent is None else ent.reshape(-1), g_lp.reshape(-1),
+        loss, g_lp, g_ent = _loss_grads(row_loss, lp.reshape(chunk, t), None if ent is None else ent.reshape(chunk, t),
+                                        rows_c, aux)
+        dh, dw = _head_grads(hf, lm_head, yf, logits, lse, ent, g_lp.reshape(-1),
                              None if g_ent is None else g_ent.reshape(-1), inv_temp)
         return dw, loss, lp, ent, dh
 
@@ -170,7 +170,8 @@ def _forward_tokens(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, wit
         return _head_logprobs(*xs, lm_head=lm_head, inv_temp=inv_temp, with_entropy=with_entropy)[1:]
 
     lse, ent, lp = jax.lax.map(logprobs, (hs, ys))
-    loss, g_lp, g_ent = _loss_grads(row_loss, whole(lp), None if ent is None else whole(ent), rows, aux)
+    lp_rows, ent_rows = whole(lp), None if ent is None else whole(ent)
+    loss, g_lp, g_ent = _loss_grads(row_loss, lp_rows, ent_rows, rows, aux)
 
     def head_grads(xs):
         h, y, lse_c, ent_c, g_lp_c, g_ent_c = xs
@@ -179,7 +180,7 @@ def _forward_tokens(hidden, lm_head, targets, rows, aux, row_loss, inv_temp, wit
 
     dw, (dh,) = _summed_scan(head_grads, (hs, ys, lse, ent, split(g_lp), None if g_ent is None else split(g_ent)))
     dh = dh.reshape(n * tokens, hdim)[:r * t].reshape(r, t, hdim)
-    return loss, whole(lp), None if ent is None else whole(ent), dh, dw
+    return loss, lp_rows, ent_rows, dh, dw
 
 
 def _forward(hidden, lm_head, targets, rows, aux, row_loss, temperature, with_entropy, plan):

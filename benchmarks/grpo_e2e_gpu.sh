@@ -21,6 +21,7 @@
 #      STALENESS (--rollout.max-staleness of the partial cases; default the config's, 1),
 #      PARTIAL_KV (--rollout.partial-kv of the partial cases: keep, the default, or recompute),
 #      SLOTS (--rollout.kv.slots of the paged and partial cases; default the config's),
+#      SLOT_BUCKETS (--rollout.kv.slot-buckets of the paged and partial cases: slot counts per doubling, 1 2 4 or 8),
 #      KV_DTYPE (--rollout.kv.dtype of the paged and partial cases: model, the default, or float8_e4m3fn),
 #      EXTRA (more config overrides of the paged and partial cases, e.g. "--model.no-scan-layers"),
 #      ROLLOUT_DEVICES (2: the devices that only generate in the split cases),
@@ -44,6 +45,7 @@ ONE="env CUDA_VISIBLE_DEVICES=${ONE_GPU:-0}"
 RD=${ROLLOUT_DEVICES:-2}
 SHARED="--layout shared${PROCESSES:+ --processes $PROCESSES}"
 PAGED="--rollout.kv.layout paged ${SLOTS:+--rollout.kv.slots $SLOTS} ${KV_DTYPE:+--rollout.kv.dtype $KV_DTYPE} ${EXTRA:-}"
+PAGED="$PAGED ${SLOT_BUCKETS:+--rollout.kv.slot-buckets $SLOT_BUCKETS}"
 PARTIAL="$PAGED --rollout.partial ${STALENESS:+--rollout.max-staleness $STALENESS} ${PARTIAL_KV:+--rollout.partial-kv $PARTIAL_KV}"
 for case in "$@"; do
   start=$(date +%s)

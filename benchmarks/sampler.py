@@ -62,7 +62,7 @@ def run_jrl(args, cfg, prompts, stop_ids) -> tuple[list[float], float, dict | No
     model = create_model(cfg, seed=0)
     if args.lora:
         apply_lora(model, LoraConfig(rank=16, alpha=32.0, target_modules=LORA_TARGETS))
-    knobs = ("page_size", "round_steps", "tail_slots")
+    knobs = ("page_size", "round_steps", "tail_slots", "slot_buckets")
     kv = KVCacheConfig(layout=args.kv, slots=args.slots, pages=args.pages, dtype=args.kv_dtype,
                        **{k: getattr(args, k) for k in knobs if getattr(args, k) is not None})
     for k in knobs:  # as run (the config's defaults where unset)
@@ -173,6 +173,8 @@ def main():
     ap.add_argument("--tail-slots", type=int, default=None,
                     help="rollout.kv.tail_slots (paged; 0 = never shrink; default: the config's)")
     ap.add_argument("--slots", type=int, default=0, help="rollout.kv.slots (paged; 0 = every row)")
+    ap.add_argument("--slot-buckets", type=int, default=None,
+                    help="rollout.kv.slot_buckets (paged: slot counts per doubling; default: the config's)")
     ap.add_argument("--pages", type=int, default=0, help="rollout.kv.pages (paged; 0 = enough for every slot)")
     ap.add_argument("--kv-dtype", default="model", help="rollout.kv.dtype (paged: model or float8_e4m3fn)")
     ap.add_argument("--carried", type=int, default=0,
@@ -218,7 +220,8 @@ def main():
                 new=args.new, generations=args.generations, carried=args.carried, groups_needed=args.groups_needed,
                 lora=args.lora, stop_fraction=args.stop_fraction,
                 kv=args.kv, **(dict(page_size=args.page_size, round_steps=args.round_steps, tail_slots=args.tail_slots,
-                                    slots=args.slots, pages=args.pages, kv_dtype=args.kv_dtype, **args.paged_stats)
+                                    slot_buckets=args.slot_buckets, slots=args.slots, pages=args.pages,
+                                    kv_dtype=args.kv_dtype, **args.paged_stats)
                                if args.kv == "paged" else {}),
                 mean_length=round(mean_len, 1),
                 scan_layers=args.scan_layers, time_s=round(med, 4),

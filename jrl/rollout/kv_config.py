@@ -10,6 +10,9 @@ from jrl.validation import check_int, invalid
 
 KV_LAYOUTS = ("dense", "paged")
 KV_DTYPES = ("model", "float8_e4m3fn")
+#: Up to this many slots a decode round's slot count is a power of two whatever ``slot_buckets`` says: so few rows
+#: are bound by reading the weights, so empty slots cost little, and the decode kernels' row limits are powers of two.
+FINE_SLOTS_FROM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +37,18 @@ class KVCacheConfig:
     """Rows decoded at once per device (``paged``): 0 = every row of a generation; fewer bounds the pages in use and
     the work of a decode step, the rows waiting for a slot start as others stop."""
     tail_slots: int = 16
-    """The fewest slots a generation's tail decodes in (``paged``). Once no row waits for a slot and at most half the
-    slots hold a running row, the running rows move into the next power of two of slots (at least this many), so the
-    last long rows decode without the work of empty slots (their pages stay where they are: only the page table's
-    rows move). Each slot count is a program of its own, compiled once per run. 0 keeps a generation's slots."""
+    """The fewest slots a generation's tail decodes in (``paged``). Once no row waits for a slot and the running rows
+    fit a smaller slot count (``slot_buckets``; with powers of two: at most half the slots), they move into it (at
+    least this many), so the last long rows decode without the work of empty slots (their pages stay where they are:
+    only the page table's rows move). Each slot count is a program of its own, compiled once per run. 0 keeps a
+    generation's slots."""
+    slot_buckets: int = 1
+    """Slot counts a decode round may take per doubling above 128 slots (``paged``; 1, 2, 4 or 8). Each slot count
+    is a program of its own, so slots are bucketed: 1 = powers of two, the fewest programs (a generation of 600 rows
+    decodes in 1,024 slots, and once its steps' products are bound by their arithmetic, hundreds of rows, the empty
+    slots cost as much as full ones); 4 = quarter steps (512, 640, 768, 896, 1,024), so 600 rows take 640 slots and
+    the tail shrinks in smaller steps, for up to four times the programs. Above 1 a partial rollout also decodes in
+    the slots its rows need instead of the most a step can have."""
     pages: int = 0
     """Pages in each device's pool (``paged``), shared by all layers' keys and values: 0 = enough for every slot's
     longest completion, capped at 70% of the device's free memory when a generation starts (where the device tells
@@ -49,8 +60,18 @@ class KVCacheConfig:
     ``float8_e4m3fn``: one byte each, half a bfloat16 pool's memory and half the bytes a decode step's attention reads;
     each key and value is rounded to 3 mantissa bits (and clipped to +-448), so the sampler's log-probs move a little
     away from the learner's (the per-token importance ratio of the loss sees the difference). On a GPU the fused
-    decode kernel reads it (on an H200 at the speed of a bfloat16 pool, not faster: it widens each block in registers;
-    benchmarks/RESULTS.md); elsewhere the reference attention does."""
+    decode kernel reads it (on an H200 in 0.70 of a bfloat16 pool's time on wide steps: it widens each block in
+    registers, so it is bound by its instructions before the memory; benchmarks/RESULTS.md); elsewhere the reference
+    attention does."""
+
+    def decode_slots(self, rows: int) -> int:
+        """The slots a decode round of ``rows`` rows runs with: the next power of two, or above
+        :data:`FINE_SLOTS_FROM` the next of ``slot_buckets`` even steps between the powers of two around it."""
+        top = 1 << max(rows - 1, 0).bit_length()
+        if self.slot_buckets == 1 or top <= FINE_SLOTS_FROM:
+            return top
+        step = top // 2 // self.slot_buckets
+        return -(-rows // step) * step
 
     def pool_dtype(self, model_dtype) -> jnp.dtype:
         """The pool's element type for a model computing in ``model_dtype``."""
@@ -66,3 +87,6 @@ class KVCacheConfig:
         check_int(self, "slots", lo=0, fix="use 0 (every row at once) or a slot count")
         check_int(self, "tail_slots", lo=0, fix="use 0 (keep the slots) or the fewest slots to shrink to")
         check_int(self, "pages", lo=0, fix="use 0 (enough for every slot) or a page count")
+        if self.slot_buckets not in (1, 2, 4, 8):
+            raise invalid("KVCacheConfig", "slot_buckets", self.slot_buckets,
+                          "use 1 (powers of two), 2, 4 or 8 slot counts per doubling")

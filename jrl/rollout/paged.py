@@ -170,9 +170,8 @@ def _take_rows(logits, keep):
     return logits[keep]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "program", "steps"), donate_argnames=("cache", "logits"))
-def _decode_round(graphdef, state, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
-                  key, temperature, top_p, *, program: PagedProgram, steps: int):
+def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
+           key, temperature, top_p, *, program: PagedProgram, steps: int):
     """Up to ``steps`` decode steps of S slots (stops early when no slot is active). First the round's admissions
     (their logits are in place already, :func:`_admit`): page ``copy_src[s]`` is copied to ``copy_dst[s]`` (a
     prompt's partial last page to a new row's own; where nothing is copied, to a distinct id past the pool).
@@ -209,6 +208,25 @@ def _decode_round(graphdef, state, cache, logits, page_table, lengths, generated
     out = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["active"]), body, carry)
     return (out["cache"], out["logits"], out["lengths"], out["generated"], out["active"], out["tokens"],
             out["logprobs"], out["real"])
+
+
+#: XLA options of a decode round on a GPU: the dot merger off. It joins the products that share an input (the gate and
+#: up projections; q, k and v) into one against their weights concatenated, and where the rows are many enough for
+#: cuBLAS to run that product the concatenation is a copy of both weights on every decode step (the 1B shape's gate
+#: and up: 64 MiB, 33 us per layer, ~0.5 ms a step). Without it a long-tailed partial generation's decode step took
+#: 3.7% less on an H200 (benchmarks/RESULTS.md).
+GPU_ROUND_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+@functools.cache
+def _round_program(backend: str):
+    return jax.jit(_round, static_argnames=("graphdef", "program", "steps"), donate_argnames=("cache", "logits"),
+                   compiler_options=GPU_ROUND_OPTIONS if backend == "gpu" else None)
+
+
+def _decode_round(*args, **kwargs):
+    """:func:`_round` compiled for the default backend (on a GPU with :data:`GPU_ROUND_OPTIONS`)."""
+    return _round_program(jax.default_backend())(*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -513,7 +531,7 @@ class _Generation:
                  pad_id: int, prompt_bucket: int, slot_bucket, prefill_tokens: int = PREFILL_TOKENS,
                  slots: int = 0):
         page = kv.page_size
-        self.page, self.steps, self.params, self.slot_bucket = page, kv.round_steps, params, slot_bucket
+        self.page, self.steps, self.params = page, kv.round_steps, params
         self.tail_slots = kv.tail_slots
         sequences, row_prompt, self.row_start, self.row_keys, self.row_group = [], [], [], [], []
         placed: dict[int, KeptRow] = {}  # sequence -> the kept keys and values it is placed from (not prefilled)
@@ -553,7 +571,13 @@ class _Generation:
             if i not in placed:
                 by_width[max(prompt_span, padded(n))].append(i)
         buckets = sorted((w, idx, slot_bucket(len(idx))) for w, idx in by_width.items())
-        self.slots = slot_bucket(min(kv.slots, self.rows) if kv.slots else (slots or self.rows))
+        # A caller's ``slots`` (the most rows its calls have) gives every call one program; finer slot buckets
+        # (``kv.slot_buckets``) trade that for slots that follow the rows.
+        self.decode_slots = kv.decode_slots
+        if kv.slots:
+            self.slots = kv.decode_slots(min(kv.slots, self.rows))
+        else:
+            self.slots = kv.decode_slots(slots if slots and kv.slot_buckets == 1 else self.rows)
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
         # made once for the whole generation.
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
@@ -661,7 +685,7 @@ class _Generation:
         sched = self.sched
         if not self.tail_slots or sched.waiting:
             return
-        size = max(self.slot_bucket(sum(s is not None for s in sched.slots)), self.slot_bucket(self.tail_slots))
+        size = max(self.decode_slots(sum(s is not None for s in sched.slots)), self.decode_slots(self.tail_slots))
         if size >= self.slots:
             return
         keep = sched.shrink(size)
@@ -744,13 +768,14 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     once, devices added up), ``prompt_pages``, ``rounds`` and ``shrinks`` (times a device's running rows moved into
     fewer slots), and where the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most
     any device ran), ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens``
-    (:func:`slot_occupancy`). ``slot_bucket(n)``: the slot count a generation of n slots runs with (bucketed, so
-    that few programs compile). ``prefill_tokens``: the most tokens one prefill call takes. ``slots``: with
-    ``kv.slots`` 0, the slots to decode with (devices together) instead of one per row: a caller whose row count
-    changes from call to call passes its largest, so that every call runs the same compiled program. ``keep``: also
-    return ``kept``, per row its keys and values and next-token logits (:meth:`_Generation.keep`; a later call
-    continues the row from them when its :class:`RowGroup` passes them), ``home``, per row the position of the
-    device holding them (-1: none kept), and ``keep_s``, the seconds their copy took.
+    (:func:`slot_occupancy`). ``slot_bucket(n)``: the rows a prefill of n sequences runs with (bucketed, so that few
+    programs compile; the decode rounds' slots are ``kv.decode_slots``'s). ``prefill_tokens``: the most tokens one
+    prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode with (devices together) instead of one per
+    row: a caller whose row count changes from call to call passes its largest, so that every call runs the same
+    compiled program. ``keep``: also return ``kept``, per row its keys and values and next-token logits
+    (:meth:`_Generation.keep`; a later call continues the row from them when its :class:`RowGroup` passes them),
+    ``home``, per row the position of the device holding them (-1: none kept), and ``keep_s``, the seconds their copy
+    took.
 
     Several processes (a sampler mesh over several hosts): ``states`` are the weights on this process's devices, at
     ``positions`` among the mesh's ``device_count`` devices (default: every device is this process's). Every process

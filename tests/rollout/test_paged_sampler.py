@@ -116,6 +116,42 @@ def test_a_rows_tokens_do_not_depend_on_slots_pool_page_size_or_round_length():
     assert not np.array_equal(other_seed["tokens"], runs[0]["tokens"])
 
 
+def test_finer_slot_buckets_decode_the_same_rows_in_fewer_slots(monkeypatch):
+    """``rollout.kv.slot_buckets`` 4: 304 rows decode in 320 slots instead of 512, the tail shrinks through the finer
+    counts too (224, 160), and every row samples what it does in power-of-two slots (a partial rollout's slot hint, the
+    most rows a step can have, gives way to the rows)."""
+    from jrl.rollout import paged
+
+    assert [KVCacheConfig(slot_buckets=4).decode_slots(n) for n in (1, 100, 128, 129, 136, 513, 608, 1024)] == \
+        [1, 128, 128, 160, 160, 640, 640, 1024]
+    assert [KVCacheConfig(slot_buckets=2).decode_slots(n) for n in (129, 200, 608)] == [192, 256, 768]
+    assert [KVCacheConfig().decode_slots(n) for n in (129, 608)] == [256, 1024]
+    with pytest.raises(ValueError, match=r"KVCacheConfig\.slot_buckets=3.*1 \(powers of two\), 2, 4 or 8"):
+        KVCacheConfig(layout="paged", slot_buckets=3)
+    slots_per_round = []
+    real = paged._decode_round
+    monkeypatch.setattr(paged, "_decode_round", lambda *a, **k: slots_per_round.append(a[7].shape[0]) or real(*a, **k))
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(6), np.random.default_rng(7).integers(2, 13, 38))
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=STOPS)
+    graphdef, state = nnx.split(model)
+    runs = {}
+    for buckets in (1, 4):
+        kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, tail_slots=16, slot_buckets=buckets)
+        slots_per_round.clear()
+        runs[buckets] = generate_paged(graphdef, [state], new_groups(prompts, 8), params, seed=7, kv=kv, pad_id=PAD,
+                                       prompt_bucket=8, slot_bucket=row_bucket, slots=512)
+        runs[buckets]["slots"] = list(slots_per_round)
+    coarse, fine = runs[1], runs[4]
+    assert coarse["slots"][0] == 512 and fine["slots"][0] == 320  # the hint holds powers of two, not finer buckets
+    assert {224, 160} <= set(fine["slots"]) and all(n & (n - 1) == 0 for n in coarse["slots"])
+    assert fine["shrinks"] > coarse["shrinks"] and fine["slot_steps"] < 0.8 * coarse["slot_steps"]
+    assert len(set(fine["mask"].sum(1).tolist())) > 3
+    np.testing.assert_array_equal(fine["tokens"], coarse["tokens"])
+    np.testing.assert_array_equal(fine["mask"], coarse["mask"])
+    assert np.abs(fine["logprobs"] - coarse["logprobs"]).max() <= 1e-5
+
+
 def test_groups_go_to_their_home_device_and_the_others_even_out_the_rows():
     rng = np.random.default_rng(3)
     for count, devices in ((6, 3), (16, 8), (2, 4), (0, 2), (7, 3)):
@@ -246,6 +282,27 @@ def test_a_float8_pool_holds_one_byte_per_value_and_samples_near_the_model(monke
     gap = np.abs(batch.sampling_logprobs - full_forward_logprobs(model, batch, 0.7))[mask]
     assert mask.sum() > 50 and np.isfinite(gap).all()
     assert 1e-3 < gap.mean() < 0.3 and gap.max() < 3.0, (gap.mean(), gap.max())
+
+
+def test_the_gpu_decode_rounds_options_are_valid_and_decode_the_same_rows(monkeypatch):
+    """The compile options of a decode round on a GPU (``paged.GPU_ROUND_OPTIONS``) are options this XLA knows (an
+    unknown name fails the compile, here on the CPU as on a GPU) and change no row: rounds compiled with them decode
+    the tokens and log-probs of the default program."""
+    from jrl.rollout import paged
+
+    model = tiny_model("llama", seed=3)
+    prompts = random_prompts(np.random.default_rng(2), LENGTHS)
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=8, slots=6)
+    default = _paged(model, prompts, params, kv)
+    gpu_rounds = paged._round_program("gpu")
+    calls = []
+    monkeypatch.setattr(paged, "_decode_round", lambda *a, **k: calls.append(1) or gpu_rounds(*a, **k))
+    with_options = _paged(model, prompts, params, kv)
+    assert calls and gpu_rounds is not paged._round_program(jax.default_backend())
+    assert default["mask"].sum() > 20
+    for name in ("tokens", "mask", "logprobs"):
+        np.testing.assert_array_equal(with_options[name], default[name])
 
 
 def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would_have():

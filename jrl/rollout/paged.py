@@ -214,7 +214,7 @@ def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows,
 #: up projections; q, k and v) into one against their weights concatenated, and where the rows are many enough for
 #: cuBLAS to run that product the concatenation is a copy of both weights on every decode step (the 1B shape's gate
 #: and up: 64 MiB, 33 us per layer, ~0.5 ms a step). Without it a long-tailed partial generation's decode step took
-#: 3.7% less on an H200 (benchmarks/RESULTS.md).
+#: 4.8% less on an H200, 3.8% more tokens/s (benchmarks/RESULTS.md).
 GPU_ROUND_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 

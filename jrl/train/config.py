@@ -285,9 +285,9 @@ class TrainConfig(Generic[AlgoConfigT]):
 
         engine = ROLLOUT_ENGINES.get(self.rollout.backend)
         reject_unused(self, engine.ignores, f"rollout.backend={self.rollout.backend!r}")
-        if self.rollout.kv.layout == "dense":
-            reject_unused(self, ("rollout.kv.page_size", "rollout.kv.round_steps", "rollout.kv.slots",
-                                 "rollout.kv.tail_slots", "rollout.kv.pages", "rollout.kv.dtype"),
+        if self.rollout.kv.layout == "dense":  # every other rollout.kv knob is the paged layout's
+            reject_unused(self, tuple(f"rollout.kv.{f.name}" for f in dataclasses.fields(self.rollout.kv)
+                                      if f.name != "layout"),
                           "rollout.kv.layout='dense'", "set rollout.kv.layout='paged'")
         missing = sorted(algorithm.engine_needs - engine.capabilities)
         if missing:

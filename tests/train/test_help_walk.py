@@ -288,7 +288,9 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         dataclasses.replace(runs[0], rollout=RolloutConfig(vllm=VLLMConfig(max_retries=1)))
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.devices=2.*rollout\.backend='vllm' does not use it"):
         dataclasses.replace(runs[0], rollout=RolloutConfig(backend="vllm", devices=2))
-    with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.kv\.slots=4.*layout='dense' does not use it"):
-        dataclasses.replace(runs[0], rollout=RolloutConfig(kv=KVCacheConfig(slots=4)))
+    for paged_only in (dict(slots=4), dict(slot_buckets=4)):
+        field, value = next(iter(paged_only.items()))
+        with pytest.raises(ValueError, match=rf"rollout\.kv\.{field}={value}.*layout='dense' does not use"):
+            dataclasses.replace(runs[0], rollout=RolloutConfig(kv=KVCacheConfig(**paged_only)))
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.kv=.*rollout\.backend='vllm' does not use it"):
         dataclasses.replace(runs[0], rollout=RolloutConfig(backend="vllm", kv=KVCacheConfig(layout="paged")))

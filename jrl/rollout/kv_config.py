@@ -10,9 +10,6 @@ from jrl.validation import check_int, invalid
 
 KV_LAYOUTS = ("dense", "paged")
 KV_DTYPES = ("model", "float8_e4m3fn")
-#: Up to this many slots a decode round's slot count is a power of two whatever ``slot_buckets`` says: so few rows
-#: are bound by reading the weights, so empty slots cost little, and the decode kernels' row limits are powers of two.
-FINE_SLOTS_FROM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +60,6 @@ class KVCacheConfig:
     decode kernel reads it (on an H200 in 0.70 of a bfloat16 pool's time on wide steps: it widens each block in
     registers, so it is bound by its instructions before the memory; benchmarks/RESULTS.md); elsewhere the reference
     attention does."""
-
-    def decode_slots(self, rows: int) -> int:
-        """The slots a decode round of ``rows`` rows runs with: the next power of two, or above
-        :data:`FINE_SLOTS_FROM` the next of ``slot_buckets`` even steps between the powers of two around it."""
-        top = 1 << max(rows - 1, 0).bit_length()
-        if self.slot_buckets == 1 or top <= FINE_SLOTS_FROM:
-            return top
-        step = top // 2 // self.slot_buckets
-        return -(-rows // step) * step
 
     def pool_dtype(self, model_dtype) -> jnp.dtype:
         """The pool's element type for a model computing in ``model_dtype``."""

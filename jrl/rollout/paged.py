@@ -105,6 +105,22 @@ def power_of_two_at_least(count: int) -> int:
     return 1 << max(count - 1, 0).bit_length()
 
 
+#: Up to this many slots a decode round's slot count is a power of two whatever ``kv.slot_buckets`` says: so few rows
+#: are bound by reading the weights, so empty slots cost little, and the decode kernels' row limits are powers of two.
+FINE_SLOTS_FROM = 128
+
+
+def decode_slots(rows: int, slot_buckets: int) -> int:
+    """The slots a decode round of ``rows`` rows runs with: the next power of two, or above
+    :data:`FINE_SLOTS_FROM` the next of ``slot_buckets`` even steps between the powers of two around it
+    (``rollout.kv.slot_buckets``)."""
+    top = power_of_two_at_least(rows)
+    if slot_buckets == 1 or top <= FINE_SLOTS_FROM:
+        return top
+    step = top // 2 // slot_buckets
+    return -(-rows // step) * step
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedProgram:
     """Everything static about one compiled decode round (its jit cache key besides the array shapes)."""
@@ -573,11 +589,11 @@ class _Generation:
         buckets = sorted((w, idx, slot_bucket(len(idx))) for w, idx in by_width.items())
         # A caller's ``slots`` (the most rows its calls have) gives every call one program; finer slot buckets
         # (``kv.slot_buckets``) trade that for slots that follow the rows.
-        self.decode_slots = kv.decode_slots
+        self.slot_buckets = kv.slot_buckets
         if kv.slots:
-            self.slots = kv.decode_slots(min(kv.slots, self.rows))
+            self.slots = decode_slots(min(kv.slots, self.rows), kv.slot_buckets)
         else:
-            self.slots = kv.decode_slots(slots if slots and kv.slot_buckets == 1 else self.rows)
+            self.slots = decode_slots(slots if slots and kv.slot_buckets == 1 else self.rows, kv.slot_buckets)
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
         # made once for the whole generation.
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
@@ -685,7 +701,8 @@ class _Generation:
         sched = self.sched
         if not self.tail_slots or sched.waiting:
             return
-        size = max(self.decode_slots(sum(s is not None for s in sched.slots)), self.decode_slots(self.tail_slots))
+        size = max(decode_slots(sum(s is not None for s in sched.slots), self.slot_buckets),
+                   decode_slots(self.tail_slots, self.slot_buckets))
         if size >= self.slots:
             return
         keep = sched.shrink(size)
@@ -769,7 +786,7 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
     fewer slots), and where the time went: ``prefill_s`` and ``decode_s`` (wall seconds), ``decode_steps`` (the most
     any device ran), ``slot_steps`` (slots x steps, devices added up) and ``decoded_tokens``
     (:func:`slot_occupancy`). ``slot_bucket(n)``: the rows a prefill of n sequences runs with (bucketed, so that few
-    programs compile; the decode rounds' slots are ``kv.decode_slots``'s). ``prefill_tokens``: the most tokens one
+    programs compile; the decode rounds' slots are :func:`decode_slots`'s). ``prefill_tokens``: the most tokens one
     prefill call takes. ``slots``: with ``kv.slots`` 0, the slots to decode with (devices together) instead of one per
     row: a caller whose row count changes from call to call passes its largest, so that every call runs the same
     compiled program. ``keep``: also return ``kept``, per row its keys and values and next-token logits

@@ -125,7 +125,8 @@ def test_finer_slot_buckets_decode_the_same_rows_in_fewer_slots(monkeypatch):
     assert [paged.decode_slots(n, 4) for n in (1, 100, 128, 129, 136, 513, 608, 1024)] == \
         [1, 128, 128, 160, 160, 640, 640, 1024]
     assert [paged.decode_slots(n, 2) for n in (129, 200, 608)] == [192, 256, 768]
-    assert [paged.decode_slots(n, KVCacheConfig().slot_buckets) for n in (129, 608)] == [256, 1024]
+    assert [paged.decode_slots(n, 1) for n in (129, 608)] == [256, 1024]
+    assert KVCacheConfig().slot_buckets == 4
     with pytest.raises(ValueError, match=r"KVCacheConfig\.slot_buckets=3.*1 \(powers of two\), 2, 4 or 8"):
         KVCacheConfig(layout="paged", slot_buckets=3)
     slots_per_round = []

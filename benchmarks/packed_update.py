@@ -1,19 +1,21 @@
 """The learner's GRPO update on one long-tailed step's rows, packed (``--optim.packing``) or padded: what a GRPO step
 of long ragged completions spends after its generation, without the sampler in the way.
 
-A step of ``--rows`` rows: ``--prompt`` prompt tokens each, completions of geometric lengths (mean ``--mean``, cut
-at ``--max-new``, drawn with ``--seed``), the DAPO update of ``train_step_vs_torch.py`` (token-level, clipped
-0.2/0.28), one optimizer step per update over micro-batches of ``--micro-rows`` rows (packed rows with packing).
-Reported per setting (medians of the updates after the first, which compiles): the update's wall time, trained
-tokens/s (prompt and completion tokens up to each row's last loss token: what the update computes without
-padding), the model FLOP rate against ``--peak-tflops`` (6 x parameters per trained token), the packed rows' count
-and fill (trained tokens over rows x width), and with ``--profile DIR`` one more update's GPU kernel time by category
-and its idle time.
+A step of ``--rows`` rows: ``--prompt`` prompt tokens each (one prompt per ``--generations`` rows, a GRPO group),
+completions of geometric lengths (mean ``--mean``, cut at ``--max-new``, drawn with ``--seed``), the DAPO update of
+``train_step_vs_torch.py`` (token-level, clipped 0.2/0.28), one optimizer step per update over micro-batches of
+``--micro-rows`` rows (packed rows with packing). Reported per setting (medians of the updates after the first,
+which compiles): the update's wall time, trained tokens/s (prompt and completion tokens up to each row's last loss
+token: what the update computes without padding), the model FLOP rate against ``--peak-tflops`` (6 x parameters per
+trained token), the packed rows' count and fill (trained tokens over rows x width; past 1 with ``--share-prompts``,
+whose rows hold each prompt once), and with ``--profile DIR`` one more update's GPU kernel time by category and its
+idle time.
 
     python benchmarks/packed_update.py --shape llama1b --micro-rows 1,2 --out packed.jsonl
     python benchmarks/packed_update.py --shape llama1b --micro-rows 4 --no-scan-layers    # layers unrolled
     python benchmarks/packed_update.py --shape llama1b --micro-rows 4 --no-scan-layers --loss-head logprobs
     python benchmarks/packed_update.py --shape llama1b --no-packing --micro-rows 4
+    python benchmarks/packed_update.py --shape llama1b --micro-rows 4 --no-scan-layers --share-prompts
 
 Against ``train_step_vs_torch.py --batch B --seq S`` (rows of one width, no segments) it tells what packing costs
 beyond the tokens themselves.
@@ -32,9 +34,10 @@ from kernels_common import env_line, kernel_profile, peak_bytes, report  # noqa:
 from train_step_vs_torch import SHAPES, jrl_update, num_params, time_updates  # noqa: E402
 
 
-def long_tailed_batch(rows: int, prompt: int, mean: float, max_new: int, vocab: int, seed: int):
-    """A GRPO :class:`~jrl.train.algorithms.grpo_update.StepBatch` of ``rows`` full prompts and completions of
-    geometric lengths (mean ``mean``, at most ``max_new``), the completion width the longest row's."""
+def long_tailed_batch(rows: int, prompt: int, mean: float, max_new: int, vocab: int, seed: int, generations: int):
+    """A GRPO :class:`~jrl.train.algorithms.grpo_update.StepBatch` of ``rows`` full prompts (one per ``generations``
+    rows) and completions of geometric lengths (mean ``mean``, at most ``max_new``), the completion width the longest
+    row's."""
     import numpy as np
 
     from jrl.train.algorithms.grpo_update import StepBatch
@@ -44,7 +47,8 @@ def long_tailed_batch(rows: int, prompt: int, mean: float, max_new: int, vocab: 
     width = int(lengths.max())
     c_mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
     c_ids = rng.integers(1, vocab, (rows, width)).astype(np.int32) * c_mask
-    ids = np.concatenate([rng.integers(1, vocab, (rows, prompt)).astype(np.int32), c_ids], 1)
+    prompts = rng.integers(1, vocab, (-(-rows // generations), prompt)).astype(np.int32)
+    ids = np.concatenate([np.repeat(prompts, generations, axis=0)[:rows], c_ids], 1)
     mask = np.concatenate([np.ones((rows, prompt), np.int32), c_mask], 1)
     return StepBatch(input_ids=ids, attention_mask=mask, completion_ids=c_ids, completion_mask=c_mask,
                      advantages=rng.standard_normal(rows).astype(np.float32),
@@ -56,22 +60,25 @@ def run(args, shape: dict, micro_rows: int) -> dict:
 
     from jrl.train.algorithms.grpo_update import packed_step
 
-    learner, update = jrl_update(args, shape, micro_batch_size=micro_rows, packing=args.packing)
-    batch, lengths = long_tailed_batch(args.rows, args.prompt, args.mean, args.max_new, shape["vocab_size"], args.seed)
+    learner, update = jrl_update(args, shape, micro_batch_size=micro_rows, packing=args.packing,
+                                 share_prompts=args.share_prompts)
+    batch, lengths = long_tailed_batch(args.rows, args.prompt, args.mean, args.max_new, shape["vocab_size"], args.seed,
+                                       args.generations)
     tokens = int(args.rows * args.prompt + lengths.sum())
     layout = {}
     if args.packing:
         packed, _ = packed_step(batch, learner)
         r, width = packed.input_ids.shape
         layout = dict(packed_rows=r, sequences_per_row=packed.gather.shape[1], width=width,
-                      fill=round(tokens / (r * width), 4))
+                      fill=round(tokens / (r * width), 4), attention_width=packed.segment_ids.shape[1])
     times, metrics = time_updates(learner, update, batch, args.updates)
     med, peak = statistics.median(times[1:]), peak_bytes()
     profile = None
     if args.profile:
         profile = kernel_profile(lambda: (update(learner, batch), learner.block_until_ready()),
                                  trace_dir=f"{args.profile}/micro{micro_rows}")
-    return dict(shape=args.shape, packing=args.packing, scan_layers=args.scan_layers, remat=args.remat,
+    return dict(shape=args.shape, packing=args.packing, share_prompts=args.share_prompts,
+                generations=args.generations, scan_layers=args.scan_layers, remat=args.remat,
                 loss_head=args.loss_head, micro_rows=micro_rows, rows=args.rows, prompt=args.prompt,
                 mean_new=round(float(lengths.mean()), 1),
                 max_new=int(lengths.max()), tokens=tokens, **layout,
@@ -91,7 +98,9 @@ def main():
     ap.add_argument("--mean", type=float, default=1024.0, help="mean completion length (geometric)")
     ap.add_argument("--max-new", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--generations", type=int, default=8, help="rows per prompt (a GRPO group)")
     ap.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--share-prompts", action="store_true", help="OptimConfig.share_prompts (with packing)")
     ap.add_argument("--micro-rows", default="1", help="comma list: rows (packed rows with packing) per micro-batch")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                     help="stacked, scanned layers (--no-scan-layers: unrolled)")

@@ -130,11 +130,11 @@ def device_model(cfg, *, seed: int, mesh, rules):
 
 # ----------------------------------------------------------------------------------------------- jrl
 def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int | None = None,
-               grad_sync: str = "auto", layers_per_gather: int = 0, packing: bool = False):
+               grad_sync: str = "auto", layers_per_gather: int = 0, packing: bool = False, share_prompts: bool = False):
     """(learner, update): the benchmark's jrl side, on ``mesh`` when given (the model built sharded by
     ``rules``; batches are split over its batch axes); ``micro_batch_size``: rows per micro-batch (None: a step is one
     micro-batch, gradient and optimizer in one program); ``grad_sync``: ``OptimConfig.grad_sync``;
-    ``layers_per_gather``: ``ModelConfig.fsdp_layers_per_gather``; ``packing``: ``OptimConfig.packing``."""
+    ``layers_per_gather``: ``ModelConfig.fsdp_layers_per_gather``; ``packing``, ``share_prompts``: ``OptimConfig``'s."""
     sys.path.insert(0, str(REPO))
     from jrl.losses import GRPOConfig
     from jrl.models.config import ModelConfig
@@ -158,7 +158,7 @@ def jrl_update(args, shape: dict, mesh=None, rules=None, micro_batch_size: int |
         if mesh is not None:
             shard_model(model, mesh, rules)
     learner = Learner(model, OptimConfig(learning_rate=1e-6, max_grad_norm=1.0, micro_batch_size=micro_batch_size,
-                                          grad_sync=grad_sync, packing=packing),
+                                          grad_sync=grad_sync, packing=packing, share_prompts=share_prompts),
                       total_updates=1000, mesh=mesh, rules=rules)
     # The DAPO loss is token-level: the group size plays no part (advantages come with the batch).
     algo = GRPOConfig(loss_type="dapo", epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH)

@@ -73,7 +73,7 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, MLP):
             out = self.mlp.add_to(self.post_attn_norm(h), h, fused=fused)
         else:
-            real = mask.q_segments > 0 if isinstance(mask, AttentionMask) else None  # router stats: real tokens
+            real = mask.row_segments() > 0 if isinstance(mask, AttentionMask) else None  # router stats: real tokens
             out = h + self.mlp(self.post_attn_norm(h), token_mask=real)
         out = constrain(out, _RESIDUAL, self.mesh, self.rules)
         return out if cache is None else (out, cache)
@@ -167,15 +167,17 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, input_ids: jax.Array, positions=None, attention_mask=None, segment_ids=None,
-                       mask=None, *, starts_at_zero: bool = False,
-                       max_segments: int | None = None) -> tuple[jax.Array, AttentionMask]:
+                       mask=None, *, starts_at_zero: bool = False, max_segments: int | None = None,
+                       expand: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, AttentionMask]:
         """(positions [B, S], structured attention mask) for a forward pass.
 
         An explicit ``mask`` [B, S, S] (query, key) replaces the causal, padding, segment and
         sliding-window rules, and ``positions`` must then be given too. ``starts_at_zero``: the caller promises
         that every row of ``attention_mask`` is right-padded only (:attr:`AttentionMask.starts_at_zero`).
         ``max_segments``: the caller's bound on the segments of a ``segment_ids`` row, padding included
-        (:attr:`AttentionMask.max_segments`)."""
+        (:attr:`AttentionMask.max_segments`). ``expand`` = (expand [B, E], collapse [B, S]): the attention runs over
+        the tokens gathered by ``expand`` (:attr:`AttentionMask.expand`; packed rows with shared prompts), and
+        ``segment_ids`` [B, E] and the explicit ``positions`` are of that layout and of the row."""
         b, s = input_ids.shape
         window = self.config.sliding_window
         if mask is not None:
@@ -186,7 +188,14 @@ class Transformer(nnx.Module):
             if mask.shape != (b, s, s):
                 raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (batch, seq, seq) = {(b, s, s)}")
             return positions.astype(jnp.int32), AttentionMask.from_dense(mask)
-        if segment_ids is not None:
+        if expand is not None:
+            if positions is None or segment_ids is None or attention_mask is not None:
+                raise ValueError("expand= needs segment_ids= (of the gathered layout) and positions= (of the row), "
+                                 "and no attention_mask=")
+            structured = dataclasses.replace(
+                AttentionMask.packed(segment_ids, sliding_window=window, max_segments=max_segments),
+                expand=expand[0].astype(jnp.int32), collapse=expand[1].astype(jnp.int32))
+        elif segment_ids is not None:
             structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window,
                                               max_segments=max_segments)
             positions = positions_from_segments(segment_ids) if positions is None else positions
@@ -201,13 +210,15 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: jax.Array, *, positions=None, attention_mask=None, segment_ids=None,
-                      mask=None, max_segments: int | None = None, return_layers: bool | Sequence[int] = False):
+                      mask=None, max_segments: int | None = None, expand: tuple[jax.Array, jax.Array] | None = None,
+                      return_layers: bool | Sequence[int] = False):
         """Final hidden states [B, S, H] (after the final norm, compute dtype).
 
         ``mask``: an explicit boolean attention mask [B, S, S] (query, key) used instead of the model's own
         (causal / padding / segments / sliding window); needs ``positions`` (see :meth:`prepare_inputs`).
         ``max_segments``: with ``segment_ids``, at most this many segments per row, padding included (packed rows
-        then take cuDNN's packed attention on a GPU).
+        then take cuDNN's packed attention on a GPU). ``expand``: packed rows with shared prompts (see
+        :meth:`prepare_inputs`).
 
         ``return_layers``: ``True`` also returns the tuple of all L + 1 hidden states in transformers'
         ``output_hidden_states`` convention (entry 0 = embedding output, entry i = output of layer i - 1,
@@ -236,7 +247,7 @@ class Transformer(nnx.Module):
             return h if shift is None else roll_rows(h, (h.shape[1] - shift) % h.shape[1])
 
         positions, mask = self.prepare_inputs(input_ids, positions, attention_mask, segment_ids, mask,
-                                              starts_at_zero=aligned, max_segments=max_segments)
+                                              starts_at_zero=aligned, max_segments=max_segments, expand=expand)
         embedded = self._embedded(input_ids)
         x, outputs = self._run_layers(embedded, positions, mask, depth, collect=return_layers is not False)
         collected = [embedded, *outputs]

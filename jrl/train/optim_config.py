@@ -50,6 +50,12 @@ class OptimConfig:
     GPUs the attention of packed rows runs on cuDNN's packed layout. Not with ``length_bucket``; not for the ``bnpo``
     loss (its value depends on which rows share a micro-batch: it runs padded); per-micro-batch metrics are averaged
     over other micro-batches than without it."""
+    share_prompts: bool = False
+    """With ``packing``: the sequences of one prompt (a GRPO group) in a packed row hold that prompt once (all but its
+    last token), so the projections, MLPs and norms run over each prompt once instead of ``num_generations`` times;
+    the attention still runs over every sequence whole (its prompt's keys and values gathered in front of it). The
+    loss and gradient are the padded rows'. MoE router statistics (and the balance losses) count a shared prompt's
+    tokens once."""
     grad_sync: Literal["auto", "micro_batch", "update"] = "auto"
     """On a mesh, when an update of several micro-batches combines the devices' gradients. ``micro_batch``: every
     micro-batch's gradient is reduced over the devices (with FSDP each micro-batch gathers every layer's weights,
@@ -86,5 +92,8 @@ class OptimConfig:
         if self.packing and self.length_bucket:
             raise invalid("OptimConfig", "packing", self.packing, "packed rows hold no padding to trim; set "
                           "length_bucket=0 or packing=False")
+        if self.share_prompts and not self.packing:
+            raise invalid("OptimConfig", "share_prompts", self.share_prompts, "prompts are shared inside packed rows; "
+                          "set packing=True or share_prompts=False")
         check_real(self, "router_aux_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")
         check_real(self, "router_z_loss_coef", ge=0, fix="use a number >= 0 (0 = off)")

@@ -9,6 +9,14 @@ sequence's completion log-probs from the scored columns into ``[R, S, T]`` and r
 where an empty sequence slot has no loss token. Log-probs, losses and the gradient are the padded rows' (the attention
 inside a segment equals the attention of the padded row; positions restart at 0 in each segment as they start at a
 padded row's first real token).
+
+With shared prompts the sequences of one prompt in a packed row (a GRPO group's ``num_generations`` rows, or as many
+of them as fit) hold that prompt once, all but its last token (whose column predicts each sequence's own first
+completion token): the projections, MLPs and norms run over each prompt once, a group of ``g`` sequences of prompt
+``P`` saves ``(g - 1)(P - 1)`` positions of them. The attention alone runs over every sequence whole: queries, keys
+and values are gathered into a wider layout where each sequence's copy of its prompt precedes its own tokens, and
+each packed-row column takes the output of its position there (a prompt's: its first copy). The gradient of a
+prompt's keys and values sums over its copies, so the loss and gradient stay the padded rows'.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ class PackedRows(NamedTuple):
     input_ids: np.ndarray
     """[R, W] int32: sequences end to end, then padding."""
     segment_ids: np.ndarray
-    """[R, W] int32: 1, 2, ... per sequence in the row; the padding after a row's sequences is one more segment (no
-    loss reads it), so that every query has a key to attend to (a query with none is NaN on some backends)."""
+    """[R, W] int32 ([R, E] with shared prompts: over ``expand``'s layout): 1, 2, ... per sequence in the row; the
+    padding after a row's sequences is one more segment (no loss reads it), so that every query has a key to attend
+    to (a query with none is NaN on some backends)."""
     scored: np.ndarray
     """[R, T] int32: the columns of each row that predict a completion token of their sequence, in order (0 past the
     row's last)."""
@@ -37,6 +46,16 @@ class PackedRows(NamedTuple):
     sequence s (0 where the slot or the token is not there; such entries have no loss token)."""
     sequence: np.ndarray
     """[R, S] int32: the padded-batch row of each sequence slot (-1 for an empty slot)."""
+    positions: np.ndarray | None = None
+    """Shared prompts: [R, W] int32, each token's position in its sequence (a shared prompt's from 0, each of its
+    sequences' own tokens after it). None: positions restart at 0 in each segment."""
+    expand: np.ndarray | None = None
+    """Shared prompts: [R, E] int32, the packed-row column each position of the attention's layout reads: every
+    sequence laid out whole, its shared prompt repeated before its own tokens (``segment_ids`` [R, E] describe this
+    layout). None: the attention runs over the packed row itself."""
+    collapse: np.ndarray | None = None
+    """Shared prompts: [R, W] int32, the attention-layout position whose output each packed-row column takes (a
+    shared prompt's: its first copy)."""
 
 
 def loss_extent(mask) -> np.ndarray:
@@ -57,36 +76,32 @@ def sequence_extents(attention_mask: np.ndarray, completion_mask: np.ndarray) ->
     return first, end - first
 
 
-def plan_rows(lengths: np.ndarray, width: int, scored: np.ndarray | None = None,
-              scored_width: int | None = None) -> list[list[int]]:
-    """The sequences of each packed row (indices into ``lengths``): :func:`first_fit` rows of ``width`` tokens and,
-    with ``scored``, of at most ``scored_width`` scored columns (each sequence's count in ``scored``), the most
-    crowded of them thinned (:func:`thin_rows`) without adding a row."""
-    lengths = np.asarray(lengths)
-    scored = np.zeros_like(lengths) if scored is None else np.asarray(scored)
-    scored_width = int(scored.max(initial=0)) if scored_width is None else scored_width
-    return thin_rows(first_fit(lengths, width, scored, scored_width), np.stack([lengths, scored], axis=1),
-                     np.array([width, scored_width]))
+def plan_rows(sizes, limits) -> list[list[int]]:
+    """The sequences of each packed row (indices into ``sizes`` [N, K]: each sequence's tokens, then what else a row
+    bounds, such as its scored columns): :func:`first_fit` rows within ``limits`` [K], the most crowded of them
+    thinned (:func:`thin_rows`) without adding a row."""
+    sizes, limits = np.asarray(sizes).reshape(len(sizes), -1), np.asarray(limits)
+    return thin_rows(first_fit(sizes, limits), sizes, limits)
 
 
-def first_fit(lengths: np.ndarray, width: int, scored: np.ndarray, scored_width: int) -> list[list[int]]:
-    """Sequences (indices into ``lengths``) in rows, longest first, each into the first row with room for its
-    tokens (``width``) and scored columns (``scored_width``)."""
+def first_fit(sizes: np.ndarray, limits: np.ndarray) -> list[list[int]]:
+    """Sequences (indices into ``sizes`` [N, K]) in rows, most tokens (column 0) first, each into the first row with
+    room for every one of its sizes (``limits`` [K] a row)."""
     rows: list[list[int]] = []
-    room: list[list[int]] = []  # per row: tokens left, scored columns left
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        need, score = int(lengths[i]), int(scored[i])
-        if need > width or score > scored_width:
-            raise ValueError(f"a sequence of {need} tokens ({score} scored) does not fit a packed row of {width} "
-                             f"({scored_width} scored)")
-        for r, (free, free_scored) in enumerate(room):
-            if free >= need and free_scored >= score:
-                rows[r].append(i)
-                room[r] = [free - need, free_scored - score]
-                break
+    room = np.zeros((0, len(limits)), np.int64)  # per row: what is left of each limit
+    for i in np.argsort(-sizes[:, 0], kind="stable").tolist():
+        need = sizes[i]
+        if (need > limits).any():
+            raise ValueError(f"a sequence of {need.tolist()} (tokens, scored columns...) does not fit a packed row "
+                             f"of {limits.tolist()}")
+        fits = (room >= need).all(axis=1)
+        if fits.any():
+            r = int(np.argmax(fits))
+            rows[r].append(i)
+            room[r] -= need
         else:
             rows.append([i])
-            room.append([width - need, scored_width - score])
+            room = np.concatenate([room, (limits - need)[None]])
     return rows
 
 
@@ -160,13 +175,23 @@ def _two_for_one(members: list[int], others: list[tuple[int, int]], sizes: np.nd
     return None
 
 
+EXPANDED_BUCKET = 256
+"""With shared prompts, the attention's layout is wider than a packed row by the prompts it repeats, rounded up to a
+multiple of this many positions (so that few widths compile), and at most by an eighth of the row (rounded up
+likewise): the attention's cost grows with that layout's padding, a run of its own (cuDNN's packed layout computes it
+as one more sequence), so rows are planned to fill it too (a 1B update on an H200 with the layout as wide as the
+widest row's prompts needed, 12,032 positions for rows of 8,448: 5.6% slower than without shared prompts,
+benchmarks/RESULTS.md)."""
+
+
 def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.ndarray, *,
-         rows_multiple: int | None, least_rows: int = 1) -> PackedRows:
+         rows_multiple: int | None, least_rows: int = 1, share_prompts: bool = False) -> PackedRows:
     """The padded rows ``input_ids`` / ``attention_mask`` [N, Lp + T] (left-padded prompts, right-padded completions of
     ``T`` = ``completion_mask.shape[1]`` columns) packed into rows of the same width (padding: token 0);
     the row count padded with empty rows to a multiple of ``rows_multiple`` (None: a power of two, at least
     ``least_rows``, e.g. the batch's shards on a mesh) and the sequences per row to a power of two, so that few
-    shapes compile."""
+    shapes compile. ``share_prompts``: the sequences of one prompt (a GRPO group) in a packed row hold all but its
+    last token once (the module docstring)."""
     input_ids = np.asarray(input_ids)
     n, width = input_ids.shape
     t = np.asarray(completion_mask).shape[1]
@@ -176,31 +201,92 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
     # the sequence from j0 on (j0 = 1 only for a row without a prompt token): tokens j0 .. j0 + scored - 1 are scored.
     j0 = np.maximum(first + 1 - prompt_width, 0)
     scored = np.maximum(lengths - (prompt_width - first) - j0, 0)
-    plan = plan_rows(lengths, width, scored, t)
+    # The prefix a row shares: its prompt but the last token, whose column predicts the row's own first token.
+    prefix = np.maximum(prompt_width - first - 1, 0) if share_prompts else np.zeros(n, np.int64)
+    if share_prompts:
+        limits = np.array([width, t, width + _round_up(width // 8, EXPANDED_BUCKET)])
+        plan = _plan_shared(input_ids, first, prefix, lengths, scored, limits)
+    else:
+        plan = [[[i] for i in row] for row in plan_rows(np.stack([lengths, scored], axis=1), [width, t])]
     r = (1 << (max(len(plan), least_rows) - 1).bit_length() if rows_multiple is None
          else -(-len(plan) // rows_multiple) * rows_multiple)
-    s = 1 << (max(len(p) for p in plan) - 1).bit_length()
+    s = 1 << (max(sum(map(len, units)) for units in plan) - 1).bit_length()
+    # The attention's layout: every row's sequences whole, and at least one position of padding after them (the
+    # packed row's padding columns take its output).
+    expanded = _round_up(max(int(lengths[[i for u in units for i in u]].sum()) for units in plan) + 1,
+                         EXPANDED_BUCKET) if share_prompts else width
     ids = np.zeros((r, width), np.int32)
-    segments = np.ones((r, width), np.int32)  # rows past the plan: one segment of padding
+    positions = np.zeros((r, width), np.int32)
+    segments = np.ones((r, expanded), np.int32)  # rows past the plan: one segment of padding
+    expand = np.full((r, expanded), width - 1, np.int32)
+    collapse = np.full((r, width), expanded - 1, np.int32)
     columns = np.zeros((r, t), np.int32)
     targets = np.zeros((r, t), np.int32)
     gather = np.zeros((r, s, t), np.int32)
     sequence = np.full((r, s), -1, np.int32)
-    for row, members in enumerate(plan):
-        at = done = 0
-        for slot, i in enumerate(members):
-            size, k = int(lengths[i]), int(scored[i])
-            ids[row, at:at + size] = input_ids[i, first[i]:first[i] + size]
-            segments[row, at:at + size] = slot + 1
-            j = int(j0[i])
-            start = at + prompt_width + j - 1 - first[i]  # the column predicting completion token j
-            columns[row, done:done + k] = np.arange(start, start + k)
-            targets[row, done:done + k] = input_ids[i, prompt_width + j:prompt_width + j + k]
-            gather[row, slot, j:j + k] = np.arange(done, done + k)
-            sequence[row, slot] = i
-            at, done = at + size, done + k
-        segments[row, at:] = len(members) + 1
-    return PackedRows(ids, segments, columns, targets, gather, sequence)
+    for row, units in enumerate(plan):
+        at = e = done = slot = 0  # compact column, expanded column, scored column, sequence slot
+        for unit in units:
+            pl, head = int(prefix[unit[0]]), at  # the unit's shared prefix sits at head .. head + pl
+            ids[row, at:at + pl] = input_ids[unit[0], first[unit[0]]:first[unit[0]] + pl]
+            positions[row, at:at + pl] = np.arange(pl)
+            collapse[row, at:at + pl] = np.arange(e, e + pl)
+            at += pl
+            for i in unit:
+                size, k, j = int(lengths[i]) - pl, int(scored[i]), int(j0[i])
+                ids[row, at:at + size] = input_ids[i, first[i] + pl:first[i] + pl + size]
+                positions[row, at:at + size] = np.arange(pl, pl + size)
+                expand[row, e:e + pl + size] = np.concatenate([np.arange(head, head + pl), np.arange(at, at + size)])
+                segments[row, e:e + pl + size] = slot + 1
+                collapse[row, at:at + size] = np.arange(e + pl, e + pl + size)
+                start = at + prompt_width + j - 1 - first[i] - pl  # the column predicting completion token j
+                columns[row, done:done + k] = np.arange(start, start + k)
+                targets[row, done:done + k] = input_ids[i, prompt_width + j:prompt_width + j + k]
+                gather[row, slot, j:j + k] = np.arange(done, done + k)
+                sequence[row, slot] = i
+                at, e, done, slot = at + size, e + pl + size, done + k, slot + 1
+        segments[row, e:] = slot + 1
+    if not share_prompts:  # the expanded layout is the packed row itself
+        return PackedRows(ids, segments, columns, targets, gather, sequence)
+    return PackedRows(ids, segments, columns, targets, gather, sequence, positions, expand, collapse)
+
+
+def _plan_shared(input_ids: np.ndarray, first: np.ndarray, prefix: np.ndarray, lengths: np.ndarray,
+                 scored: np.ndarray, limits: np.ndarray) -> list[list[list[int]]]:
+    """The units of each packed row with shared prompts (a unit: rows of one prefix, laid out after one copy of it).
+    Rows are placed prefix by prefix (most tokens first), longest first, each into the first packed row that holds
+    its prefix already and has room for its own tokens, else into the first with room for it whole; ``limits`` bound
+    a packed row's tokens, scored columns and tokens in the attention's layout (its rows whole). A row without a
+    prefix is a unit of its own. (Longest first over every row, as :func:`first_fit`, scatters a group over rows
+    where its prefix is not: on a long-tailed 1B step 80 packed rows instead of 73.)"""
+    groups: dict[bytes | int, list[int]] = {}
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        groups.setdefault(input_ids[i, first[i]:first[i] + prefix[i]].tobytes() if prefix[i] else i, []).append(i)
+    plan: list[dict] = []  # per packed row: prefix -> its unit
+    room = np.zeros((0, len(limits)), np.int64)  # per packed row: what is left of each limit
+    for key, i in [(key, i) for key, rows in sorted(groups.items(), key=lambda kv: -int(lengths[kv[1]].sum()))
+                   for i in rows]:
+        whole = np.array([lengths[i], scored[i], lengths[i]])
+        need = whole - np.array([prefix[i], 0, 0])
+        fits = np.array([key in units for units in plan], bool) & (room >= need).all(axis=1)
+        if not fits.any():
+            need = whole
+            fits = (room >= need).all(axis=1)
+        if fits.any():
+            r = int(np.argmax(fits))
+            plan[r].setdefault(key, []).append(i)
+            room[r] -= need
+        else:
+            if (whole > limits).any():
+                raise ValueError(f"a sequence of {whole.tolist()} (tokens, scored columns, attended tokens) does not "
+                                 f"fit a packed row of {limits.tolist()}")
+            plan.append({key: [i]})
+            room = np.concatenate([room, (limits - whole)[None]])
+    return [list(units.values()) for units in plan]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def per_sequence(values: np.ndarray | None, sequence: np.ndarray, fill) -> np.ndarray | None:

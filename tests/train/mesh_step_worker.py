@@ -1,5 +1,5 @@
 """Child process for test_grpo_e2e.py: the train step on a 2-device FSDP mesh vs one device (fake CPU devices),
-padded and with packed rows (optim.packing) on the mesh.
+padded and with packed rows (optim.packing, with and without shared prompts) on the mesh.
 
 Prints one JSON line: the device count, the max relative gradient difference, the loss of both, and how many
 devices hold the sharded parameters; whether the accumulated gradient is laid out as the parameters and how many
@@ -47,6 +47,10 @@ def main():
     mesh, rules = make_mesh(cfg), cfg.logical_rules()
     algo = GRPOConfig(num_generations=2, loss_type="grpo")
     batch = random_step_batch(seed=3)
+    p = batch.input_ids.shape[1] - batch.completion_ids.shape[1]  # rows in pairs of one prompt (num_generations=2)
+    ids, attention = batch.input_ids.copy(), batch.attention_mask.copy()
+    ids[1::2, :p], attention[1::2, :p] = ids[::2, :p], attention[::2, :p]
+    batch = batch._replace(input_ids=ids, attention_mask=attention)
     sharded = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules), OptimConfig(micro_batch_size=4),
                       total_updates=2, mesh=mesh, rules=rules)
     single = Learner(create_model(tiny_config(), seed=1), OptimConfig(), total_updates=2)
@@ -81,16 +85,18 @@ def main():
     moe_err = dict(grad=max_rel_err(moe_grads["mesh"], moe_grads["single"]),
                    old_logprobs=float(np.abs(moe_grads["mesh_old"] - moe_grads["single_old"]).max()))
     packed = {}
-    # micro-batches of 2 packed rows (through the log-prob kernel, and through the loss-fused head); one micro-batch
-    # of a power of two of rows
-    for mb, head in ((2, "logprobs"), (2, "fused"), (None, "logprobs")):
+    # micro-batches of 2 packed rows (through the log-prob kernel, and through the loss-fused head, with and without
+    # shared prompts); one micro-batch of a power of two of rows
+    for mb, head, share in ((2, "logprobs", False), (2, "fused", False), (2, "fused", True), (None, "logprobs", False)):
         packing = Learner(create_model(tiny_config(), seed=1, mesh=mesh, rules=rules),
-                          OptimConfig(micro_batch_size=mb, packing=True), total_updates=2, mesh=mesh, rules=rules)
+                          OptimConfig(micro_batch_size=mb, packing=True, share_prompts=share), total_updates=2,
+                          mesh=mesh, rules=rules)
         up = PolicyUpdate(algo, packing, temperature=1.0, num_iterations=1, impl="auto", loss_head=head)
         (term,) = up.policy_terms(packing, batch)
         gp, cp, _ = packing.accumulate([term])
-        packed[f"{mb}_{head}"] = dict(grad_err=max_rel_err(gp, g1), loss=float(sum(cp["loss"])),
-                                      rows=int(term.rows.input_ids.shape[0]))
+        packed[f"{mb}_{head}_{share}"] = dict(grad_err=max_rel_err(gp, g1), loss=float(sum(cp["loss"])),
+                                              rows=int(term.rows.input_ids.shape[0]),
+                                              shared=term.rows.expand is not None)
     m2 = u2(sharded, batch)
     m1 = u1(single, batch)
     devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params))

@@ -170,9 +170,10 @@ def test_sharded_step_equals_single_device():
     """§12.3: the gradient of a 2-device FSDP step (2 micro-batches) equals the 1-device, 1-micro-batch one, and is
     sharded as the parameters (an accumulator left to the compiler sat on one device or replicated); so does
     a step of packed rows on the mesh (micro-batches of 2 packed rows, through the log-prob kernel or the loss-fused
-    head, or one of a power of two of at least 2 rows: split over the devices)."""
+    head, with each pair's prompt shared, or one of a power of two of at least 2 rows: split over the devices)."""
     out = run_worker("mesh_step_worker.py")
-    assert len(out["packed"]) == 3  # 2 packed rows per micro-batch through either head; one micro-batch
+    # 2 packed rows per micro-batch through either head (shared prompts too); one micro-batch
+    assert len(out["packed"]) == 4 and [k for k, v in out["packed"].items() if v["shared"]] == ["2_fused_True"]
     for packed in out["packed"].values():
         assert packed["rows"] % 2 == 0 and packed["rows"] < 8 and packed["grad_err"] <= 1e-5
         assert packed["loss"] == pytest.approx(out["loss"][1], rel=1e-5)

@@ -257,7 +257,8 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         train(dataclasses.replace(runs[0], max_steps=1, output_dir=str(tmp_path / "paged"), eval_every=0,
                                   eval=EvalConfig(), wandb=WandbConfig(), rollout=dataclasses.replace(
                                       runs[0].rollout, kv=KVCacheConfig(layout="paged", page_size=8, slots=2,
-                                                                        pages=64))),
+                                                                        pages=64)),
+                                  optim=dataclasses.replace(runs[0].optim, packing=True, share_prompts=True)),
               progress=False)
     unread = sorted(p for p, owner in leaves.items() if owner not in seen)
     # data.split and data.hub_config select a split / configuration of a saved DatasetDict directory or a hub
@@ -288,7 +289,7 @@ def test_every_help_field_has_an_effect_or_is_rejected(tiny_model_dir, tmp_path)
         dataclasses.replace(runs[0], rollout=RolloutConfig(vllm=VLLMConfig(max_retries=1)))
     with pytest.raises(ValueError, match=r"TrainConfig\.rollout\.devices=2.*rollout\.backend='vllm' does not use it"):
         dataclasses.replace(runs[0], rollout=RolloutConfig(backend="vllm", devices=2))
-    for paged_only in (dict(slots=4), dict(slot_buckets=4)):
+    for paged_only in (dict(slots=4), dict(slot_buckets=2)):
         field, value = next(iter(paged_only.items()))
         with pytest.raises(ValueError, match=rf"rollout\.kv\.{field}={value}.*layout='dense' does not use"):
             dataclasses.replace(runs[0], rollout=RolloutConfig(kv=KVCacheConfig(**paged_only)))

@@ -33,6 +33,65 @@ def _long_tailed_batch(seed: int, n: int = 12, completion_len: int = 24):
                           truncated=lengths == completion_len, sampler_logprobs=samp, has_signal=np.ones(n, bool))
 
 
+def _grouped_batch(seed: int, group: int = 4, n: int = 12):
+    """:func:`_long_tailed_batch` whose rows come in groups of ``group`` with one prompt (a GRPO step)."""
+    batch = _long_tailed_batch(seed, n=n)
+    p = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
+    lead = np.arange(n) // group * group
+    ids, attention = batch.input_ids.copy(), batch.attention_mask.copy()
+    ids[:, :p], attention[:, :p] = ids[lead, :p], attention[lead, :p]
+    return batch._replace(input_ids=ids, attention_mask=attention)
+
+
+def test_shared_prompts_lay_each_prompt_once_and_every_sequence_whole_for_the_attention():
+    """With shared prompts a group's prompt (but its last token) sits once in a packed row; the attention's layout
+    (``expand``) holds every sequence whole with the positions of its padded row, each packed column takes the output
+    of a position that reads it, and the scored columns predict the completion tokens."""
+    batch = _grouped_batch(seed=7)
+    t = batch.completion_ids.shape[1]
+    plain = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=1)
+    rows = pack(batch.input_ids, batch.attention_mask, batch.completion_mask, rows_multiple=1, share_prompts=True)
+    first, lengths = sequence_extents(batch.attention_mask, batch.completion_mask)
+    prompts = batch.input_ids.shape[1] - t - first
+    assert sorted(rows.sequence[rows.sequence >= 0].tolist()) == list(range(len(first)))
+    assert rows.segment_ids.shape[1] > rows.input_ids.shape[1] == plain.input_ids.shape[1]
+    for r in range(rows.input_ids.shape[0]):
+        tokens = np.unique(rows.expand[r, rows.segment_ids[r] <= (rows.sequence[r] >= 0).sum()])
+        np.testing.assert_array_equal(rows.expand[r, rows.collapse[r, tokens]], tokens)
+        for s, i in enumerate(rows.sequence[r]):
+            if i < 0:
+                continue
+            inside = rows.segment_ids[r] == s + 1
+            at = rows.expand[r, inside]
+            np.testing.assert_array_equal(rows.input_ids[r, at], batch.input_ids[i, first[i]:first[i] + lengths[i]])
+            np.testing.assert_array_equal(rows.positions[r, at], np.arange(lengths[i]))
+            loss = batch.completion_mask[i] > 0
+            column = rows.scored[r, rows.gather[r, s, loss]]
+            np.testing.assert_array_equal(rows.targets[r, rows.gather[r, s, loss]], batch.completion_ids[i, loss])
+            assert set(column.tolist()) <= set(at.tolist())  # a column of this sequence's own tokens
+            np.testing.assert_array_equal(rows.positions[r, column] + 1,
+                                          _first_completion_position(batch, i) + np.flatnonzero(loss))
+    # Every packed token is read by the attention's layout, a prompt's by each sequence of its unit and nothing else
+    # twice: the packed rows hold the sequences' tokens less the repeated prompts.
+    packed = repeated = 0
+    for r in range(rows.input_ids.shape[0]):
+        real = rows.segment_ids[r] <= (rows.sequence[r] >= 0).sum()
+        packed += len(np.unique(rows.expand[r, real]))
+        prefixes = {}
+        for s, i in enumerate(rows.sequence[r]):
+            if i >= 0 and prompts[i] > 1:
+                head = rows.expand[r, rows.segment_ids[r] == s + 1][:prompts[i] - 1]
+                prefixes.setdefault(head.tobytes(), []).append(len(head))
+        repeated += sum(sizes[0] * (len(sizes) - 1) for sizes in prefixes.values())
+    assert repeated > 0 and packed == lengths.sum() - repeated
+
+
+def _first_completion_position(batch, i: int) -> int:
+    """The position of row ``i``'s first completion token in its padded row (its real prompt tokens before it)."""
+    t = batch.completion_ids.shape[1]
+    return int(batch.attention_mask[i, :batch.input_ids.shape[1] - t].sum())
+
+
 def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
     batch = _long_tailed_batch(seed=1)
     n, width = batch.input_ids.shape
@@ -61,8 +120,8 @@ def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
     # The packed forward promises the attention at most S + 1 runs per row (cuDNN's packed layout needs the bound).
     runs = 1 + (np.diff(rows.segment_ids, axis=1) != 0).sum(axis=1)
     assert runs.max() <= rows.gather.shape[1] + 1 and runs.max() > 2
-    assert max(sum(lengths[plan]) for plan in plan_rows(lengths, width)) <= width
-    assert plan_rows([5, 5, 5], 20, [4, 4, 4], 8) == [[0, 1], [2]]  # the scored budget binds before the width
+    assert max(sum(lengths[plan]) for plan in plan_rows(lengths, [width])) <= width
+    assert plan_rows([[5, 4]] * 3, [20, 8]) == [[0, 1], [2]]  # the scored budget binds before the width
     # The LM head runs over at most T scored columns per row, each a distinct column of the row.
     assert rows.scored.shape == (rows.input_ids.shape[0], t)
     for r in range(rows.input_ids.shape[0]):
@@ -95,31 +154,39 @@ def test_crowded_rows_are_thinned_by_moves_and_swaps_without_another_row():
     rng = np.random.default_rng(0)
     completions = np.minimum(rng.geometric(1 / 1024, 512), 8192)
     lengths, width, t = completions + 256, 256 + int(completions.max()), int(completions.max())
-    crowded = first_fit(lengths, width, completions, t)
-    plan = plan_rows(lengths, width, completions, t)
-    assert _rows_hold(plan, np.stack([lengths, completions], axis=1), [width, t]) and len(plan) == len(crowded)
+    sizes = np.stack([lengths, completions], axis=1)
+    crowded, plan = first_fit(sizes, np.array([width, t])), plan_rows(sizes, [width, t])
+    assert _rows_hold(plan, sizes, [width, t]) and len(plan) == len(crowded)
     assert max(map(len, crowded)) > 16 and max(map(len, plan)) <= 16
 
 
-@pytest.mark.parametrize("loss_head", ["logprobs", "fused"])
-@pytest.mark.parametrize("loss_type,mb,extra", [
-    ("dapo", 2, {}), ("grpo", None, {}), ("dr_grpo", 2, {}),
-    ("grpo", 2, dict(importance_sampling_level="sequence", beta=0.05)),
-], ids=["dapo", "grpo", "dr_grpo", "gspo+kl"])
-def test_a_packed_update_is_the_padded_update(loss_type, mb, extra, loss_head):
-    """Packed rows through the log-prob kernel or the loss-fused head give the padded rows' loss, gradient and
-    update (the padded side through the log-prob kernel; float32)."""
-    algo = dataclasses.replace(ALGO, loss_type=loss_type, **extra)
-    batch = _long_tailed_batch(seed=3)
+LOSSES = {"dapo": ("dapo", 2, {}), "grpo": ("grpo", None, {}), "dr_grpo": ("dr_grpo", 2, {}),
+          "gspo+kl": ("grpo", 2, dict(importance_sampling_level="sequence", beta=0.05))}
+
+
+@pytest.mark.parametrize("loss,loss_head,share", [
+    *((loss, head, False) for head in ("logprobs", "fused") for loss in LOSSES),
+    ("dapo", "fused", True), ("gspo+kl", "logprobs", True),
+])
+def test_a_packed_update_is_the_padded_update(loss, loss_head, share):
+    """Packed rows through the log-prob kernel or the loss-fused head, and rows holding each group's prompt once
+    (``share``), give the padded rows' loss, gradient and update (the padded side through the log-prob kernel;
+    float32)."""
+    loss_type, mb, extra = LOSSES[loss]
+    algo = dataclasses.replace(ALGO, loss_type=loss_type, num_generations=4 if share else 2, **extra)
+    batch = _grouped_batch(seed=8) if share else _long_tailed_batch(seed=3)
     if algo.beta:
         batch = batch._replace(ref_logprobs=np.where(batch.completion_mask > 0, -2.5, 0.0).astype(np.float32))
     padded, u1 = grpo_learner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=mb), total_updates=2,
                               temperature=0.7, loss_head="logprobs")
-    packed, u2 = grpo_learner(tiny_model(seed=4), algo, OptimConfig(micro_batch_size=mb, packing=True),
+    packed, u2 = grpo_learner(tiny_model(seed=4), algo,
+                              OptimConfig(micro_batch_size=mb, packing=True, share_prompts=share),
                               total_updates=2, temperature=0.7, loss_head=loss_head)
     (term,) = u2.policy_terms(packed, batch)
     assert term.rows.input_ids.shape[0] < batch.input_ids.shape[0]
     assert term.loss.loss.fused_head == (loss_head == "fused")
+    assert (term.rows.expand is not None) == share  # shared prompts: the attention runs over a wider layout
+    assert (term.rows.segment_ids.shape[1] > term.rows.input_ids.shape[1]) == share
     g1, c1, _ = padded.accumulate(u1.policy_terms(padded, batch))
     g2, c2, _ = packed.accumulate([term])
     assert np.isfinite(float(sum(c1["loss"]))) and float(abs(sum(c1["loss"]))) > 0
@@ -154,6 +221,8 @@ def test_old_and_reference_logprobs_of_packed_rows_are_the_padded_ones():
 def test_packing_refuses_length_buckets_and_leaves_bnpo_padded():
     with pytest.raises(ValueError, match=r"OptimConfig\.packing=True.*length_bucket=0"):
         OptimConfig(packing=True, length_bucket=4)
+    with pytest.raises(ValueError, match=r"OptimConfig\.share_prompts=True.*set packing=True"):
+        OptimConfig(share_prompts=True)
     learner, update = grpo_learner(tiny_model(seed=4), dataclasses.replace(ALGO, loss_type="bnpo"),
                                    OptimConfig(micro_batch_size=2, packing=True), total_updates=1)
     batch = _long_tailed_batch(seed=2)

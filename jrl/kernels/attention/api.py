@@ -49,6 +49,7 @@ the queries' dtype only, so such calls fall back to the reference.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jrl.kernels import _dispatch
 from jrl.kernels._dispatch import Impl
@@ -101,7 +102,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, 
 
     Args:
       q: [B, T, N, D] queries; k, v: [B, S, K, D] keys and values with N % K == 0 (never repeated).
-      mask: which keys each query attends to (:class:`AttentionMask`).
+      mask: which keys each query attends to (:class:`AttentionMask`); with ``mask.expand`` the rules are of the
+        gathered layout, which any implementation runs on.
       impl: "auto" or one of :func:`available_impls`.
       scale: score scale (default D ** -0.5).
       **kwargs: implementation options (``block_q=`` / ``block_k=`` for xla, ``interpret=`` for splash).
@@ -110,6 +112,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, 
       [B, T, N, D] in v's dtype; scores and softmax in float32. Outputs at padding queries are
       unspecified (finite).
     """
+    if mask.expand is not None:  # over the gathered layout, each token taking its position's output
+        def gather(x: jax.Array, index: jax.Array) -> jax.Array:
+            return jnp.take_along_axis(x, index[:, :, None, None], axis=1)
+
+        out = attention(gather(q, mask.expand), gather(k, mask.expand), gather(v, mask.expand), mask.gathered(),
+                        impl=impl, scale=scale, **kwargs)
+        return gather(out, mask.collapse)
     b, t, n, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
         raise ValueError(f"attention needs q [B, T, N, D] and k = v [B, S, K, D] with N % K == 0; got "

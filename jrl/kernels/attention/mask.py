@@ -36,6 +36,12 @@ class AttentionMask:
     """[B, S] int32 segment of each key (0 = padding, never attended)."""
     explicit: jax.Array | None = None
     """[B, T, S] bool, ANDed with the other rules (None = no explicit mask)."""
+    expand: jax.Array | None = None
+    """[B, E] int32: attention over a gathered layout (packed rows with shared prompts): position ``e`` of it is the
+    row's token ``expand[e]`` (queries, keys and values gathered), the segments and every rule apply to that layout
+    ([B, E]), and token ``i`` of the row takes the output of position ``collapse[i]``. None: the row itself."""
+    collapse: jax.Array | None = None
+    """[B, T] int32, with ``expand``: the gathered position whose output each token of the row takes."""
     causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     contiguous: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -96,6 +102,16 @@ class AttentionMask:
             rows = jax.lax.dynamic_slice_in_dim(self.explicit, q_start, q_len, axis=1)
             allowed = allowed & jax.lax.dynamic_slice_in_dim(rows, k_start, k_len, axis=2)
         return allowed
+
+    def row_segments(self) -> jax.Array:
+        """[B, T] the segment of each query token of the row (with ``expand``: its gathered position's)."""
+        if self.expand is None:
+            return self.q_segments
+        return jnp.take_along_axis(self.q_segments, self.collapse, axis=1)
+
+    def gathered(self) -> AttentionMask:
+        """This mask over its gathered layout (``expand``), as a mask of that layout's own rows."""
+        return dataclasses.replace(self, expand=None, collapse=None)
 
     def dense(self) -> jax.Array:
         """The whole allowed-matrix [B, T, S]."""

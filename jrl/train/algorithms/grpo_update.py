@@ -215,13 +215,17 @@ class PackedStep(NamedTuple):
     sampler_logprobs: np.ndarray | None = None
     old_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    expand: np.ndarray | None = None
+    collapse: np.ndarray | None = None
 
 
 def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
     """``batch`` packed (:func:`jrl.train.packing.pack`) into micro-batches of ``learner``'s size (or a power of two
     of rows, at least the batch's shards) and the padded row of each sequence slot [R, S] (-1: empty)."""
     rows = pack(batch.input_ids, batch.attention_mask, batch.completion_mask,
-                rows_multiple=learner.optim.micro_batch_size, least_rows=batch_shards(learner.mesh, learner.rules))
+                rows_multiple=learner.optim.micro_batch_size, least_rows=batch_shards(learner.mesh, learner.rules),
+                share_prompts=learner.optim.share_prompts)
     seq = rows.sequence
     return PackedStep(
         input_ids=rows.input_ids, segment_ids=rows.segment_ids, scored=rows.scored, targets=rows.targets,
@@ -230,13 +234,16 @@ def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
         truncated=per_sequence(batch.truncated, seq, False),
         sampler_logprobs=per_sequence(batch.sampler_logprobs, seq, np.nan),
         old_logprobs=per_sequence(batch.old_logprobs, seq, 0), ref_logprobs=per_sequence(batch.ref_logprobs, seq, 0),
+        positions=rows.positions, expand=rows.expand, collapse=rows.collapse,
     ), seq
 
 
 def packed_hidden(model, packed: PackedStep):
     """[R, C, H] final hidden states of packed rows at their scored columns (each predicts that column's target)."""
     s = packed.gather.shape[1]
-    hidden = model.hidden_states(packed.input_ids, segment_ids=packed.segment_ids, max_segments=s + 1)
+    expand = None if packed.expand is None else (packed.expand, packed.collapse)
+    hidden = model.hidden_states(packed.input_ids, positions=packed.positions, segment_ids=packed.segment_ids,
+                                 max_segments=s + 1, expand=expand)
     return jnp.take_along_axis(hidden, packed.scored[:, :, None], axis=1)
 
 
@@ -313,7 +320,8 @@ class PackedGRPOLoss:
             lp, ent = packed_logprobs(model, packed, temperature=temperature, impl=self.loss.impl,
                                       with_entropy=algo.needs_entropy)
             return grpo_loss(_loss_inputs(slot_rows(packed), lp, ent), algo, normalizers)
-        rows = packed._replace(input_ids=None, segment_ids=None, scored=None, targets=None)
+        rows = packed._replace(input_ids=None, segment_ids=None, scored=None, targets=None, positions=None,
+                               expand=None, collapse=None)
         loss, lp, ent = model.head_loss(packed_hidden(model, packed), packed.targets, PackedGRPORowLoss(algo), rows,
                                         normalizers, temperature=temperature, with_entropy=algo.needs_entropy)
         lp, ent = per_slot(lp, packed.gather), per_slot(ent, packed.gather)

@@ -198,6 +198,24 @@ def test_a_packed_update_is_the_padded_update(loss, loss_head, share):
     assert m2["num_tokens"] == m1["num_tokens"] == float(batch.completion_mask.sum())
 
 
+def test_an_moe_update_with_shared_prompts_is_the_padded_update():
+    """An MoE model (router statistics over each packed token once, through the gathered layout's segments) with
+    shared prompts: the padded rows' loss and gradient (float32, no balance loss)."""
+    moe = dict(model_type="qwen3_moe", qk_norm=True, head_dim=8, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=16)
+    algo, batch = dataclasses.replace(ALGO, num_generations=4), _grouped_batch(seed=9)
+    padded, u1 = grpo_learner(tiny_model(seed=4, **moe), algo, OptimConfig(micro_batch_size=2), total_updates=2,
+                              loss_head="logprobs")
+    shared, u2 = grpo_learner(tiny_model(seed=4, **moe), algo,
+                              OptimConfig(micro_batch_size=2, packing=True, share_prompts=True), total_updates=2)
+    (term,) = u2.policy_terms(shared, batch)
+    g1, c1, _ = padded.accumulate(u1.policy_terms(padded, batch))
+    g2, c2, _ = shared.accumulate([term])
+    assert term.rows.expand is not None and float(abs(sum(c1["loss"]))) > 0
+    assert float(sum(c2["loss"])) == pytest.approx(float(sum(c1["loss"])), rel=1e-5)
+    assert max_rel_err(g2, g1) <= 1e-5
+
+
 def test_old_and_reference_logprobs_of_packed_rows_are_the_padded_ones():
     """Two updates per batch (old log-probs) and a KL term (reference log-probs of the initial weights): filled in
     from packed rows they equal the padded rows' on every loss token, and the two passes give the padded update."""

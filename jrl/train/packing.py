@@ -201,25 +201,28 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
     # the sequence from j0 on (j0 = 1 only for a row without a prompt token): tokens j0 .. j0 + scored - 1 are scored.
     j0 = np.maximum(first + 1 - prompt_width, 0)
     scored = np.maximum(lengths - (prompt_width - first) - j0, 0)
-    # The prefix a row shares: its prompt but the last token, whose column predicts the row's own first token.
-    prefix = np.maximum(prompt_width - first - 1, 0) if share_prompts else np.zeros(n, np.int64)
     if share_prompts:
+        # The prefix a row shares: its prompt but the last token, whose column predicts the row's own first token.
+        prefix = np.maximum(prompt_width - first - 1, 0)
         limits = np.array([width, t, width + _round_up(width // 8, EXPANDED_BUCKET)])
         plan = _plan_shared(input_ids, first, prefix, lengths, scored, limits)
+        # The attention's layout: every row's sequences whole, and at least one position of padding after them (the
+        # packed row's padding columns take its output).
+        expanded = _round_up(max(int(lengths[[i for u in units for i in u]].sum()) for units in plan) + 1,
+                             EXPANDED_BUCKET)
     else:
+        prefix = np.zeros(n, np.int64)
         plan = [[[i] for i in row] for row in plan_rows(np.stack([lengths, scored], axis=1), [width, t])]
+        expanded = width
     r = (1 << (max(len(plan), least_rows) - 1).bit_length() if rows_multiple is None
-         else -(-len(plan) // rows_multiple) * rows_multiple)
+         else _round_up(len(plan), rows_multiple))
     s = 1 << (max(sum(map(len, units)) for units in plan) - 1).bit_length()
-    # The attention's layout: every row's sequences whole, and at least one position of padding after them (the
-    # packed row's padding columns take its output).
-    expanded = _round_up(max(int(lengths[[i for u in units for i in u]].sum()) for units in plan) + 1,
-                         EXPANDED_BUCKET) if share_prompts else width
     ids = np.zeros((r, width), np.int32)
-    positions = np.zeros((r, width), np.int32)
     segments = np.ones((r, expanded), np.int32)  # rows past the plan: one segment of padding
-    expand = np.full((r, expanded), width - 1, np.int32)
-    collapse = np.full((r, width), expanded - 1, np.int32)
+    if share_prompts:
+        positions = np.zeros((r, width), np.int32)
+        expand = np.full((r, expanded), width - 1, np.int32)
+        collapse = np.full((r, width), expanded - 1, np.int32)
     columns = np.zeros((r, t), np.int32)
     targets = np.zeros((r, t), np.int32)
     gather = np.zeros((r, s, t), np.int32)
@@ -228,17 +231,20 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
         at = e = done = slot = 0  # compact column, expanded column, scored column, sequence slot
         for unit in units:
             pl, head = int(prefix[unit[0]]), at  # the unit's shared prefix sits at head .. head + pl
-            ids[row, at:at + pl] = input_ids[unit[0], first[unit[0]]:first[unit[0]] + pl]
-            positions[row, at:at + pl] = np.arange(pl)
-            collapse[row, at:at + pl] = np.arange(e, e + pl)
-            at += pl
+            if pl:
+                ids[row, at:at + pl] = input_ids[unit[0], first[unit[0]]:first[unit[0]] + pl]
+                positions[row, at:at + pl] = np.arange(pl)
+                collapse[row, at:at + pl] = np.arange(e, e + pl)
+                at += pl
             for i in unit:
                 size, k, j = int(lengths[i]) - pl, int(scored[i]), int(j0[i])
                 ids[row, at:at + size] = input_ids[i, first[i] + pl:first[i] + pl + size]
-                positions[row, at:at + size] = np.arange(pl, pl + size)
-                expand[row, e:e + pl + size] = np.concatenate([np.arange(head, head + pl), np.arange(at, at + size)])
                 segments[row, e:e + pl + size] = slot + 1
-                collapse[row, at:at + size] = np.arange(e + pl, e + pl + size)
+                if share_prompts:
+                    positions[row, at:at + size] = np.arange(pl, pl + size)
+                    expand[row, e:e + pl + size] = np.concatenate([np.arange(head, head + pl),
+                                                                   np.arange(at, at + size)])
+                    collapse[row, at:at + size] = np.arange(e + pl, e + pl + size)
                 start = at + prompt_width + j - 1 - first[i] - pl  # the column predicting completion token j
                 columns[row, done:done + k] = np.arange(start, start + k)
                 targets[row, done:done + k] = input_ids[i, prompt_width + j:prompt_width + j + k]

@@ -175,7 +175,7 @@ class Transformer(nnx.Module):
         sliding-window rules, and ``positions`` must then be given too. ``starts_at_zero``: the caller promises
         that every row of ``attention_mask`` is right-padded only (:attr:`AttentionMask.starts_at_zero`).
         ``max_segments``: the caller's bound on the segments of a ``segment_ids`` row, padding included
-        (:attr:`AttentionMask.max_segments`). ``expand`` = (expand [B, E], collapse [B, S]): the attention runs over
+        (:attr:`AttentionMask.max_segments`). ``expand`` = (expand [B, E], copies [B, S, C]): the attention runs over
         the tokens gathered by ``expand`` (:attr:`AttentionMask.expand`; packed rows with shared prompts), and
         ``segment_ids`` [B, E] and the explicit ``positions`` are of that layout and of the row."""
         b, s = input_ids.shape
@@ -194,7 +194,7 @@ class Transformer(nnx.Module):
                                  "and no attention_mask=")
             structured = dataclasses.replace(
                 AttentionMask.packed(segment_ids, sliding_window=window, max_segments=max_segments),
-                expand=expand[0].astype(jnp.int32), collapse=expand[1].astype(jnp.int32))
+                expand=expand[0].astype(jnp.int32), copies=expand[1].astype(jnp.int32))
         elif segment_ids is not None:
             structured = AttentionMask.packed(segment_ids, attention_mask, sliding_window=window,
                                               max_segments=max_segments)

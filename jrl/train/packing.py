@@ -53,9 +53,10 @@ class PackedRows(NamedTuple):
     """Shared prompts: [R, E] int32, the packed-row column each position of the attention's layout reads: every
     sequence laid out whole, its shared prompt repeated before its own tokens (``segment_ids`` [R, E] describe this
     layout). None: the attention runs over the packed row itself."""
-    collapse: np.ndarray | None = None
-    """Shared prompts: [R, W] int32, the attention-layout position whose output each packed-row column takes (a
-    shared prompt's: its first copy)."""
+    copies: np.ndarray | None = None
+    """Shared prompts: [R, W, C] int32, the attention-layout positions holding each packed-row column: the one whose
+    output the column takes (a shared prompt's: its first copy), then its repeats, E past the last (C: the most
+    sequences sharing a prompt in a row, rounded up to a power of two)."""
 
 
 def loss_extent(mask) -> np.ndarray:
@@ -222,7 +223,9 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
     if share_prompts:
         positions = np.zeros((r, width), np.int32)
         expand = np.full((r, expanded), width - 1, np.int32)
-        collapse = np.full((r, width), expanded - 1, np.int32)
+        repeats = max(len(unit) for units in plan for unit in units)
+        copies = np.full((r, width, 1 << (repeats - 1).bit_length()), expanded, np.int32)
+        copies[:, :, 0] = expanded - 1
     columns = np.zeros((r, t), np.int32)
     targets = np.zeros((r, t), np.int32)
     gather = np.zeros((r, s, t), np.int32)
@@ -234,9 +237,8 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
             if pl:
                 ids[row, at:at + pl] = input_ids[unit[0], first[unit[0]]:first[unit[0]] + pl]
                 positions[row, at:at + pl] = np.arange(pl)
-                collapse[row, at:at + pl] = np.arange(e, e + pl)
                 at += pl
-            for i in unit:
+            for repeat, i in enumerate(unit):
                 size, k, j = int(lengths[i]) - pl, int(scored[i]), int(j0[i])
                 ids[row, at:at + size] = input_ids[i, first[i] + pl:first[i] + pl + size]
                 segments[row, e:e + pl + size] = slot + 1
@@ -244,7 +246,8 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
                     positions[row, at:at + size] = np.arange(pl, pl + size)
                     expand[row, e:e + pl + size] = np.concatenate([np.arange(head, head + pl),
                                                                    np.arange(at, at + size)])
-                    collapse[row, at:at + size] = np.arange(e + pl, e + pl + size)
+                    copies[row, head:head + pl, repeat] = np.arange(e, e + pl)
+                    copies[row, at:at + size, 0] = np.arange(e + pl, e + pl + size)
                 start = at + prompt_width + j - 1 - first[i] - pl  # the column predicting completion token j
                 columns[row, done:done + k] = np.arange(start, start + k)
                 targets[row, done:done + k] = input_ids[i, prompt_width + j:prompt_width + j + k]
@@ -254,7 +257,7 @@ def pack(input_ids: np.ndarray, attention_mask: np.ndarray, completion_mask: np.
         segments[row, e:] = slot + 1
     if not share_prompts:  # the expanded layout is the packed row itself
         return PackedRows(ids, segments, columns, targets, gather, sequence)
-    return PackedRows(ids, segments, columns, targets, gather, sequence, positions, expand, collapse)
+    return PackedRows(ids, segments, columns, targets, gather, sequence, positions, expand, copies)
 
 
 def _plan_shared(input_ids: np.ndarray, first: np.ndarray, prefix: np.ndarray, lengths: np.ndarray,

@@ -55,9 +55,13 @@ def test_shared_prompts_lay_each_prompt_once_and_every_sequence_whole_for_the_at
     prompts = batch.input_ids.shape[1] - t - first
     assert sorted(rows.sequence[rows.sequence >= 0].tolist()) == list(range(len(first)))
     assert rows.segment_ids.shape[1] > rows.input_ids.shape[1] == plain.input_ids.shape[1]
+    layout = rows.segment_ids.shape[1]
     for r in range(rows.input_ids.shape[0]):
-        tokens = np.unique(rows.expand[r, rows.segment_ids[r] <= (rows.sequence[r] >= 0).sum()])
-        np.testing.assert_array_equal(rows.expand[r, rows.collapse[r, tokens]], tokens)
+        real = np.flatnonzero(rows.segment_ids[r] <= (rows.sequence[r] >= 0).sum())
+        tokens = np.unique(rows.expand[r, real])
+        for c in tokens:  # each column's copies: the positions reading it, in order (its output's first)
+            held = rows.copies[r, c]
+            np.testing.assert_array_equal(held[held < layout], real[rows.expand[r, real] == c])
         for s, i in enumerate(rows.sequence[r]):
             if i < 0:
                 continue

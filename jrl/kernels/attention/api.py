@@ -49,10 +49,10 @@ the queries' dtype only, so such calls fall back to the reference.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jrl.kernels import _dispatch
 from jrl.kernels._dispatch import Impl
+from jrl.kernels.attention.gathered import collapse_rows, expand_rows
 from jrl.kernels.attention.mask import AttentionMask
 
 IMPLS = {
@@ -112,13 +112,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, 
       [B, T, N, D] in v's dtype; scores and softmax in float32. Outputs at padding queries are
       unspecified (finite).
     """
-    if mask.expand is not None:  # over the gathered layout, each token taking its position's output
-        def gather(x: jax.Array, index: jax.Array) -> jax.Array:
-            return jnp.take_along_axis(x, index[:, :, None, None], axis=1)
-
-        out = attention(gather(q, mask.expand), gather(k, mask.expand), gather(v, mask.expand), mask.gathered(),
-                        impl=impl, scale=scale, **kwargs)
-        return gather(out, mask.collapse)
+    if mask.expand is not None:  # over the gathered layout, each token taking its first position's output
+        q, k, v = (expand_rows(x, mask.expand, mask.copies) for x in (q, k, v))
+        out = attention(q, k, v, mask.gathered(), impl=impl, scale=scale, **kwargs)
+        return collapse_rows(out, mask.expand, mask.copies)
     b, t, n, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or n % k.shape[2]:
         raise ValueError(f"attention needs q [B, T, N, D] and k = v [B, S, K, D] with N % K == 0; got "

@@ -39,9 +39,10 @@ class AttentionMask:
     expand: jax.Array | None = None
     """[B, E] int32: attention over a gathered layout (packed rows with shared prompts): position ``e`` of it is the
     row's token ``expand[e]`` (queries, keys and values gathered), the segments and every rule apply to that layout
-    ([B, E]), and token ``i`` of the row takes the output of position ``collapse[i]``. None: the row itself."""
-    collapse: jax.Array | None = None
-    """[B, T] int32, with ``expand``: the gathered position whose output each token of the row takes."""
+    ([B, E]), and token ``i`` of the row takes the output of position ``copies[i, 0]``. None: the row itself."""
+    copies: jax.Array | None = None
+    """[B, T, C] int32, with ``expand``: the gathered positions holding each token of the row, the one whose output
+    it takes first, then its repeats (E past the last; :mod:`jrl.kernels.attention.gathered`)."""
     causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     contiguous: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -107,11 +108,11 @@ class AttentionMask:
         """[B, T] the segment of each query token of the row (with ``expand``: its gathered position's)."""
         if self.expand is None:
             return self.q_segments
-        return jnp.take_along_axis(self.q_segments, self.collapse, axis=1)
+        return jnp.take_along_axis(self.q_segments, self.copies[:, :, 0], axis=1)
 
     def gathered(self) -> AttentionMask:
         """This mask over its gathered layout (``expand``), as a mask of that layout's own rows."""
-        return dataclasses.replace(self, expand=None, collapse=None)
+        return dataclasses.replace(self, expand=None, copies=None)
 
     def dense(self) -> jax.Array:
         """The whole allowed-matrix [B, T, S]."""

@@ -217,7 +217,7 @@ class PackedStep(NamedTuple):
     ref_logprobs: np.ndarray | None = None
     positions: np.ndarray | None = None
     expand: np.ndarray | None = None
-    collapse: np.ndarray | None = None
+    copies: np.ndarray | None = None
 
 
 def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
@@ -234,14 +234,14 @@ def packed_step(batch: StepBatch, learner) -> tuple[PackedStep, np.ndarray]:
         truncated=per_sequence(batch.truncated, seq, False),
         sampler_logprobs=per_sequence(batch.sampler_logprobs, seq, np.nan),
         old_logprobs=per_sequence(batch.old_logprobs, seq, 0), ref_logprobs=per_sequence(batch.ref_logprobs, seq, 0),
-        positions=rows.positions, expand=rows.expand, collapse=rows.collapse,
+        positions=rows.positions, expand=rows.expand, copies=rows.copies,
     ), seq
 
 
 def packed_hidden(model, packed: PackedStep):
     """[R, C, H] final hidden states of packed rows at their scored columns (each predicts that column's target)."""
     s = packed.gather.shape[1]
-    expand = None if packed.expand is None else (packed.expand, packed.collapse)
+    expand = None if packed.expand is None else (packed.expand, packed.copies)
     hidden = model.hidden_states(packed.input_ids, positions=packed.positions, segment_ids=packed.segment_ids,
                                  max_segments=s + 1, expand=expand)
     return jnp.take_along_axis(hidden, packed.scored[:, :, None], axis=1)
@@ -321,7 +321,7 @@ class PackedGRPOLoss:
                                       with_entropy=algo.needs_entropy)
             return grpo_loss(_loss_inputs(slot_rows(packed), lp, ent), algo, normalizers)
         rows = packed._replace(input_ids=None, segment_ids=None, scored=None, targets=None, positions=None,
-                               expand=None, collapse=None)
+                               expand=None, copies=None)
         loss, lp, ent = model.head_loss(packed_hidden(model, packed), packed.targets, PackedGRPORowLoss(algo), rows,
                                         normalizers, temperature=temperature, with_entropy=algo.needs_entropy)
         lp, ent = per_slot(lp, packed.gather), per_slot(ent, packed.gather)

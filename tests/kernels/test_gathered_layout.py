@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jrl.kernels.attention.gathered import collapse_rows, expand_rows
+from kernels_testlib import rng_for
 
 
 def _random_layout(rng, rows: int, width: int, most: int, padding: int):
@@ -33,8 +34,8 @@ def _random_layout(rng, rows: int, width: int, most: int, padding: int):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-def test_expand_and_collapse_match_take_along_axis_with_gradients(dtype, tol):
-    rng = np.random.default_rng(0)
+def test_expand_and_collapse_match_take_along_axis_with_gradients(request, dtype, tol):
+    rng = rng_for(request)
     expand, copies, real = _random_layout(rng, rows=3, width=40, most=5, padding=7)
     x = jnp.asarray(rng.normal(size=(3, 40, 2, 4)), dtype)
     weights = jnp.asarray(rng.normal(size=(3, expand.shape[1], 2, 4)) * real[:, :, None, None], jnp.float32)

@@ -42,7 +42,10 @@ expand_rows.defvjp(_expand_fwd, _expand_bwd)
 @jax.custom_vjp
 def collapse_rows(y: jax.Array, expand: jax.Array, copies: jax.Array) -> jax.Array:
     """``y`` [B, E, ...] over the layout ``expand`` back to the row [B, T, ...]: each column takes its first
-    position's (``copies[:, :, 0]``)."""
+    position's (``copies[:, :, 0]``). The backward gives position ``e`` the cotangent of column ``expand[e]`` if
+    ``e`` is that column's first: exact where no two columns share a first position (a packed row's padding columns
+    all take the layout's last one, and only the last column's cotangent reaches it; no loss reads padding, so
+    theirs are zero)."""
     return take_rows(y, copies[:, :, 0])
 
 

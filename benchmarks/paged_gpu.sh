@@ -8,10 +8,11 @@
 #   bash benchmarks/paged_gpu.sh tests uniform e2e    # some: tests, uniform, longtail, longtail_keep, static, e2e,
 #                                                     # partial_buckets
 # (longtail_keep: the long-tailed workload with rollout.kv.tail_slots 0, the slots never shrunk; partial_buckets: a
-# partial step's generation, float8 pool, every row in a slot, with rollout.kv.slot_buckets 1, 4, 1, 4)
+# partial step's generation, float8 pool, every row in a slot, with rollout.kv.slot_buckets $BUCKETS in turn)
 # Time limits: tests 240 s, uniform 440 s, longtail and static LONG_TIMEOUT each, e2e 3 x CASE_TIMEOUT plus writing
 # its checkpoint; pick stages to fit a call.
-# env: WHEELS (1: install the carried .whl files), LONG_TIMEOUT (500 s), CASE_TIMEOUT (150 s, per GRPO case)
+# env: WHEELS (1: install the carried .whl files), LONG_TIMEOUT (500 s), CASE_TIMEOUT (150 s, per GRPO case),
+#      BUCKETS (partial_buckets' slot buckets, one run each in order: "1 4 1 4")
 set -u
 OUT=${OUT:-$PWD/paged_out}
 LOGS=$(mktemp -d)
@@ -35,9 +36,10 @@ for stage in ${@:-tests uniform longtail static e2e}; do
              run uniform_256 200 $S --rows 256 --generations 8 --prompt 256 --new 1024 --kv paged --slots 256 --reps 1 ;;
     longtail) run longtail_paged "${LONG_TIMEOUT:-500}" $S $LONG --kv paged --slots 256 --reps 1 ;;
     longtail_keep) run longtail_keep "${LONG_TIMEOUT:-500}" $S $LONG --kv paged --slots 256 --reps 1 --tail-slots 0 ;;
-    partial_buckets) for run_b in 1_1 2_4 3_1 4_4; do
-                       b=${run_b#*_}
-                       run "partial_buckets$run_b" 200 $S $LONG --kv paged --reps 1 --kv-dtype float8_e4m3fn --carried 96 \
+    partial_buckets) i=0
+                     for b in ${BUCKETS:-1 4 1 4}; do
+                       i=$((i + 1))
+                       run "partial_buckets${i}_$b" 200 $S $LONG --kv paged --reps 1 --kv-dtype float8_e4m3fn --carried 96 \
                          --groups-needed 64 --no-scan-layers --bandwidth-tbs 4.8 --slot-buckets $b
                      done ;;
     static) run longtail_dense_128 "${LONG_TIMEOUT:-500}" $S ${LONG/--rows 512/--rows 128} --kv dense --reps 1 ;;

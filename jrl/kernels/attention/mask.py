@@ -26,6 +26,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jrl.kernels.attention.gathered import take_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,7 @@ class AttentionMask:
         """[B, T] the segment of each query token of the row (with ``expand``: its gathered position's)."""
         if self.expand is None:
             return self.q_segments
-        return jnp.take_along_axis(self.q_segments, self.copies[:, :, 0], axis=1)
+        return take_rows(self.q_segments, self.copies[:, :, 0])
 
     def gathered(self) -> AttentionMask:
         """This mask over its gathered layout (``expand``), as a mask of that layout's own rows."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import platform
 import statistics
@@ -148,8 +149,6 @@ def trace_kernels(trace_dir: str) -> list[tuple[float, float, str]]:
 def summarize_kernels(kernels: list[tuple[float, float, str]], *, top: int = 40) -> dict:
     """Kernel time from (start us, duration us, name) of one step's kernels: the total, per category
     (:data:`KERNEL_CATEGORIES`), the ``top`` kernels by time and the idle gaps (:func:`idle_gaps`)."""
-    import collections
-
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     for _, dur, name in kernels:
         entry = per_kernel[name[:80]]
@@ -224,8 +223,10 @@ def exposed_collectives(kernels: list[tuple[float, float, str]], *, top: int = 1
 
 def idle_gaps(kernels: list[tuple[float, float, str]], *, top: int, min_us: float = 10.0) -> dict:
     """Where the GPU runs no kernel between the first kernel's start and the last one's end, from the kernels'
-    (start us, duration us, name): the span, the idle total, the idle in gaps of at least ``min_us``, and the
-    ``top`` longest gaps with their offset in the span and the kernels on either side."""
+    (start us, duration us, name): the span, the idle total, the idle in gaps of at least ``min_us``, the ``top``
+    longest gaps with their offset in the span and the kernels on either side, and the ``top`` pairs of kernels
+    either side of the gaps by their gaps' total (many short gaps at one place in a loop add up where no single
+    one is long)."""
     if not kernels:
         return {}
     kernels = sorted(kernels)
@@ -238,7 +239,13 @@ def idle_gaps(kernels: list[tuple[float, float, str]], *, top: int, min_us: floa
         if ts + dur >= busy_until:
             busy_until, prev = ts + dur, name
     long = sorted((g for g in gaps if g[0] >= min_us), reverse=True)
+    pairs = collections.defaultdict(lambda: [0.0, 0])
+    for us, _, a, b in long:
+        pairs[a, b][0] += us
+        pairs[a, b][1] += 1
     return dict(span_ms=round((busy_until - start) / 1e3, 2), idle_ms=round(idle / 1e3, 2),
                 idle_in_long_gaps_ms=round(sum(g[0] for g in long) / 1e3, 2), long_gaps=len(long),
                 top_gaps=[dict(us=round(g, 1), at_ms=round(at / 1e3, 2), after=a, before=b)
-                          for g, at, a, b in long[:top]])
+                          for g, at, a, b in long[:top]],
+                gap_pairs=[dict(after=a, before=b, ms=round(us / 1e3, 2), gaps=n, mean_us=round(us / n, 1))
+                           for (a, b), (us, n) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]])

@@ -39,14 +39,15 @@ class KVCacheConfig:
     least this many), so the last long rows decode without the work of empty slots (their pages stay where they are:
     only the page table's rows move). Each slot count is a program of its own, compiled once per run. 0 keeps a
     generation's slots."""
-    slot_buckets: int = 4
+    slot_buckets: int = 8
     """Slot counts a decode round may take per doubling above 128 slots (``paged``; 1, 2, 4 or 8). Each slot count
     is a program of its own, so slots are bucketed: 1 = powers of two, the fewest programs (a generation of 600 rows
     decodes in 1,024 slots, and once its steps' products are bound by their arithmetic, hundreds of rows, the empty
-    slots cost as much as full ones); 4 = quarter steps (512, 640, 768, 896, 1,024), so 600 rows take 640 slots and
-    the tail shrinks in smaller steps, for up to four times the programs (on an H200, 1B model, a long-tailed partial
-    generation: 9% more tokens/s than 1, its compile time unchanged; benchmarks/RESULTS.md). Above 1 a partial
-    rollout also decodes in the slots its rows need instead of the most a step can have."""
+    slots cost as much as full ones); 4 = quarter steps (512, 640, 768, 896, 1,024); 8 = eighth steps (512, 576,
+    640, ...), so 600 rows take 640 slots and the tail shrinks in small steps, for up to eight times the programs
+    (on an H200, 1B model, a long-tailed partial generation: 4 gave 9% more tokens/s than 1, 8 4% more than 4, the
+    first step's compile time not longer; benchmarks/RESULTS.md). Above 1 a partial rollout also decodes in the
+    slots its rows need instead of the most a step can have."""
     pages: int = 0
     """Pages in each device's pool (``paged``), shared by all layers' keys and values: 0 = enough for every slot's
     longest completion, capped at 70% of the device's free memory when a generation starts (where the device tells

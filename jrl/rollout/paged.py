@@ -8,7 +8,7 @@ A generation of N rows (``num_generations`` per prompt) runs in three parts:
    from.
 2. **Decode in slots**: ``slots`` rows decode at once, each writing and reading its cache through a page table
    (:func:`jrl.kernels.attention.paged_decode_attention_append`). The device runs ``kv.round_steps`` steps at a time
-   (one jitted program, left early when every slot has stopped); between two such rounds
+   (one jitted program, a loop of fixed trip count: a GPU runs its steps back to back); between two such rounds
    the host scheduler (:class:`PageScheduler`) frees the pages of rows that stopped, gives each waiting row a free
    slot (continuous batching), and gives each running row the pages its next round's tokens need. When the pool
    has no page left, the row admitted last gives its pages back and waits to start again (preemption, as vLLM's
@@ -37,9 +37,9 @@ Several devices (a data-parallel sampler mesh, every device holding the whole mo
 the prompts with all their rows (:func:`device_parts`: as many rows each as the groups sent home allow), and runs
 its own pool, slots and scheduler. Each device's
 parts (its prefill, then each round: schedule, decode, read back) run in a thread of their own, the rounds in step
-(the stop test after every device's round, so a partial generation stops at the same groups whatever the timing): a
-round's program ends when its rows stop (a data-dependent loop), which on a GPU holds the host thread that started it
-until the round ends, so one thread would run the devices' rounds one after another. ``slots`` and ``pages`` are per
+(the stop test after every device's round, so a partial generation stops at the same groups whatever the timing):
+each thread waits for its own device's round and does its host work while the other devices' rounds run, where one
+thread would read the devices' rounds back one after another. ``slots`` and ``pages`` are per
 device. Several processes (hosts) split the groups the same way over all the mesh's devices; each decodes its own
 devices' parts and the rows are gathered to every process when the generation ends (:func:`generate_paged`), in the
 groups' order.
@@ -188,7 +188,10 @@ def _take_rows(logits, keep):
 
 def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
            key, temperature, top_p, *, program: PagedProgram, steps: int):
-    """Up to ``steps`` decode steps of S slots (stops early when no slot is active). First the round's admissions
+    """``steps`` decode steps of S slots (a slot that stopped decodes nothing more: its steps read and write no page,
+    and its tokens are not real). The trip count is fixed, not cut short once no slot is active: a GPU then runs
+    the steps back to back, where a loop whose condition reads the device would stop the host on every step to read
+    it before launching the next one. First the round's admissions
     (their logits are in place already, :func:`_admit`): page ``copy_src[s]`` is copied to ``copy_dst[s]`` (a
     prompt's partial last page to a new row's own; where nothing is copied, to a distinct id past the pool).
     Slot s holds row ``rows[s]`` with ``lengths[s]`` cache slots filled and ``generated[s]`` tokens sampled.
@@ -200,12 +203,12 @@ def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows,
     cache = tuple(PagedKV(_set_pages(c.k, copy_dst, c.k[:, copy_src]), _set_pages(c.v, copy_dst, c.v[:, copy_src]))
                   for c in cache)
     slot_ids = jnp.arange(n)
-    carry = dict(i=jnp.zeros((), jnp.int32), cache=cache, logits=logits, lengths=lengths, generated=generated,
-                 active=active, tokens=jnp.full((n, steps), d.pad_id, jnp.int32),
-                 logprobs=jnp.zeros((n, steps), jnp.float32), real=jnp.zeros((n, steps), bool))
+    carry = dict(cache=cache, logits=logits, lengths=lengths, generated=generated, active=active,
+                 tokens=jnp.full((n, steps), d.pad_id, jnp.int32), logprobs=jnp.zeros((n, steps), jnp.float32),
+                 real=jnp.zeros((n, steps), bool))
 
-    def body(c):
-        i, on = c["i"], c["active"]
+    def body(i, c):
+        on = c["active"]
         token, logprob = _draw(key, rows, c["generated"], c["logits"], temperature, top_p, d.draw)
         token = jnp.where(on, token, d.pad_id)
         generated = c["generated"] + on
@@ -217,11 +220,11 @@ def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows,
         slots = PageSlots(page_table=page_table, lengths=jnp.where(go_on, at + 1, 0), page=page,
                           offset=jnp.where(go_on, at % p.page_size, 0))
         hidden, cache = model.decode_paged(token[:, None], at[:, None], c["cache"], slots)
-        return dict(i=i + 1, cache=cache, logits=model.logits(hidden[:, 0]), lengths=at + go_on,
-                    generated=generated, active=go_on, tokens=c["tokens"].at[:, i].set(token),
+        return dict(cache=cache, logits=model.logits(hidden[:, 0]), lengths=at + go_on, generated=generated,
+                    active=go_on, tokens=c["tokens"].at[:, i].set(token),
                     logprobs=c["logprobs"].at[:, i].set(jnp.where(on, logprob, 0.0)), real=c["real"].at[:, i].set(on))
 
-    out = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["active"]), body, carry)
+    out = jax.lax.fori_loop(0, steps, body, carry)
     return (out["cache"], out["logits"], out["lengths"], out["generated"], out["active"], out["tokens"],
             out["logprobs"], out["real"])
 
@@ -280,7 +283,7 @@ class PageScheduler:
     def _lacking(self, row: int, length: int, own: int, steps: int) -> int:
         """Pages row ``row`` (``length`` slots filled, ``own`` pages of its own) lacks for its next ``steps`` tokens,
         never past its last slot."""
-        have = len(self._shared(self.row_prompt[row])) + own
+        have = self.prompt_lengths[self.row_prompt[row]] // self.page_size + own  # its prompt's full pages and its own
         return max(pages_for(min(length + steps, self.row_slots[row]), self.page_size) - have, 0)
 
     def _need(self, slot: int, steps: int) -> int:
@@ -289,11 +292,15 @@ class PageScheduler:
         return self._lacking(s.row, int(self.lengths[slot]), len(s.own), steps)
 
     def _take(self, slot: int, count: int) -> None:
+        """``count`` free pages for slot ``slot``'s row, after its pages in the table (only these are written: a
+        round's host work is the same for a long row as for a short one)."""
+        if not count:
+            return
         s = self.slots[slot]
-        for _ in range(count):
-            s.own.append(self.free.pop())
-        row = self._shared(self.row_prompt[s.row]) + s.own
-        self.page_table[slot, :len(row)] = row
+        start = self.prompt_lengths[self.row_prompt[s.row]] // self.page_size + len(s.own)
+        pages = [self.free.pop() for _ in range(count)]
+        s.own += pages
+        self.page_table[slot, start:start + count] = pages
 
     def release(self, slot: int) -> int:
         """Free slot ``slot`` and its row's own pages; returns the row."""
@@ -346,6 +353,8 @@ class PageScheduler:
             self._admissions += 1
             self.lengths[slot] = self.prompt_lengths[prompt]
             self.page_table[slot] = SCRATCH_PAGE
+            shared = self._shared(prompt)
+            self.page_table[slot, :len(shared)] = shared
             self._take(slot, self._need(slot, steps))
             admitted[slot] = row
         self.peak_pages = max(self.peak_pages, sum(len(s.own) for s in self.slots if s is not None))
@@ -641,8 +650,11 @@ class _Generation:
                                               for p, start in zip(row_prompt, self.row_start)],
                                    page_size=page, table_width=pages_for(prompt_span + params.max_new_tokens, page))
         self.program = PagedProgram(decoding=Decoding.of(params, pad_id), page_size=page)
-        self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
-        self.logprobs: list[list[float]] = [[] for _ in range(self.rows)]
+        # Each row's tokens sampled in this call and their log-probs, the first sampled_count[row] of each row real
+        # (arrays, not lists: a round's tokens go in with a few array operations for all its slots).
+        self.sampled = np.full((self.rows, params.max_new_tokens), pad_id, np.int32)
+        self.sampled_logprobs = np.zeros((self.rows, params.max_new_tokens), np.float32)
+        self.sampled_count = np.zeros(self.rows, np.int64)
         self.finished_rows = np.zeros(self.rows, bool)
         self.open_rows = collections.Counter(self.row_group)  # group -> rows not finished
         self.generated, self.active = np.zeros(self.slots, np.int32), np.zeros(self.slots, bool)
@@ -672,7 +684,7 @@ class _Generation:
         self._shrink()
         admitted, preempted = sched.schedule(self.steps)
         for row in preempted:
-            self.tokens[row], self.logprobs[row] = [], []
+            self.sampled[row], self.sampled_logprobs[row], self.sampled_count[row] = self.program.decoding.pad_id, 0, 0
         self.active = np.array([s is not None for s in sched.slots])
         if not self.active.any():  # cannot happen with a pool of at least pool_pages' least; never loop on nothing
             raise RuntimeError(f"paged sampler: {len(sched.waiting)} rows wait and no slot can take one "
@@ -714,17 +726,22 @@ class _Generation:
         """Read a round's outputs: each row's new tokens; the slots of rows that stopped freed."""
         lengths, generated, still, tokens, logprobs, real = jax.device_get(out)
         self.sched.lengths[:], self.generated[:] = lengths, generated
-        steps = int(real.any(axis=0).sum())
+        steps = real.shape[1]  # every round runs all its steps (:func:`_round`)
         self.decode_steps, self.slot_steps = self.decode_steps + steps, self.slot_steps + steps * self.slots
         self.decoded_tokens += int(real.sum())
-        for slot in np.flatnonzero(self.active):
-            row, keep = int(self.slot_rows[slot]), real[slot]
-            self.tokens[row].extend(tokens[slot][keep].tolist())
-            self.logprobs[row].extend(logprobs[slot][keep].tolist())
-            if not still[slot]:
-                self.sched.release(int(slot))
-                self.finished_rows[row] = True
-                self.open_rows[self.row_group[row]] -= 1
+        slots = np.flatnonzero(self.active)
+        rows, ok = self.slot_rows[slots], real[slots]
+        # A slot's real tokens are its round's first steps (it decodes until it stops): row r's go on from its count.
+        # Written through flat indices (a 2-D fancy index is several times slower).
+        first = rows.astype(np.int64) * self.sampled.shape[1] + self.sampled_count[rows]
+        at = (first[:, None] + np.arange(ok.shape[1]))[ok]
+        self.sampled.reshape(-1)[at], self.sampled_logprobs.reshape(-1)[at] = tokens[slots][ok], logprobs[slots][ok]
+        self.sampled_count[rows] += ok.sum(axis=1)
+        for slot in slots[~still[slots]].tolist():
+            row = int(self.slot_rows[slot])
+            self.sched.release(slot)
+            self.finished_rows[row] = True
+            self.open_rows[self.row_group[row]] -= 1
 
     def keep(self) -> list[KeptRow | None]:
         """Per row, the keys and values and next-token logits it has now, copied out of the pool (None for a finished
@@ -737,7 +754,7 @@ class _Generation:
             seq = sched.row_prompt[row]
             if self.finished_rows[row] or (row not in in_slot and not self.row_start[row]):
                 continue
-            length = self.lengths[seq] + (len(self.tokens[row]) if row in in_slot else 0)
+            length = self.lengths[seq] + (int(self.sampled_count[row]) if row in in_slot else 0)
             if row in in_slot:
                 slot = in_slot[row]
                 if int(sched.lengths[slot]) != length:  # kept pages must hold exactly the row's tokens
@@ -831,10 +848,13 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         held = each(lambda gen: gen.keep(), gens) if keep else [[None] * gen.rows for gen in gens]  # per part
         jax.block_until_ready([(row.pages.cache, row.pages.logits) for rows in held for row in rows if row is not None])
         keep_s = time.perf_counter() - start
-    rows = row_arrays([t for gen in gens for t in gen.tokens], [lp for gen in gens for lp in gen.logprobs], params,
-                      pad_id) | dict(finished=np.array([f for gen in gens for f in gen.finished_rows], bool),
-                                     home=np.array([at if row is not None else -1 for (_, at), part in zip(mine, held)
-                                                    for row in part], np.int32))
+    width = params.max_new_tokens
+    rows = sampled_arrays(np.concatenate([gen.sampled for gen in gens] or [np.full((0, width), pad_id, np.int32)]),
+                          np.concatenate([gen.sampled_logprobs for gen in gens] or [np.zeros((0, width), np.float32)]),
+                          np.concatenate([gen.sampled_count for gen in gens] or [np.zeros(0, np.int64)]), params)
+    rows |= dict(finished=np.array([f for gen in gens for f in gen.finished_rows], bool),
+                 home=np.array([at if row is not None else -1 for (_, at), part in zip(mine, held) for row in part],
+                               np.int32))
     counts = dict(preempted=sum(gen.sched.preempted for gen in gens), pool=max((gen.pool for gen in gens), default=0),
                   rounds=max((gen.rounds for gen in gens), default=0), shrinks=sum(gen.shrinks for gen in gens),
                   peak_pages=sum(gen.sched.peak_pages for gen in gens),
@@ -844,7 +864,7 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
                   slot_steps=sum(gen.slot_steps for gen in gens),
                   decoded_tokens=sum(gen.decoded_tokens for gen in gens), keep_s=keep_s)
     if across:
-        rows, counts = _gathered(rows, counts, [at for _, at in mine], [len(gen.tokens) for gen in gens],
+        rows, counts = _gathered(rows, counts, [at for _, at in mine], [gen.rows for gen in gens],
                                  device_count)
     # The parts' rows, one part after another, back in the groups' order.
     sizes = [len(g.prefixes) for g in groups]
@@ -903,16 +923,22 @@ def _device_threads(count: int):
 
 
 def row_arrays(tokens: list[list[int]], logprobs: list[list[float]], params: SamplingParams, pad_id: int) -> dict:
-    """Rows given as token and log-prob lists as numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] (padded
-    with ``pad_id`` / 0) and ``stopped`` [N] (the row ends in one of ``params``' stop ids)."""
+    """Rows given as token and log-prob lists as :func:`sampled_arrays`."""
     n, width = len(tokens), params.max_new_tokens
-    ids, mask = np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32)
-    lp, stopped = np.zeros((n, width), np.float32), np.zeros(n, bool)
-    stops = set(int(t) for t in params.stop_token_ids)
+    ids, lp = np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.float32)
     for r, (t, l) in enumerate(zip(tokens, logprobs)):
-        ids[r, :len(t)], mask[r, :len(t)], lp[r, :len(t)] = t, 1, l
-        stopped[r] = bool(t) and t[-1] in stops
-    return dict(tokens=ids, mask=mask, logprobs=lp, stopped=stopped)
+        ids[r, :len(t)], lp[r, :len(t)] = t, l
+    return sampled_arrays(ids, lp, np.array([len(t) for t in tokens], np.int64), params)
+
+
+def sampled_arrays(ids: np.ndarray, logprobs: np.ndarray, counts: np.ndarray, params: SamplingParams) -> dict:
+    """Rows of ``counts`` sampled tokens each (``ids`` and ``logprobs`` [N, max_new_tokens], padded after them) as
+    numpy ``tokens``, ``mask``, ``logprobs`` [N, max_new_tokens] and ``stopped`` [N] (the row ends in one of
+    ``params``' stop ids)."""
+    mask = (np.arange(ids.shape[1])[None, :] < counts[:, None]).astype(np.int32)
+    last = ids[np.arange(len(ids)), np.maximum(counts - 1, 0)]
+    stopped = (counts > 0) & np.isin(last, np.asarray(params.stop_token_ids, np.int32))
+    return dict(tokens=ids, mask=mask, logprobs=logprobs, stopped=stopped)
 
 
 def rollout_of(arrays: dict, prompt_ids: list[list[int]], *, pad_id: int, prompt_bucket: int,

@@ -125,8 +125,9 @@ def test_finer_slot_buckets_decode_the_same_rows_in_fewer_slots(monkeypatch):
     assert [paged.decode_slots(n, 4) for n in (1, 100, 128, 129, 136, 513, 608, 1024)] == \
         [1, 128, 128, 160, 160, 640, 640, 1024]
     assert [paged.decode_slots(n, 2) for n in (129, 200, 608)] == [192, 256, 768]
+    assert [paged.decode_slots(n, 8) for n in (129, 145, 513, 577, 608)] == [144, 160, 576, 640, 640]
     assert [paged.decode_slots(n, 1) for n in (129, 608)] == [256, 1024]
-    assert KVCacheConfig().slot_buckets == 4
+    assert KVCacheConfig().slot_buckets == 8
     with pytest.raises(ValueError, match=r"KVCacheConfig\.slot_buckets=3.*1 \(powers of two\), 2, 4 or 8"):
         KVCacheConfig(layout="paged", slot_buckets=3)
     slots_per_round = []
@@ -197,7 +198,8 @@ def test_groups_go_to_their_home_device_and_the_others_even_out_the_rows():
 
 def test_the_scheduler_keeps_every_page_in_one_place():
     """Random stops drive the scheduler round after round: a page is free, a prompt's or one running row's, never
-    two of them; the scratch page is nobody's; each running row has the pages of its next round; preemption takes
+    two of them; the scratch page is nobody's; each running row's table holds its prompt's full pages and then its
+    own, those of its next round among them; preemption takes
     the row admitted last; every row finishes; no row takes pages past the most slots it can fill."""
     rng = np.random.default_rng(0)
     page, steps, g, most_new = 4, 4, 2, 25
@@ -236,8 +238,8 @@ def test_the_scheduler_keeps_every_page_in_one_place():
         for i, s in running:
             reach = pages_for(min(int(sched.lengths[i]) + steps, row_slots[s.row]), page)
             table = sched.page_table[i][:reach]
-            assert SCRATCH_PAGE not in table and set(table) <= prompt_owned | set(s.own)
-            assert len(sched._shared(row_prompt[s.row])) + len(s.own) == reach
+            assert table.tolist() == sched._shared(row_prompt[s.row]) + s.own  # the prompt's full pages, then its own
+            assert SCRATCH_PAGE not in table and len(sched._shared(row_prompt[s.row])) + len(s.own) == reach
         if preempted:  # the rows preempted were admitted after every row still running
             assert max(before[r] for r in preempted) > max(before.get(s.row, -1) for _, s in running)
         for i, s in running:  # each running row writes up to ``steps`` tokens, or stops

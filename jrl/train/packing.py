@@ -85,24 +85,39 @@ def plan_rows(sizes, limits) -> list[list[int]]:
     return thin_rows(first_fit(sizes, limits), sizes, limits)
 
 
+class _Room:
+    """What is left of each of ``limits`` [K] in each packed row so far (first fit's bookkeeping)."""
+
+    def __init__(self, limits: np.ndarray):
+        self.limits, self.left = limits, np.zeros((0, len(limits)), np.int64)
+
+    def first(self, need: np.ndarray, among: np.ndarray | None = None) -> int | None:
+        """The first row (of ``among``'s, a mask over the rows) with room for ``need``; None: none."""
+        fits = (self.left >= need).all(axis=1) & (True if among is None else among)
+        return int(np.argmax(fits)) if fits.any() else None
+
+    def take(self, row: int | None, need: np.ndarray, what: str) -> int:
+        """``need`` taken from ``row`` (None: from a new row, refused where it passes the limits, ``what`` naming the
+        sizes); returns the row."""
+        if row is None:
+            if (need > self.limits).any():
+                raise ValueError(f"a sequence of {need.tolist()} ({what}) does not fit a packed row of "
+                                 f"{self.limits.tolist()}")
+            self.left, row = np.concatenate([self.left, self.limits[None]]), len(self.left)
+        self.left[row] -= need
+        return row
+
+
 def first_fit(sizes: np.ndarray, limits: np.ndarray) -> list[list[int]]:
     """Sequences (indices into ``sizes`` [N, K]) in rows, most tokens (column 0) first, each into the first row with
     room for every one of its sizes (``limits`` [K] a row)."""
     rows: list[list[int]] = []
-    room = np.zeros((0, len(limits)), np.int64)  # per row: what is left of each limit
+    room = _Room(limits)
     for i in np.argsort(-sizes[:, 0], kind="stable").tolist():
-        need = sizes[i]
-        if (need > limits).any():
-            raise ValueError(f"a sequence of {need.tolist()} (tokens, scored columns...) does not fit a packed row "
-                             f"of {limits.tolist()}")
-        fits = (room >= need).all(axis=1)
-        if fits.any():
-            r = int(np.argmax(fits))
-            rows[r].append(i)
-            room[r] -= need
-        else:
-            rows.append([i])
-            room = np.concatenate([room, (limits - need)[None]])
+        r = room.take(room.first(sizes[i]), sizes[i], "tokens, scored columns...")
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(i)
     return rows
 
 
@@ -272,25 +287,18 @@ def _plan_shared(input_ids: np.ndarray, first: np.ndarray, prefix: np.ndarray, l
     for i in np.argsort(-lengths, kind="stable").tolist():
         groups.setdefault(input_ids[i, first[i]:first[i] + prefix[i]].tobytes() if prefix[i] else i, []).append(i)
     plan: list[dict] = []  # per packed row: prefix -> its unit
-    room = np.zeros((0, len(limits)), np.int64)  # per packed row: what is left of each limit
+    room = _Room(limits)
     for key, i in [(key, i) for key, rows in sorted(groups.items(), key=lambda kv: -int(lengths[kv[1]].sum()))
                    for i in rows]:
         whole = np.array([lengths[i], scored[i], lengths[i]])
-        need = whole - np.array([prefix[i], 0, 0])
-        fits = np.array([key in units for units in plan], bool) & (room >= need).all(axis=1)
-        if not fits.any():
-            need = whole
-            fits = (room >= need).all(axis=1)
-        if fits.any():
-            r = int(np.argmax(fits))
-            plan[r].setdefault(key, []).append(i)
-            room[r] -= need
-        else:
-            if (whole > limits).any():
-                raise ValueError(f"a sequence of {whole.tolist()} (tokens, scored columns, attended tokens) does not "
-                                 f"fit a packed row of {limits.tolist()}")
-            plan.append({key: [i]})
-            room = np.concatenate([room, (limits - whole)[None]])
+        need = whole - np.array([prefix[i], 0, 0])  # into a packed row that holds its prefix already
+        r = room.first(need, np.array([key in units for units in plan], bool))
+        if r is None:
+            r, need = room.first(whole), whole
+        r = room.take(r, need, "tokens, scored columns, attended tokens")
+        if r == len(plan):
+            plan.append({})
+        plan[r].setdefault(key, []).append(i)
     return [list(units.values()) for units in plan]
 
 

@@ -126,6 +126,9 @@ def test_packed_rows_hold_every_sequence_once_and_point_at_its_tokens():
     assert runs.max() <= rows.gather.shape[1] + 1 and runs.max() > 2
     assert max(sum(lengths[plan]) for plan in plan_rows(lengths, [width])) <= width
     assert plan_rows([[5, 4]] * 3, [20, 8]) == [[0, 1], [2]]  # the scored budget binds before the width
+    with pytest.raises(ValueError, match=r"a sequence of \[21, 4\] \(tokens, scored columns...\) does not fit a packed "
+                                         r"row of \[20, 8\]"):
+        plan_rows([[5, 4], [21, 4]], [20, 8])
     # The LM head runs over at most T scored columns per row, each a distinct column of the row.
     assert rows.scored.shape == (rows.input_ids.shape[0], t)
     for r in range(rows.input_ids.shape[0]):

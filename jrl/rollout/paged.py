@@ -276,14 +276,18 @@ class PageScheduler:
         self.peak_pages = 0  # the most pages rows owned at once (the prompts' pages not counted)
         self._admissions = 0
 
+    def _shared_count(self, prompt: int) -> int:
+        """How many of the prompt's pages a row reads without owning them: its full ones."""
+        return self.prompt_lengths[prompt] // self.page_size
+
     def _shared(self, prompt: int) -> list[int]:
-        """The prompt's pages a row reads without owning them: its full ones."""
-        return self.prompt_pages[prompt][:self.prompt_lengths[prompt] // self.page_size]
+        """The prompt's pages a row reads without owning them (:meth:`_shared_count`)."""
+        return self.prompt_pages[prompt][:self._shared_count(prompt)]
 
     def _lacking(self, row: int, length: int, own: int, steps: int) -> int:
         """Pages row ``row`` (``length`` slots filled, ``own`` pages of its own) lacks for its next ``steps`` tokens,
         never past its last slot."""
-        have = self.prompt_lengths[self.row_prompt[row]] // self.page_size + own  # its prompt's full pages and its own
+        have = self._shared_count(self.row_prompt[row]) + own
         return max(pages_for(min(length + steps, self.row_slots[row]), self.page_size) - have, 0)
 
     def _need(self, slot: int, steps: int) -> int:
@@ -297,7 +301,7 @@ class PageScheduler:
         if not count:
             return
         s = self.slots[slot]
-        start = self.prompt_lengths[self.row_prompt[s.row]] // self.page_size + len(s.own)
+        start = self._shared_count(self.row_prompt[s.row]) + len(s.own)
         pages = [self.free.pop() for _ in range(count)]
         s.own += pages
         self.page_table[slot, start:start + count] = pages

@@ -80,6 +80,12 @@ class RolloutSource:
         """Whether the engine may generate from the weights of a sync after the learner's next update."""
         return self.cfg.prefetch_depth > 0 or self.cfg.sync_interval > 1
 
+    @property
+    def generates_apart(self) -> bool:
+        """Whether generation runs in the producer thread on devices (or servers) the learner does not use, so the
+        trainer may launch an update and take the next batch while it runs."""
+        return self._producer is not None and not self.engine.shares_trainer_devices
+
     def produce(self, index: int) -> ProducedRollout:
         """Rollout batch ``index``: the loader's next prompt batch (its last prompts replaced by re-rolled ones; with
         ``rollout.partial`` the first step takes two batches), sampled with the seed of step ``index`` (in the

@@ -121,6 +121,7 @@ class QueueSource:
         self.log_path = Path(output_dir) / EXPERIENCE_LOG
         self.schedule = None  # no engine to schedule syncs of
         self.device_lock = contextlib.nullcontext()
+        self.generates_apart = False  # the next batch is taken when the step that needs it starts
         self.published: int | None = None
         self._group_ids: dict[int, list[int]] = {}  # step index -> queue ids of its groups, until consumed
 

@@ -2,8 +2,10 @@
 
 Inside :func:`stop_requests` the first SIGTERM or SIGINT is only recorded: the trainer finishes the step it
 is in, writes a checkpoint at that step boundary and returns, so the process exits 0 and ``--resume``
-continues exactly. The first signal also puts the previous handlers back, so a second one acts at once
-(SIGINT: ``KeyboardInterrupt``; SIGTERM: the default, termination).
+continues exactly (where generation runs ahead of the trainer, from the scheduled checkpoints only: batches generated
+ahead came from older weights than a resumed run's first ones, :mod:`jrl.sources.prefetch`). The first signal also
+puts the previous handlers back, so a second one acts at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the default,
+termination).
 """
 
 from __future__ import annotations

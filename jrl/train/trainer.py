@@ -11,14 +11,21 @@
 Per step: batch ``k`` from the source (sampled with a seed derived from ``(seed, k)``, so a resumed run
 samples exactly what the uninterrupted run would have) → ``algorithm.make_experience`` →
 ``algorithm.update`` → weight sync at sync steps → one line of ``metrics.jsonl``, TensorBoard scalars,
-the progress bar; checkpoints every ``save_every`` steps and at the end; a plot at the end. With
-``eval_every`` the current weights are evaluated on held-out prompts before the first step and every
-``eval_every`` steps (:mod:`jrl.train.evaluation`, ``eval.jsonl``).
+the progress bar; checkpoints every ``save_every`` steps and at the end; a plot at the end. Where generation runs
+apart from the learner's devices (``rollout.prefetch_depth`` > 0 with ``rollout.devices`` or a server), a step
+launches its update, syncs the engine, then takes batch ``k + 1``, makes its experience and launches its update while
+the devices train, and only then reads the first update's metrics (:meth:`Trainer.train_step`): the host's part of a
+step (rewards, advantages, packing) no longer leaves the learner's devices idle. It does not look ahead across a
+checkpoint or an evaluation, and a stop signal lets the step it prepared run before the checkpoint: a run trains the
+same steps either way. With ``eval_every`` the current weights are evaluated on held-out prompts before the first
+step and every ``eval_every`` steps (:mod:`jrl.train.evaluation`, ``eval.jsonl``).
 
 Per step the log has, besides the algorithm's metrics: ``async/staleness`` (version lag of the consumed
 batch), ``async/queue_depth`` (batches ready when the step asked for one), ``time/rollout`` (the generate
 call), ``time/wait_rollout`` (time this thread waited for generation), ``time/reward`` (experience),
-``time/train`` (update), ``time/sync`` (seconds of the step's weight sync, 0 without one), ``time/compile``
+``time/train`` (the update's launch and the wait for its metrics; with the next step made in between, only what
+outlasts it), ``time/sync`` (seconds of the step's weight sync, 0 without one), ``async/experience_ahead`` (1 when
+the step's batch, experience and update launch were made during the previous step's update), ``time/compile``
 (seconds this process spent compiling during the step, :mod:`jrl.train.compile_clock`),
 ``sync/version`` (the policy version the engine holds after it) and ``tokens_per_second``.
 
@@ -45,6 +52,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -73,6 +81,22 @@ logger = logging.getLogger(__name__)
 
 #: Share of the routed (token, expert) rows an expert-parallel capacity may drop in a step before the run warns (once).
 DROPPED_ROWS_WARNING = 0.01
+
+
+@dataclasses.dataclass
+class _PreparedStep:
+    """A step's rollout batch and experience, what making them took, and its update once launched."""
+
+    item: Any
+    waited: float
+    ready: int
+    experience: Any
+    metrics: dict[str, float]
+    seconds: float
+    """Seconds of ``make_experience``."""
+    finish: Callable[[], dict[str, float]] | None = None
+    """Waits for the launched update and returns its metrics (None: not launched)."""
+    launch_seconds: float = 0.0
 
 
 def warn_dropped_rows(metrics: dict, step: int, capacity: float) -> bool:
@@ -125,6 +149,7 @@ class Trainer:
                 rerolled=self.algorithm.rerolled_prompts if "reroll" in self.algorithm.capabilities else None)
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
         self.step = 0
+        self._ahead: _PreparedStep | None = None  # the next step's batch and experience, made during an update
         self._warned_dropped_rows = False
 
     @property
@@ -133,27 +158,71 @@ class Trainer:
         return self.source.engine
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> dict[str, float]:
-        """One rollout, its experience and update(s), the weight sync; returns the step's metrics."""
+    def _prepare(self, step: int) -> _PreparedStep:
+        """Rollout batch ``step`` (waiting for it) and its experience."""
+        item, waited, ready = self.source.next(step)
+        t0 = time.perf_counter()
+        experience, metrics = self.algorithm.make_experience(item.rollout, item.prompt_batch, self.learner, step)
+        return _PreparedStep(item, waited, ready, experience, metrics, time.perf_counter() - t0)
+
+    def looks_ahead(self, step: int) -> bool:
+        """Whether step ``step`` (0-based) prepares and launches the next step while its update runs: where
+        the algorithm launches updates apart from reading their metrics (capability ``deferred_update``) and
+        generation runs apart from the learner's devices (``rollout.prefetch_depth`` > 0 with ``rollout.devices``
+        or a server), unless the next step is past the end, or a checkpoint or evaluation follows this one (the
+        next step's experience and update change the algorithm's and learner's state: a checkpoint keeps the state
+        after this step)."""
+        after, cfg = step + 1, self.cfg
+        return ("deferred_update" in self.algorithm.capabilities and self.source.generates_apart
+                and after < cfg.max_steps and not is_checkpoint_step(after, cfg.save_every)
+                and not (cfg.eval_every and after % cfg.eval_every == 0))
+
+    def _launch(self, prepared: _PreparedStep) -> None:
+        """Launch ``prepared``'s update (the algorithm's ``start_update``)."""
+        t0 = time.perf_counter()
+        prepared.finish = self.algorithm.start_update(self.learner, prepared.experience)
+        prepared.launch_seconds = time.perf_counter() - t0
+
+    def train_step(self, look_ahead: bool = True) -> dict[str, float]:
+        """One rollout, its experience and update(s), the weight sync; returns the step's metrics. With ``look_ahead``
+        and where :meth:`looks_ahead` says so, the update is launched, the engine synced, the next step's batch taken,
+        its experience made and its update launched (queued behind this one), and only then this update's metrics
+        read: the learner's devices do not wait for the host between two updates. The next call starts from there."""
         step, source = self.step, self.source
         t0, compiled = time.perf_counter(), compiled_seconds()
-        item, waited, ready = source.next(step)
-        t1 = time.perf_counter()
-        experience, metrics = self.algorithm.make_experience(item.rollout, item.prompt_batch, self.learner, step)
-        t2 = time.perf_counter()
-        with source.device_lock:
-            metrics.update(self.algorithm.update(self.learner, experience))
+        ahead = self._ahead is not None
+        prepared, self._ahead = self._ahead or self._prepare(step), None
+        item, metrics = prepared.item, dict(prepared.metrics)
+        if look_ahead and self.looks_ahead(step):
+            if prepared.finish is None:
+                self._launch(prepared)
+            self.step += 1
+            source.consumed(item)
+            sync_wait, sync_seconds = source.sync_after_step(self.step)  # the weights after this update
+            self._ahead = self._prepare(self.step)
+            self._launch(self._ahead)
+            t2 = time.perf_counter()
+            metrics.update(prepared.finish())
+        else:
+            t2 = time.perf_counter()
+            if prepared.finish is not None:  # launched during the previous step
+                metrics.update(prepared.finish())
+            else:
+                with source.device_lock:
+                    metrics.update(self.algorithm.update(self.learner, prepared.experience))
+            self.step += 1
+            source.consumed(item)
+            sync_wait, sync_seconds = source.sync_after_step(self.step)
         t3 = time.perf_counter()
-        self.step += 1
-        source.consumed(item)
-        sync_wait, sync_seconds = source.sync_after_step(self.step)
         metrics.update(item.metrics)
         metrics["async/staleness"] = float(step - item.rollout.policy_version)
-        metrics["async/queue_depth"] = float(ready)
+        metrics["async/queue_depth"] = float(prepared.ready)
+        metrics["async/experience_ahead"] = float(ahead)
         metrics["time/rollout"] = item.seconds
-        metrics["time/wait_rollout"] = waited + sync_wait
-        metrics["time/reward"] = t2 - t1
-        metrics["time/train"] = t3 - t2
+        metrics["time/wait_rollout"] = prepared.waited + sync_wait
+        metrics["time/reward"] = prepared.seconds
+        waited_for_update = t3 - t2 - (0.0 if self._ahead is not None else sync_wait + sync_seconds)
+        metrics["time/train"] = prepared.launch_seconds + waited_for_update
         metrics["time/sync"] = sync_seconds
         metrics["time/compile"] = compiled_seconds() - compiled
         metrics["sync/version"] = float(source.served_version())
@@ -191,6 +260,7 @@ class Trainer:
         """Restore the checkpoint ``resume_from`` names, else the newest intact one (learner, loader, step),
         written with this run's seed, and sync the engine to it; returns its meta."""
         self.source.stop()
+        self._ahead = None
         params, opt_state, meta = self.checkpointer.restore(self.learner.params, self.learner.opt_state,
                                                             step=self.cfg.resume_from)
         if meta.get("seed") != self.cfg.seed:
@@ -230,10 +300,10 @@ class Trainer:
                 if eval_writer and self.step == 0:
                     with watchdog.step("the evaluation before step 1"):
                         self.evaluate(eval_writer)
-                stopping = False
+                stopping = asked = False
                 while self.step < cfg.max_steps and not stopping:
                     with watchdog.step(f"step {self.step + 1}"):
-                        metrics = self.train_step()
+                        metrics = self.train_step(look_ahead=not asked)
                     writer.write(self.step, metrics)
                     if eval_writer and self.step % cfg.eval_every == 0:
                         with watchdog.step(f"the evaluation after step {self.step}"):
@@ -244,7 +314,8 @@ class Trainer:
                         logger.info("step %d: %s loss %.5f", self.step, algorithm.log_summary(metrics), metrics["loss"])
                     if is_checkpoint_step(self.step, cfg.save_every) and self.step < cfg.max_steps:
                         self.save()
-                    stopping = any_process(stop.signal is not None)  # every process stops after the same step
+                    asked = any_process(stop.signal is not None)  # every process stops after the same step
+                    stopping = asked and self._ahead is None  # else the next step's experience is made: train it
                 if self.checkpointer.latest_step() != self.step:
                     self.save()
                 if self.step == cfg.max_steps:

@@ -89,6 +89,9 @@ def test_grpo_with_vllm_lora_sync_and_prefetch(e2e_server, tmp_path):
         assert r["skipped_zero_adv_batches"] == 0
         assert 0 <= r["async/staleness"] <= 1
     assert any(r["async/staleness"] == 1 for r in rows)  # generation really ran one step ahead
+    # The server generates apart from the learner: each later step was taken, scored and launched during the update
+    # before it (the adapter sync between them reads the weights of that update).
+    assert [r["async/experience_ahead"] for r in rows] == [0] + [1] * (STEPS - 1)
 
 
 @pytest.mark.slow  # 22 s; the GRPO run above covers the LoRA sync to a real server

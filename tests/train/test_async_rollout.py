@@ -319,7 +319,38 @@ def test_two_device_prefetch(tiny_model_dir, tmp_path, rollout_devices, partial)
         assert out["device_lock"] == "lock"
         assert out["learner_devices"] == out["sampler_devices"] == [0, 1]
     assert [r["async/staleness"] for r in out["history"]] == [0, 1, 1]
+    # On devices of its own the sampler generates while the learner trains, and the trainer makes the next step's
+    # batch and experience while the update runs: the same run as without it.
+    assert [r["async/experience_ahead"] for r in out["history"]] == ([0, 1, 1] if rollout_devices else [0, 0, 0])
+    if rollout_devices:
+        plain = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "plain", reward, str(rollout_devices),
+                           str(partial), "0")
+        assert [r["async/experience_ahead"] for r in plain["history"]] == [0, 0, 0]
+        timing = ("tokens_per_second", "async/experience_ahead", "async/queue_depth", "step")  # step: train()'s
+
+        def computed(history):
+            return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in timing} for r in history]
+
+        assert computed(plain["history"]) == computed(out["history"])
     if partial:
         assert sum(r["partial/tokens_from_earlier_steps"] for r in out["history"]) > 0
         assert all(r["partial/oldest_token_lag"] <= 2 for r in out["history"])
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward/mean"]) for r in out["history"])
+
+
+def test_stop_during_a_look_ahead_runs_the_prepared_step_first(tiny_model_dir, tmp_path):
+    """A sampler on a device of its own: SIGTERM arrives in step 2's rewards, which step 1 scores while its update
+    runs; step 2 then runs (its experience is made) before the checkpoint, as the uninterrupted run does, and the
+    resumed run finishes. (It does not log what the uninterrupted run does at step 3: that one's batch 3 came from
+    version 1 of the weights, run ahead of the trainer; a resumed run's first batch comes from the checkpoint's.)"""
+    straight = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "a",
+                          write_reward_file(tmp_path, "reward_la"), "1", "0", "stop")
+    assert [r["async/experience_ahead"] for r in straight["first"]] == [0, 1, 1]
+    stopped = run_worker("async_mesh_worker.py", tiny_model_dir, tmp_path / "b",
+                         write_reward_file(tmp_path, "reward_la_term", sigterm=2), "1", "0", "stop")
+    assert [r["step"] for r in stopped["first"]] == [1, 2] and stopped["checkpoints"] == [2, 3]
+    assert [r["async/experience_ahead"] for r in stopped["first"]] == [0, 1]
+    assert [r["step"] for r in stopped["resumed"]] == [1, 2, 3]  # the whole log, the resumed step appended
+    assert stopped["resumed"][2]["async/staleness"] == 0 and straight["first"][2]["async/staleness"] == 1
+    skip = TIMING + ("async/experience_ahead",)
+    assert read_metrics_log(tmp_path / "b", skip)[:2] == read_metrics_log(tmp_path / "a", skip)[:2]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class GRPO:
     progress_desc = "grpo"
     plot_keys = ("reward/mean", "loss")
     summary_keys = ("reward/mean",)
-    capabilities = frozenset({"state", "reroll", "explorer", "partial"})
+    capabilities = frozenset({"state", "reroll", "explorer", "partial", "deferred_update"})
     engine_needs = frozenset()
     samples_field = "algo.num_generations"
     explorer = GroupSampler
@@ -171,6 +172,9 @@ class GRPO:
 
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)
+
+    def start_update(self, learner, batch: StepBatch) -> Callable[[], dict[str, float]]:
+        return self.update_policy.start(learner, batch)
 
     def generated_tokens(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout | EpisodeRollout) -> int:
         if isinstance(rollout, (StreamedRollout, ScoredRollout, EpisodeRollout, PartialRollout)):

@@ -436,6 +436,12 @@ class PolicyUpdate:
 
     def __call__(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
                  reduction: Callable[[str], str] = _grpo_reduction) -> dict[str, float]:
+        return self.start(learner, batch, extra_terms, reduction)()
+
+    def start(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
+              reduction: Callable[[str], str] = _grpo_reduction) -> Callable[[], dict[str, float]]:
+        """Launch the update on the devices and return what waits for it: a call that reads its metrics back
+        (the host is free in between, e.g. to make the next step's experience)."""
         batch = self.prepare(learner, batch)
         parts = self.parts(batch.completion_ids.shape[0])
         if extra_terms and len(parts) > 1:
@@ -449,9 +455,11 @@ class PolicyUpdate:
                 collected, n = learner.step([*part, *extra_terms])
                 updates.append(collected)
                 skipped += n
-        out = reduce_metrics(updates, reduction)
-        out["skipped_zero_adv_batches"] = float(skipped)
-        return out
+
+        def finish() -> dict[str, float]:
+            return reduce_metrics(updates, reduction) | {"skipped_zero_adv_batches": float(skipped)}
+
+        return finish
 
 
 def row_has_signal(rewards: np.ndarray, algo: GRPOConfig) -> np.ndarray:

@@ -23,8 +23,8 @@ is its update alone, without the steps that compiled for a second or more, liste
 step's wall is kept in ``step_walls``): wall time; generate (``time/rollout``), experience
 (``time/reward``: scoring, old/reference log-probs), update (``time/train``), weight sync (``time/sync``) and the
 rest of the step (host gaps; negative where the trainer prepares a step during the previous update, as in
-``split``: its wait and experience then fall in the previous step's wall, and the update counts only the wait for
-its metrics); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
+``split``: its wait, experience and update plan then fall in the previous step's wall, and the update counts its
+launch and the wait for its metrics); generated tokens/s (real tokens) and trained tokens/s (prompt + completion tokens of
 every row, padding excluded); peak device memory after the first generation and after the first step (JAX keeps
 one peak per process); with ``--profile DIR`` the GPU busy fraction of one more step (the union of its kernels'
 intervals on the first GPU over the step's wall time); the seconds each step spent compiling (``time/compile``) and,

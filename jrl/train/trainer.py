@@ -13,7 +13,7 @@ samples exactly what the uninterrupted run would have) → ``algorithm.make_expe
 ``algorithm.update`` → weight sync at sync steps → one line of ``metrics.jsonl``, TensorBoard scalars,
 the progress bar; checkpoints every ``save_every`` steps and at the end; a plot at the end. Where generation runs
 apart from the learner's devices (``rollout.prefetch_depth`` > 0 with ``rollout.devices`` or a server), a step
-launches its update, syncs the engine, then takes batch ``k + 1``, makes its experience and launches its update while
+launches its update, syncs the engine, then takes batch ``k + 1``, makes its experience and plans its update while
 the devices train, and only then reads the first update's metrics (:meth:`Trainer.train_step`): the host's part of a
 step (rewards, advantages, packing) no longer leaves the learner's devices idle. It does not look ahead across a
 checkpoint or an evaluation, and a stop signal lets the step it prepared run before the checkpoint: a run trains the
@@ -23,9 +23,10 @@ step and every ``eval_every`` steps (:mod:`jrl.train.evaluation`, ``eval.jsonl``
 Per step the log has, besides the algorithm's metrics: ``async/staleness`` (version lag of the consumed
 batch), ``async/queue_depth`` (batches ready when the step asked for one), ``time/rollout`` (the generate
 call), ``time/wait_rollout`` (time this thread waited for generation), ``time/reward`` (experience),
-``time/train`` (the update's launch and the wait for its metrics; with the next step made in between, only what
-outlasts it), ``time/sync`` (seconds of the step's weight sync, 0 without one), ``async/experience_ahead`` (1 when
-the step's batch, experience and update launch were made during the previous step's update), ``time/compile``
+``time/train`` (the update's host work, launch and the wait for its metrics; with the next step prepared in
+between, only what outlasts that), ``time/sync`` (seconds of the step's weight sync, 0 without one),
+``async/experience_ahead`` (1 when the step's batch, experience and update plan were made during the previous step's
+update), ``time/compile``
 (seconds this process spent compiling during the step, :mod:`jrl.train.compile_clock`),
 ``sync/version`` (the policy version the engine holds after it) and ``tokens_per_second``.
 
@@ -52,7 +53,6 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -85,7 +85,7 @@ DROPPED_ROWS_WARNING = 0.01
 
 @dataclasses.dataclass
 class _PreparedStep:
-    """A step's rollout batch and experience, what making them took, and its update once launched."""
+    """A step's rollout batch and experience, what making them took, and its update's host work when done ahead."""
 
     item: Any
     waited: float
@@ -94,9 +94,9 @@ class _PreparedStep:
     metrics: dict[str, float]
     seconds: float
     """Seconds of ``make_experience``."""
-    finish: Callable[[], dict[str, float]] | None = None
-    """Waits for the launched update and returns its metrics (None: not launched)."""
-    launch_seconds: float = 0.0
+    plan: Any = None
+    """The algorithm's ``plan_update`` of the experience (None: not planned ahead)."""
+    plan_seconds: float = 0.0
 
 
 def warn_dropped_rows(metrics: dict, step: int, capacity: float) -> bool:
@@ -166,49 +166,45 @@ class Trainer:
         return _PreparedStep(item, waited, ready, experience, metrics, time.perf_counter() - t0)
 
     def looks_ahead(self, step: int) -> bool:
-        """Whether step ``step`` (0-based) prepares and launches the next step while its update runs: where
-        the algorithm launches updates apart from reading their metrics (capability ``deferred_update``) and
+        """Whether step ``step`` (0-based) prepares the next step while its update runs: where the algorithm plans
+        and launches updates apart from reading their metrics (capability ``deferred_update``) and
         generation runs apart from the learner's devices (``rollout.prefetch_depth`` > 0 with ``rollout.devices``
         or a server), unless the next step is past the end, or a checkpoint or evaluation follows this one (the
-        next step's experience and update change the algorithm's and learner's state: a checkpoint keeps the state
-        after this step)."""
+        next step's experience changes the algorithm's state: a checkpoint keeps the state after this step)."""
         after, cfg = step + 1, self.cfg
         return ("deferred_update" in self.algorithm.capabilities and self.source.generates_apart
                 and after < cfg.max_steps and not is_checkpoint_step(after, cfg.save_every)
                 and not (cfg.eval_every and after % cfg.eval_every == 0))
 
-    def _launch(self, prepared: _PreparedStep) -> None:
-        """Launch ``prepared``'s update (the algorithm's ``start_update``)."""
-        t0 = time.perf_counter()
-        prepared.finish = self.algorithm.start_update(self.learner, prepared.experience)
-        prepared.launch_seconds = time.perf_counter() - t0
-
     def train_step(self, look_ahead: bool = True) -> dict[str, float]:
         """One rollout, its experience and update(s), the weight sync; returns the step's metrics. With ``look_ahead``
         and where :meth:`looks_ahead` says so, the update is launched, the engine synced, the next step's batch taken,
-        its experience made and its update launched (queued behind this one), and only then this update's metrics
-        read: the learner's devices do not wait for the host between two updates. The next call starts from there."""
+        its experience made and its update's host work done (``plan_update``: the loss terms, packed rows), and only
+        then this update's metrics read: between two updates the learner's devices wait only for the next one's
+        launch. The next update is launched after the first's metrics are read, so the two never hold memory at
+        once. The next call starts from there."""
         step, source = self.step, self.source
         t0, compiled = time.perf_counter(), compiled_seconds()
         ahead = self._ahead is not None
         prepared, self._ahead = self._ahead or self._prepare(step), None
         item, metrics = prepared.item, dict(prepared.metrics)
+        t2 = time.perf_counter()
         if look_ahead and self.looks_ahead(step):
-            if prepared.finish is None:
-                self._launch(prepared)
+            finish = self.algorithm.start_update(self.learner, prepared.experience, prepared.plan)
             self.step += 1
             source.consumed(item)
             sync_wait, sync_seconds = source.sync_after_step(self.step)  # the weights after this update
+            launched = time.perf_counter()
             self._ahead = self._prepare(self.step)
-            self._launch(self._ahead)
-            t2 = time.perf_counter()
-            metrics.update(prepared.finish())
+            self._ahead.plan = self.algorithm.plan_update(self.learner, self._ahead.experience)
+            self._ahead.plan_seconds = time.perf_counter() - launched - self._ahead.waited - self._ahead.seconds
+            t2 += time.perf_counter() - launched  # the next step's preparation is not this update's time
+            metrics.update(finish())
         else:
-            t2 = time.perf_counter()
-            if prepared.finish is not None:  # launched during the previous step
-                metrics.update(prepared.finish())
-            else:
-                with source.device_lock:
+            with source.device_lock:
+                if prepared.plan is not None:
+                    metrics.update(self.algorithm.start_update(self.learner, prepared.experience, prepared.plan)())
+                else:
                     metrics.update(self.algorithm.update(self.learner, prepared.experience))
             self.step += 1
             source.consumed(item)
@@ -221,8 +217,7 @@ class Trainer:
         metrics["time/rollout"] = item.seconds
         metrics["time/wait_rollout"] = prepared.waited + sync_wait
         metrics["time/reward"] = prepared.seconds
-        waited_for_update = t3 - t2 - (0.0 if self._ahead is not None else sync_wait + sync_seconds)
-        metrics["time/train"] = prepared.launch_seconds + waited_for_update
+        metrics["time/train"] = prepared.plan_seconds + t3 - t2 - sync_wait - sync_seconds
         metrics["time/sync"] = sync_seconds
         metrics["time/compile"] = compiled_seconds() - compiled
         metrics["sync/version"] = float(source.served_version())

@@ -252,3 +252,22 @@ def test_packing_refuses_length_buckets_and_leaves_bnpo_padded():
                                    OptimConfig(micro_batch_size=2, packing=True), total_updates=1)
     batch = _long_tailed_batch(seed=2)
     assert [t.rows.input_ids.shape for t in update.policy_terms(learner, batch)] == [batch.input_ids.shape]
+
+
+def test_an_update_from_a_plan_made_ahead_is_the_update():
+    """``PolicyUpdate.plan`` (the packed rows and loss terms, made while the devices train on something else) then
+    ``start`` from it: the same update and metrics as the update in one call; no plan where the update needs
+    log-probs from the devices first (a KL term without reference log-probs, several updates per batch)."""
+    batch = _grouped_batch(seed=8)
+    algo = dataclasses.replace(ALGO, num_generations=4)
+    optim = OptimConfig(micro_batch_size=2, packing=True, share_prompts=True)
+    whole, u1 = grpo_learner(tiny_model(seed=4), algo, optim, total_updates=2)
+    ahead, u2 = grpo_learner(tiny_model(seed=4), algo, optim, total_updates=2)
+    plan = u2.plan(ahead, batch)
+    assert plan is not None and plan[0][0].rows.expand is not None
+    m1, m2 = u1(whole, batch), u2.start(ahead, batch, terms=plan)()
+    assert max_rel_err(ahead.params, whole.params) == 0.0 and m1 == m2
+    for changed, iterations in ((dict(beta=0.05), 1), ({}, 2)):
+        learner, update = grpo_learner(tiny_model(seed=4), dataclasses.replace(algo, **changed), optim,
+                                       total_updates=2, num_iterations=iterations)
+        assert update.plan(learner, batch) is None

@@ -21,10 +21,12 @@ algorithm carries across steps, JSON-safe, saved in the checkpoint at ``step``) 
 list[int]`` (dataset indices of prompts rollout batch ``k`` samples in place of its last ones), and the class
 attribute ``explorer``: a class ``(cfg, policy)`` with ``generate(engine, prompt_batch, *, seed)``,
 ``score(rollout, prompt_batch, step)`` and ``close()``, which is what an explorer process runs (``mode='explore'``,
-:mod:`jrl.train.exploration`); an algorithm without it runs in ``mode='both'`` only; and ``start_update(learner,
-experience)``, which launches :meth:`update`'s work on the devices and returns a call that waits for it and returns
-its metrics (the loop then makes the next step's rollout and experience while the devices train, where generation
-runs apart from them: :meth:`~jrl.train.trainer.Trainer.train_step`). An algorithm names the optional
+:mod:`jrl.train.exploration`); an algorithm without it runs in ``mode='both'`` only; and ``plan_update(learner,
+experience)`` with ``start_update(learner, experience, plan)``: the first does :meth:`update`'s host work ahead (None
+where it cannot), the second launches the update's work on the devices (from the plan when there is one) and returns
+a call that waits for it and returns its metrics (the loop then makes the next step's rollout, experience and plan
+while the devices train, where generation runs apart from them: :meth:`~jrl.train.trainer.Trainer.train_step`). An
+algorithm names the optional
 parts it has in ``capabilities`` (:data:`CAPABILITIES`); the loop asks that set, never the object.
 """
 
@@ -102,8 +104,8 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {
     "reroll": ("rerolled_prompts",),  # samples some prompts of a batch again
     "explorer": ("explorer",),  # runs in explorer processes (mode='explore') beside a queue-fed trainer
     "partial": (),  # trains on partial rollouts (rollout.partial: its generate may return earlier steps' groups)
-    # launches its update and reads its metrics later: the loop prepares and launches the next step in between
-    "deferred_update": ("start_update",),
+    # plans and launches its update apart from reading its metrics: the loop prepares the next step in between
+    "deferred_update": ("plan_update", "start_update"),
 }
 
 #: ``TrainConfig.algorithm`` name → algorithm class ``(cfg, policy, learner) -> Algorithm``.

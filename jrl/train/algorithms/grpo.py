@@ -173,8 +173,11 @@ class GRPO:
     def update(self, learner, batch: StepBatch) -> dict[str, float]:
         return self.update_policy(learner, batch)
 
-    def start_update(self, learner, batch: StepBatch) -> Callable[[], dict[str, float]]:
-        return self.update_policy.start(learner, batch)
+    def plan_update(self, learner, batch: StepBatch):
+        return self.update_policy.plan(learner, batch)
+
+    def start_update(self, learner, batch: StepBatch, plan=None) -> Callable[[], dict[str, float]]:
+        return self.update_policy.start(learner, batch, terms=plan)
 
     def generated_tokens(self, rollout: RolloutBatch | StreamedRollout | ScoredRollout | EpisodeRollout) -> int:
         if isinstance(rollout, (StreamedRollout, ScoredRollout, EpisodeRollout, PartialRollout)):

@@ -373,7 +373,7 @@ class PolicyUpdate:
         last loss token)."""
         need_ref = self.algo.beta != 0.0 and batch.ref_logprobs is None
         need_old = self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None
-        if not (need_ref or need_old):
+        if not self._needs_logprobs(batch):
             return batch
         if learner.optim.packing:
             packed, seq = packed_step(batch, learner)
@@ -438,16 +438,29 @@ class PolicyUpdate:
                  reduction: Callable[[str], str] = _grpo_reduction) -> dict[str, float]:
         return self.start(learner, batch, extra_terms, reduction)()
 
+    def plan(self, learner, batch: StepBatch) -> list[list[LossTerm]] | None:
+        """The policy loss terms of each optimizer update of one pass over ``batch`` (host arrays: masks,
+        normalisers, packed rows), or None where they need the devices first (reference or old log-probs to
+        compute): the host's part of :meth:`start`, which a caller may do ahead, while the devices still train."""
+        return None if self._needs_logprobs(batch) else self._terms(learner, batch)
+
+    def _terms(self, learner, batch: StepBatch) -> list[list[LossTerm]]:
+        return [self.policy_terms(learner, take_rows(batch, sl)) for sl in self.parts(batch.completion_ids.shape[0])]
+
+    def _needs_logprobs(self, batch: StepBatch) -> bool:
+        return (self.algo.beta != 0.0 and batch.ref_logprobs is None) or (
+            self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None)
+
     def start(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
-              reduction: Callable[[str], str] = _grpo_reduction) -> Callable[[], dict[str, float]]:
+              reduction: Callable[[str], str] = _grpo_reduction,
+              terms: list[list[LossTerm]] | None = None) -> Callable[[], dict[str, float]]:
         """Launch the update on the devices and return what waits for it: a call that reads its metrics back
-        (the host is free in between, e.g. to make the next step's experience)."""
-        batch = self.prepare(learner, batch)
-        parts = self.parts(batch.completion_ids.shape[0])
-        if extra_terms and len(parts) > 1:
+        (the host is free in between, e.g. to make the next step's experience). ``terms``: :meth:`plan`'s, when
+        done ahead."""
+        terms = self._terms(learner, self.prepare(learner, batch)) if terms is None else terms
+        if extra_terms and len(terms) > 1:
             raise ValueError("docs_per_step splits the policy term only; an update with extra loss terms takes the "
                              "whole batch")
-        terms = [self.policy_terms(learner, take_rows(batch, sl)) for sl in parts]
         updates, skipped = [], 0
         for _ in range(self.mu):
             skipped = 0  # micro-batches skipped in one pass over the batch

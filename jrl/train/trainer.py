@@ -97,6 +97,7 @@ class _PreparedStep:
     plan: Any = None
     """The algorithm's ``plan_update`` of the experience (None: not planned ahead)."""
     plan_seconds: float = 0.0
+    """Seconds of ``plan_update``."""
 
 
 def warn_dropped_rows(metrics: dict, step: int, capacity: float) -> bool:
@@ -158,12 +159,14 @@ class Trainer:
         return self.source.engine
 
     # ------------------------------------------------------------------ one step
-    def _prepare(self, step: int) -> _PreparedStep:
-        """Rollout batch ``step`` (waiting for it) and its experience."""
+    def _prepare(self, step: int, plan: bool = False) -> _PreparedStep:
+        """Rollout batch ``step`` (waiting for it), its experience and, with ``plan``, its update's plan."""
         item, waited, ready = self.source.next(step)
         t0 = time.perf_counter()
         experience, metrics = self.algorithm.make_experience(item.rollout, item.prompt_batch, self.learner, step)
-        return _PreparedStep(item, waited, ready, experience, metrics, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        planned = self.algorithm.plan_update(self.learner, experience) if plan else None
+        return _PreparedStep(item, waited, ready, experience, metrics, t1 - t0, planned, time.perf_counter() - t1)
 
     def looks_ahead(self, step: int) -> bool:
         """Whether step ``step`` (0-based) prepares the next step while its update runs: where the algorithm plans
@@ -188,28 +191,27 @@ class Trainer:
         ahead = self._ahead is not None
         prepared, self._ahead = self._ahead or self._prepare(step), None
         item, metrics = prepared.item, dict(prepared.metrics)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         if look_ahead and self.looks_ahead(step):
             finish = self.algorithm.start_update(self.learner, prepared.experience, prepared.plan)
+            train_seconds = time.perf_counter() - t1
             self.step += 1
             source.consumed(item)
             sync_wait, sync_seconds = source.sync_after_step(self.step)  # the weights after this update
-            launched = time.perf_counter()
-            self._ahead = self._prepare(self.step)
-            self._ahead.plan = self.algorithm.plan_update(self.learner, self._ahead.experience)
-            self._ahead.plan_seconds = time.perf_counter() - launched - self._ahead.waited - self._ahead.seconds
-            t2 += time.perf_counter() - launched  # the next step's preparation is not this update's time
+            self._ahead = self._prepare(self.step, plan=True)
+            t2 = time.perf_counter()
             metrics.update(finish())
+            train_seconds += time.perf_counter() - t2
         else:
             with source.device_lock:
                 if prepared.plan is not None:
                     metrics.update(self.algorithm.start_update(self.learner, prepared.experience, prepared.plan)())
                 else:
                     metrics.update(self.algorithm.update(self.learner, prepared.experience))
+            train_seconds = time.perf_counter() - t1
             self.step += 1
             source.consumed(item)
             sync_wait, sync_seconds = source.sync_after_step(self.step)
-        t3 = time.perf_counter()
         metrics.update(item.metrics)
         metrics["async/staleness"] = float(step - item.rollout.policy_version)
         metrics["async/queue_depth"] = float(prepared.ready)
@@ -217,7 +219,7 @@ class Trainer:
         metrics["time/rollout"] = item.seconds
         metrics["time/wait_rollout"] = prepared.waited + sync_wait
         metrics["time/reward"] = prepared.seconds
-        metrics["time/train"] = prepared.plan_seconds + t3 - t2 - sync_wait - sync_seconds
+        metrics["time/train"] = prepared.plan_seconds + train_seconds
         metrics["time/sync"] = sync_seconds
         metrics["time/compile"] = compiled_seconds() - compiled
         metrics["sync/version"] = float(source.served_version())

@@ -371,9 +371,8 @@ class PolicyUpdate:
         """``batch`` with the reference log-probs (``beta > 0``) and the old log-probs (more than one update per
         batch) of the current weights filled in (computed on packed rows with ``optim.packing``; 0 past each row's
         last loss token)."""
-        need_ref = self.algo.beta != 0.0 and batch.ref_logprobs is None
-        need_old = self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None
-        if not self._needs_logprobs(batch):
+        need_ref, need_old = self._missing_logprobs(batch)
+        if not (need_ref or need_old):
             return batch
         if learner.optim.packing:
             packed, seq = packed_step(batch, learner)
@@ -442,14 +441,16 @@ class PolicyUpdate:
         """The policy loss terms of each optimizer update of one pass over ``batch`` (host arrays: masks,
         normalisers, packed rows), or None where they need the devices first (reference or old log-probs to
         compute): the host's part of :meth:`start`, which a caller may do ahead, while the devices still train."""
-        return None if self._needs_logprobs(batch) else self._terms(learner, batch)
+        return None if any(self._missing_logprobs(batch)) else self._terms(learner, batch)
 
     def _terms(self, learner, batch: StepBatch) -> list[list[LossTerm]]:
         return [self.policy_terms(learner, take_rows(batch, sl)) for sl in self.parts(batch.completion_ids.shape[0])]
 
-    def _needs_logprobs(self, batch: StepBatch) -> bool:
-        return (self.algo.beta != 0.0 and batch.ref_logprobs is None) or (
-            self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None)
+    def _missing_logprobs(self, batch: StepBatch) -> tuple[bool, bool]:
+        """Whether :meth:`prepare` has the reference log-probs (a KL term) and the old log-probs (more than one
+        update per batch) of ``batch`` to compute."""
+        return (self.algo.beta != 0.0 and batch.ref_logprobs is None,
+                self.mu * len(self.parts(batch.completion_ids.shape[0])) > 1 and batch.old_logprobs is None)
 
     def start(self, learner, batch: StepBatch, extra_terms: tuple[LossTerm, ...] = (),
               reduction: Callable[[str], str] = _grpo_reduction,

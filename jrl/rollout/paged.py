@@ -62,6 +62,7 @@ from flax import nnx
 
 from jrl.models.layers import PageSlots, PagedKV
 from jrl.models.lora import decoding_view
+from jrl.models.static_graph import split_static
 from jrl.models.transformer import on_mesh
 from jrl.data.pipeline import left_pad
 from jrl.rollout.base import RolloutBatch, SamplingParams
@@ -134,20 +135,20 @@ class PagedProgram:
 PREFILL_TOKENS = 32768
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "pool", "page_size", "dtype"), keep_unused=True)
-def _empty_pool(graphdef, state, *, pool: int, page_size: int, dtype) -> tuple[PagedKV, ...]:
-    """A zeroed pool on the device of ``state`` (the weights are unused, and kept as arguments so that they place the
+@functools.partial(jax.jit, static_argnames=("graph", "pool", "page_size", "dtype"), keep_unused=True)
+def _empty_pool(graph, weights, *, pool: int, page_size: int, dtype) -> tuple[PagedKV, ...]:
+    """A zeroed pool on the device of ``weights`` (they are unused, and kept as arguments so that they place the
     program: without them it runs on the default device, and one process's generations on other devices would each
     allocate their pool on the first device before moving it)."""
-    return nnx.merge(graphdef, state).init_pages(pool, page_size, dtype)
+    return graph.merge(weights).init_pages(pool, page_size, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "page_size"), donate_argnames=("cache",))
-def _prefill(graphdef, state, cache, ids: jax.Array, mask: jax.Array, page_ids: jax.Array, *, page_size: int):
+@functools.partial(jax.jit, static_argnames=("graph", "page_size"), donate_argnames=("cache",))
+def _prefill(graph, weights, cache, ids: jax.Array, mask: jax.Array, page_ids: jax.Array, *, page_size: int):
     """The pool ``cache`` with the right-padded sequences ``ids`` [P, L] (``mask``) written to pages ``page_ids``
     [P, L / page_size] (distinct, those past a sequence's end past the pool: :func:`unwritten`), and each sequence's
     last logits [P, V]."""
-    model = nnx.merge(graphdef, state)
+    model = graph.merge(weights)
     (p, length), lengths = ids.shape, jnp.sum(mask, axis=-1)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (p, length))
     hidden, dense = model.decode(ids, positions, mask.astype(bool), model.init_cache(p, length), 0)
@@ -186,7 +187,7 @@ def _take_rows(logits, keep):
     return logits[keep]
 
 
-def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
+def _round(graph, weights, cache, logits, page_table, lengths, generated, rows, active, copy_src, copy_dst,
            key, temperature, top_p, *, program: PagedProgram, steps: int):
     """``steps`` decode steps of S slots (a slot that stopped decodes nothing more: its steps read and write no page,
     and its tokens are not real). The trip count is fixed, not cut short once no slot is active: a GPU then runs
@@ -198,7 +199,7 @@ def _round(graphdef, state, cache, logits, page_table, lengths, generated, rows,
     Returns the cache, logits, lengths, generated counts and still-active slots after the round, and its tokens,
     log-probs and which of them are real ([S, steps])."""
     p, d = program, program.decoding
-    model = nnx.merge(graphdef, state)
+    model = graph.merge(weights)
     n = rows.shape[0]
     cache = tuple(PagedKV(_set_pages(c.k, copy_dst, c.k[:, copy_src]), _set_pages(c.v, copy_dst, c.v[:, copy_src]))
                   for c in cache)
@@ -239,7 +240,7 @@ GPU_ROUND_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 @functools.cache
 def _round_program(backend: str):
-    return jax.jit(_round, static_argnames=("graphdef", "program", "steps"), donate_argnames=("cache", "logits"),
+    return jax.jit(_round, static_argnames=("graph", "program", "steps"), donate_argnames=("cache", "logits"),
                    compiler_options=GPU_ROUND_OPTIONS if backend == "gpu" else None)
 
 
@@ -610,8 +611,11 @@ class _Generation:
         # The view a decode step runs on (layers unstacked, adapters merged, no mesh: the arrays are this device's),
         # made once for the whole generation.
         view = decoding_view(on_mesh(nnx.merge(graphdef, state), None))
-        self.graphdef, self.state = nnx.split(view)
-        self.device = _device(self.state)
+        self.graph, weights = split_static(view)  # the structure: a static argument of every program here
+        self.device = _device(weights)
+        # Committed to their device (no copy): the programs' outputs then are too, so that the first decode round (the
+        # pool from the prefill) and the later ones (the pool from a round) call one compiled program, not two.
+        self.weights = weights if self.device is None else jax.device_put(weights, self.device)
         pool_dtype = kv.pool_dtype(view.config.dtype)
         page_bytes = view.config.kv_bytes_per_token(pool_dtype) * page
         self.pool = pool_pages(kv, slots=self.slots, prompt_pages=sum(pages_for(n, page) for n in self.lengths),
@@ -622,7 +626,7 @@ class _Generation:
         starts = np.cumsum([1] + [pages_for(n, page) for n in self.lengths])  # prompt pages from page 1 on, in order
         self.prompt_pages = [list(range(a, b)) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
         free = list(range(int(starts[-1]), self.pool))
-        self.cache = _empty_pool(self.graphdef, self.state, pool=self.pool, page_size=page, dtype=pool_dtype)
+        self.cache = _empty_pool(self.graph, self.weights, pool=self.pool, page_size=page, dtype=pool_dtype)
         logits, offset = [], 0
         at = np.zeros(slot_bucket(len(sequences)), np.int32)  # sequence -> its row of the buckets' logits
         for width, idx, count in buckets:
@@ -636,7 +640,7 @@ class _Generation:
             per_call = min(count, 1 << (max(prefill_tokens // width, 1).bit_length() - 1))
             for first in range(0, count, per_call):
                 rows = slice(first, first + per_call)
-                self.cache, part = _prefill(self.graphdef, self.state, self.cache, ids[rows], mask[rows],
+                self.cache, part = _prefill(self.graph, self.weights, self.cache, ids[rows], mask[rows],
                                             page_ids[rows], page_size=page)
                 logits.append(part)
             at[idx], offset = offset + np.arange(len(idx)), offset + count
@@ -704,7 +708,7 @@ class _Generation:
         if admitted:
             self.logits = _admit(self.logits, self.prompt_logits, admit_prompt)
         self.cache, self.logits, *out = _decode_round(
-            self.graphdef, self.state, self.cache, self.logits, sched.page_table.copy(), sched.lengths.copy(),
+            self.graph, self.weights, self.cache, self.logits, sched.page_table.copy(), sched.lengths.copy(),
             self.generated, np.asarray(self.row_keys, np.int32)[self.slot_rows], self.active, copy_src, copy_dst,
             key, temperature, top_p, program=self.program, steps=self.steps)
         self.rounds += 1

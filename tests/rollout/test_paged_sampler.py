@@ -308,6 +308,25 @@ def test_the_gpu_decode_rounds_options_are_valid_and_decode_the_same_rows(monkey
         np.testing.assert_array_equal(with_options[name], default[name])
 
 
+def test_a_generation_compiles_its_decode_round_once_and_a_model_of_the_same_structure_reuses_it():
+    """A generation's first decode round (its pool from the prefill) and its later ones (the pool from a round) call
+    one compiled program, also for weights not committed to a device (a model just made); another model of the same
+    config (other weights, another split) runs that program too: the structure is one shared static argument
+    (:func:`jrl.models.static_graph.split_static`)."""
+    from jrl.rollout import paged
+
+    prompts = random_prompts(np.random.default_rng(2), LENGTHS)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, stop_token_ids=STOPS)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, slots=6, tail_slots=0)  # one slot count
+    rounds = paged._round_program(jax.default_backend())
+    before = rounds._cache_size()
+    first = _paged(tiny_model("llama", seed=3, num_hidden_layers=3), prompts, params, kv)  # a structure of its own
+    assert first["rounds"] > 1 and rounds._cache_size() == before + 1
+    second = _paged(tiny_model("llama", seed=4, num_hidden_layers=3), prompts, params, kv)
+    assert rounds._cache_size() == before + 1
+    assert not np.array_equal(first["logprobs"], second["logprobs"])
+
+
 def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would_have():
     """``groups_needed``: the generation ends once that many groups are finished; a row continued later from the
     tokens it had (prefilled again with them, its key carried on) samples exactly the tokens and log-probs of the

@@ -41,7 +41,7 @@ from jrl.kernels.attention import (AttentionMask, attention, decode_attention, d
 from jrl.kernels.attention.mask import segment_starts
 from jrl.kernels.attention.reference import attend_dense
 from jrl.kernels.attention.rope import apply_rope
-from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
+from jrl.kernels.decode_linear import matmul_add, matmul_concat, matmul_swiglu
 from jrl.models.config import ModelConfig, rope_inv_freq
 from jrl.sharding.rules import logical_to_spec, with_logical_constraint
 
@@ -259,13 +259,16 @@ class Attention(nnx.Module):
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B,S,N,D], k, v [B,S,K,D] with q/k norm applied, before RoPE."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (*self._qk_norm(self.q_proj(x), self.k_proj(x)), self.v_proj(x))
+
+    def _qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q [..., N, D] and k [..., K, D] after the q/k norm (as they are without one)."""
         if self.q_norm is not None and self.config.qk_norm_projection:  # over all heads of a token at once
             q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
             k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return q, k
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B,S,N,D], k, v [B,S,K,D] with q/k norm and RoPE at ``positions`` applied."""
@@ -323,9 +326,20 @@ class Attention(nnx.Module):
 
     def _step_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """A one-token step's projections before rope, qkv [B, N + 2K, D] (queries, keys, values), and its rope's
-        cos, sin [B, R]."""
+        cos, sin [B, R]. Plain projections (no bias, adapters merged) run as one call that writes their products
+        side by side (:func:`jrl.kernels.decode_linear.matmul_concat`: one kernel on a GPU for a few rows)."""
         cos, sin = rope_cos_sin(positions, self.config)
-        return jnp.concatenate(self._project(x), axis=-2)[:, 0], cos[:, 0], sin[:, 0]
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(map(_plain, projections)):
+            return jnp.concatenate(self._project(x), axis=-2)[:, 0], cos[:, 0], sin[:, 0]
+        c = self.config
+        n, kv = c.num_attention_heads, c.num_key_value_heads
+        weights = [p.kernel[...].astype(p.dtype).reshape(c.hidden_size, -1) for p in projections]
+        qkv = matmul_concat(x[:, 0].astype(self.q_proj.dtype), weights).reshape(x.shape[0], n + 2 * kv, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self._qk_norm(qkv[:, :n], qkv[:, n:n + kv])
+            qkv = jnp.concatenate([q, k, qkv[:, n + kv:]], axis=-2)
+        return qkv, cos[:, 0], sin[:, 0]
 
     def _decode_impl(self) -> str:
         return "reference" if self.config.attention == "reference" else "auto"

@@ -11,8 +11,9 @@ row has stopped. The program depends only on the shapes (row bucket, prompt-coun
 inputs), so a training run compiles once per such bucket combination.
 
 The decode step runs on :func:`jrl.models.lora.decoding_view` (layers sliced, LoRA adapters merged); on one
-device its rope, cache write and attention run through :func:`jrl.kernels.attention.decode_attention_append`
-(on a GPU one kernel that reads only each row's filled cache slots, none of a stopped row's), its MLP's gate and
+device its query, key and value projections through :func:`jrl.kernels.decode_linear.matmul_concat`, its rope,
+cache write and attention through :func:`jrl.kernels.attention.decode_attention_append` (on a GPU one kernel that
+reads only each row's filled cache slots, none of a stopped row's), its MLP's gate and
 up projections with SwiGLU through :func:`jrl.kernels.decode_linear.matmul_swiglu` and its output projections
 with their residual adds through :func:`jrl.kernels.decode_linear.matmul_add`.
 

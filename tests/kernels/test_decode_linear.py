@@ -1,4 +1,5 @@
-"""``residual + h @ w`` and ``silu(h @ w_gate) * (h @ w_up)`` of a decode step (``jrl.kernels.decode_linear``)
+"""``residual + h @ w``, ``silu(h @ w_gate) * (h @ w_up)`` and ``h @ [w_1 | w_2 | ...]`` of a decode step
+(``jrl.kernels.decode_linear``)
 against the reference on fresh random inputs: row counts below and between Triton's 16, with and without a
 split contraction, float32 and bf16. CPU: ``pallas_gpu`` in Pallas interpret mode. GPU (``-m gpu``): the
 compiled kernels at a sampler's shapes."""
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.kernels.decode_linear import matmul_add, matmul_swiglu
+from jrl.kernels.decode_linear import matmul_add, matmul_concat, matmul_swiglu
 from jrl.kernels.decode_linear.pallas_gpu import DEFAULTS, FEW_ROWS, FEW_ROWS_DEFAULTS, config
 from kernels_testlib import assert_close, lower_for, rng_for
 
@@ -101,6 +102,48 @@ def test_gpu_swiglu_kernel_matches_reference(request, m, k, n):
                  jnp.bfloat16, "compiled matmul_swiglu")
 
 
+def _concat_inputs(rng, m, k, widths, dtype):
+    h = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    return h, [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for n in widths]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,k,widths,split_k", [(5, 128, (64, 32, 32), 1), (20, 256, (96, 32, 32), 2),
+                                                 (16, 256, (32,), 4), (3, 128, (32, 64), 2)])
+def test_concat_interpret_matches_reference(request, dtype, m, k, widths, split_k):
+    h, weights = _concat_inputs(rng_for(request), m, k, widths, dtype)
+    ref = matmul_concat(h, weights, impl="reference")
+    out = matmul_concat(h, weights, impl="pallas_gpu", split_k=split_k, block_k=32, block_n=32, interpret=True)
+    assert out.dtype == h.dtype and out.shape == (m, sum(widths))
+    assert_close(out, ref, dtype, f"matmul_concat m={m} widths={widths} split_k={split_k}")
+    # each weight's product in its own columns
+    at = np.cumsum((0,) + widths)
+    for w, a, b in zip(weights, at[:-1], at[1:]):
+        assert_close(out[:, a:b], matmul_add(h, w, jnp.zeros((m, b - a), dtype), impl="reference"), dtype,
+                     f"columns {a}:{b}")
+
+
+def test_concat_refuses_what_it_cannot_do():
+    h = jnp.ones((4, 64))
+    with pytest.raises(RuntimeError, match="columns 64, 48 are not multiples"):
+        matmul_concat(h, [jnp.ones((64, 64)), jnp.ones((64, 48))], impl="pallas_gpu", block_n=32)
+    with pytest.raises(RuntimeError, match="300 rows"):
+        matmul_concat(jnp.ones((300, 64)), [jnp.ones((64, 32))], impl="pallas_gpu")
+    with pytest.raises(ValueError, match=r"weights \[K, N_i\]"):
+        matmul_concat(h, [jnp.ones((64, 32)), jnp.ones((32, 32))])
+    ragged = [jnp.ones((64, 64)), jnp.ones((64, 48))]  # auto: the reference where the kernel cannot run
+    assert_close(matmul_concat(h, ragged), matmul_concat(h, ragged, impl="reference"), jnp.float32, "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,widths", [(16, 2048, (2048, 512, 512)), (64, 2048, (2048, 512, 512)),
+                                        (7, 4096, (4096, 1024, 1024)), (33, 2048, (2048, 256, 256))])
+def test_gpu_concat_kernel_matches_reference(request, m, k, widths):
+    h, weights = _concat_inputs(rng_for(request), m, k, widths, jnp.bfloat16)
+    assert_close(matmul_concat(h, weights, impl="pallas_gpu"), matmul_concat(h, weights, impl="reference"),
+                 jnp.bfloat16, "compiled matmul_concat")
+
+
 @pytest.mark.parametrize("m,k,n", [(64, 2048, 2048), (5, 2048, 8192)])
 def test_the_kernels_lower_for_cuda(m, k, n):
     """Both kernels' Triton lowering at a 1B model's decode shapes with their default blocks (runs on CPU;
@@ -110,4 +153,6 @@ def test_the_kernels_lower_for_cuda(m, k, n):
     h, w = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16)
     add = lower_for("cuda", lambda *a: pallas_gpu.matmul_add(*a, interpret=False), h, w, jnp.zeros((m, n), h.dtype))
     swiglu = lower_for("cuda", lambda *a: pallas_gpu.matmul_swiglu(*a, interpret=False), h, w, w)
-    assert "jrl_matmul_add" in add and "jrl_matmul_swiglu" in swiglu
+    concat = lower_for("cuda", lambda h, *w: pallas_gpu.matmul_concat(h, w, interpret=False), h, w,
+                       jnp.zeros((k, 512), h.dtype))
+    assert "jrl_matmul_add" in add and "jrl_matmul_swiglu" in swiglu and "jrl_matmul_concat" in concat

@@ -214,11 +214,15 @@ def test_long_tables_split_each_row_over_several_programs():
     from jrl.kernels.attention.decode_pallas_gpu import split_count
 
     assert split_count(384, 64) == 1  # a short table: one program per (row, head), no combination
-    assert split_count(2048, 64) == 2
-    assert split_count(8464, 64) == 8  # 8192 new tokens after a 256-token prompt
-    assert split_count(1 << 20, 64) == 8
+    assert split_count(2048, 64, 512 * 8) == 2
+    assert split_count(8464, 64, 256 * 8) == 8  # 8192 new tokens after a 256-token prompt
+    assert split_count(1 << 20, 64, 256 * 8) == 8
+    # a step of few rows (a long generation's tail) splits its rows further, up to 4,096 programs
+    assert split_count(8464, 64, 16 * 8) == 32
+    assert split_count(8464, 64, 32 * 8) == 16
+    assert split_count(8464, 64, 128 * 8) == 8  # the wide steps' rule gives more
+    assert split_count(2048, 64, 16 * 8) == 8  # splits of at least 4 blocks of a full-width row
     # a step whose rows fill the GPU on their own splits less (at most 16,384 programs)
-    assert split_count(8464, 64, 256 * 8) == 8
     assert split_count(8464, 64, 512 * 8) == 4
     assert split_count(8464, 64, 2048 * 8) == 1
 

@@ -432,14 +432,29 @@ fill the GPU, more splits cost more than the balance they buy (H200, 8 KV heads,
 slots 439 us per layer at 4 splits, 448 at 8, 472 at 2; 256 rows of ~2,700 slots 320 us at 8, 333 at 4;
 ``benchmarks/RESULTS.md``)."""
 
+_FEW_ROW_PROGRAMS = 4096
+"""Programs a step of few rows (a long generation's tail) is split into when the rule for wide steps gives fewer:
+shorter splits of the long rows, down to :data:`_FEW_ROW_BLOCKS` blocks of a full-width row (H200, float8 pool,
+8 KV heads, rows of ~3,900 slots in a table of 8,448: 16 rows 43.2 us per layer at 32 splits against 47.2 at 8,
+32 rows 63.0 at 16 against 65.1; ``benchmarks/RESULTS.md``)."""
+_FEW_ROW_BLOCKS = 4
+
+
+def _doublings(width: int, slots_per_split: int, row_heads: int, most: int, programs: int) -> int:
+    """The most splits, a power of two up to ``most``, that leave each at least ``slots_per_split`` slots of a
+    ``width``-slot row and the step at most ``programs`` programs."""
+    splits = 1
+    while 2 * splits <= most and 2 * splits * slots_per_split <= width and 2 * splits * row_heads <= programs:
+        splits *= 2
+    return splits
+
 
 def split_count(width: int, block_k: int, row_heads: int = 1, *, blocks_per_split: int = 16, most: int = 8) -> int:
     """Programs per (row, KV head) of :func:`paged_decode_attention_append` for a page table of ``width`` slots and a
     step of ``row_heads`` rows x KV heads: a power of two, at most ``most``, each split holding at least
     ``blocks_per_split`` blocks of a full-width row (short tables: one program, no combination step), and the step
-    at most :data:`_MOST_PROGRAMS` programs."""
-    splits = 1
-    while (2 * splits <= most and 2 * splits * blocks_per_split * block_k <= width
-           and 2 * splits * row_heads <= _MOST_PROGRAMS):
-        splits *= 2
-    return splits
+    at most :data:`_MOST_PROGRAMS` programs; or, where that leaves a step of few rows under
+    :data:`_FEW_ROW_PROGRAMS` programs, splits of :data:`_FEW_ROW_BLOCKS` blocks up to that many programs."""
+    wide = _doublings(width, blocks_per_split * block_k, row_heads, most, _MOST_PROGRAMS)
+    few = _doublings(width, _FEW_ROW_BLOCKS * block_k, row_heads, 4 * most, _FEW_ROW_PROGRAMS)
+    return max(wide, few)

@@ -1,11 +1,12 @@
-"""Decode-step matmul dispatcher: ``residual + h @ w`` (:func:`matmul_add`) and ``silu(h @ w_gate) * (h @
-w_up)`` (:func:`matmul_swiglu`) for a few rows.
+"""Decode-step matmul dispatcher: ``residual + h @ w`` (:func:`matmul_add`), ``silu(h @ w_gate) * (h @
+w_up)`` (:func:`matmul_swiglu`) and ``h @ [w_1 | w_2 | ...]`` (:func:`matmul_concat`) for a few rows.
 
 | name         | where                                  | what                                                   |
 |--------------|----------------------------------------|--------------------------------------------------------|
 | `reference`  | anywhere                               | XLA's matmuls, then the add / SwiGLU (the truth)       |
 | `pallas_gpu` | NVIDIA GPU (interpret mode elsewhere)  | one Triton kernel: split-K matmul with the add fused;  |
-|              |                                        | both matmuls with SwiGLU fused                         |
+|              |                                        | both matmuls with SwiGLU fused; several weights' split-K |
+|              |                                        | products side by side                                  |
 
 ``impl="auto"`` order: GPU: pallas_gpu (at most :data:`pallas_gpu.MAX_ROWS` rows, block-divisible sizes),
 reference. Elsewhere: reference.
@@ -60,3 +61,24 @@ def matmul_swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, impl: str
     config = ("swiglu", tuple(h.shape), tuple(w_gate.shape), str(h.dtype))
     name, mod = _dispatch.select("matmul_swiglu", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.matmul_swiglu(h, w_gate, w_up, **(kwargs if name != "reference" else {}))
+
+
+def matmul_concat(h: jax.Array, weights, *, impl: str = "auto", **kwargs) -> jax.Array:
+    """``h @ w`` for each of ``weights`` [K, N_i], side by side: h [M, K] -> [M, sum N_i] in h's dtype (each product
+    rounded to it, as separate Linear layers), without concatenating the weights (the attention's query, key and
+    value projections of a decode step in one call). ``kwargs`` as :func:`matmul_add`."""
+    weights = tuple(weights)
+    if h.ndim != 2 or not weights or any(w.ndim != 2 or w.shape[0] != h.shape[1] for w in weights):
+        raise ValueError(f"matmul_concat needs h [M, K] and weights [K, N_i]; got {h.shape}, "
+                         f"{[w.shape for w in weights]}")
+    widths = tuple(w.shape[1] for w in weights)
+    blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
+
+    def call_check(name: str) -> str | None:
+        if name != "pallas_gpu":
+            return None
+        return IMPLS[name].load().call_unsupported(h.shape[0], h.shape[1], sum(widths), widths=widths, **blocks)
+
+    config = ("concat", tuple(h.shape), widths, str(h.dtype))
+    name, mod = _dispatch.select("matmul_concat", IMPLS, ORDER, impl, config=config, call_check=call_check)
+    return mod.matmul_concat(h, weights, **(kwargs if name != "reference" else {}))

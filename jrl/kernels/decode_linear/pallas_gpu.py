@@ -7,8 +7,10 @@ block of ``block_n`` output columns (enough programs to pull the weight from mem
 narrow), each writing float32 partial sums; without a split the add is in the kernel, with one the partial
 sums and the residual are added by one XLA kernel. :func:`matmul_swiglu` is the MLP's gate and up
 projections with SwiGLU applied to the two products in the kernel (XLA: one GEMM, then an elementwise
-kernel that reads both products back). Off GPU both run in Pallas interpret mode (the tests compare them
-with :mod:`.reference`).
+kernel that reads both products back). :func:`matmul_concat` is the attention's query, key and value
+projections as one kernel writing their products side by side (XLA: three narrow GEMMs, each too small to
+pull its weight from memory at speed, and a concatenation). Off GPU they run in Pallas interpret mode (the
+tests compare them with :mod:`.reference`).
 
 Kernels that also fused the RMSNorm before a projection were measured slower than XLA's GEMM after its norm
 kernel on an H100 (``benchmarks/RESULTS.md``): the prologue between the loads and the matrix product costs
@@ -21,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -72,23 +75,23 @@ def config(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> dict:
     return c
 
 
-def call_unsupported(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> str | None:
-    """Why a call with these sizes cannot use the kernel (None when it can)."""
+def call_unsupported(rows: int, k: int, n: int, *, weights: int = 1, widths: tuple[int, ...] = (),
+                     **overrides) -> str | None:
+    """Why a call with these sizes cannot use the kernel (None when it can); ``widths``: the columns of each weight
+    whose products are written side by side (:func:`matmul_concat`, ``n`` their sum)."""
     c = config(rows, k, n, weights=weights, **overrides)
     if rows > MAX_ROWS:
         return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
-    if k % (c["block_k"] * c["split_k"]) or n % c["block_n"]:
-        return (f"contraction {k} / columns {n} are not multiples of block_k {c['block_k']} x split_k "
-                f"{c['split_k']} / block_n {c['block_n']}")
+    if k % (c["block_k"] * c["split_k"]) or any(w % c["block_n"] for w in widths or (n,)):
+        return (f"contraction {k} / columns {', '.join(map(str, widths or (n,)))} are not multiples of block_k "
+                f"{c['block_k']} x split_k {c['split_k']} / block_n {c['block_n']}")
     if min(c["block_k"], c["block_n"]) < 16 or (c["block_k"] | c["block_n"]) & 15:
         return f"blocks {c['block_k']} x {c['block_n']} (Triton needs multiples of 16)"
     return None
 
 
-def _kernel(h_ref, w_ref, *refs, block_k: int, has_residual: bool):
-    """h_ref [M, K / split_k], w_ref [K / split_k, block_n]; then the residual block [M, block_n] when
-    ``has_residual`` (no split) and the output block [M, block_n] (float32 partial sums under a split)."""
-    o_ref = refs[-1]
+def _product(h_ref, w_ref, block_k: int) -> jax.Array:
+    """float32 h_ref [M, K] @ w_ref [K, N], over the contraction in blocks of ``block_k``."""
     rows, k = h_ref.shape
     exact = False if h_ref.dtype == jnp.float32 else None  # float32 inputs: no TF32 rounding
 
@@ -96,7 +99,14 @@ def _kernel(h_ref, w_ref, *refs, block_k: int, has_residual: bool):
         cols = pl.ds(j * block_k, block_k)
         return acc + plgpu.dot(h_ref[:, cols], w_ref[cols, :].astype(h_ref.dtype), allow_tf32=exact)
 
-    acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((rows, o_ref.shape[-1]), jnp.float32))
+    return jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((rows, w_ref.shape[-1]), jnp.float32))
+
+
+def _kernel(h_ref, w_ref, *refs, block_k: int, has_residual: bool):
+    """h_ref [M, K / split_k], w_ref [K / split_k, block_n]; then the residual block [M, block_n] when
+    ``has_residual`` (no split) and the output block [M, block_n] (float32 partial sums under a split)."""
+    o_ref = refs[-1]
+    acc = _product(h_ref, w_ref, block_k)
     if has_residual:  # as the reference: the product rounded to h's dtype, then added
         acc = refs[0][...].astype(jnp.float32) + acc.astype(h_ref.dtype).astype(jnp.float32)
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -182,3 +192,48 @@ def _matmul_swiglu(h, w_gate, w_up, *, block_k, block_n, num_warps, num_stages, 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="jrl_matmul_swiglu",
     )(jnp.pad(h, ((0, m - rows), (0, 0))), w_gate, w_up)[:rows]
+
+
+def _concat_kernel(h_ref, *refs, starts: tuple[int, ...], block_k: int):
+    """h_ref [M, K / split_k], a [K / split_k, block_n] block of every weight, then the output block [M, block_n]
+    (float32 partial sums under a split): program j's columns are those of the weight whose column blocks
+    ``starts[i] .. starts[i + 1]`` hold j (the other weights' blocks are not read)."""
+    *w_refs, o_ref = refs
+    j = pl.program_id(0)
+    for i, w_ref in enumerate(w_refs):
+        @pl.when((j >= starts[i]) & (j < starts[i + 1]))
+        def _(w_ref=w_ref):
+            o_ref[...] = _product(h_ref, w_ref, block_k).astype(o_ref.dtype)
+
+
+def matmul_concat(h, weights, *, interpret: bool | None = None, **overrides):
+    """See :func:`jrl.kernels.decode_linear.api.matmul_concat`; ``overrides``: block configuration."""
+    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    n = sum(w.shape[1] for w in weights)
+    return _matmul_concat(h, tuple(weights), interpret=interpret, **config(h.shape[0], h.shape[1], n, **overrides))
+
+
+@functools.partial(jax.jit, static_argnames=("split_k", "block_k", "block_n", "num_warps", "num_stages",
+                                             "interpret"))
+def _matmul_concat(h, weights, *, split_k, block_k, block_n, num_warps, num_stages, interpret):
+    rows = h.shape[0]
+    m = _rows(rows)
+    k = h.shape[1]
+    part = k // split_k
+    blocks = [w.shape[1] // block_n for w in weights]
+    starts = tuple(int(x) for x in np.cumsum([0] + blocks))
+
+    def weight_spec(i):
+        return pl.BlockSpec((part, block_n), lambda j, s: (s, jnp.clip(j - starts[i], 0, blocks[i] - 1)))
+
+    n = starts[-1] * block_n
+    out = pl.pallas_call(
+        functools.partial(_concat_kernel, starts=starts, block_k=block_k),
+        grid=(starts[-1], split_k),
+        in_specs=[pl.BlockSpec((m, part), lambda j, s: (0, s))] + [weight_spec(i) for i in range(len(weights))],
+        out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32 if split_k > 1 else h.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="jrl_matmul_concat",
+    )(jnp.pad(h, ((0, m - rows), (0, 0))), *weights)
+    return (out[0] if split_k == 1 else out.sum(axis=0))[:rows].astype(h.dtype)

@@ -3,8 +3,8 @@ conversation again at every turn (``env.reuse_kv_cache``), same model, prompts, 
 
     python benchmarks/multiturn.py [--turns 8] [--rows 16] [--prompt-tokens 256] [--new-tokens 16] [--obs-tokens 16]
 
-A random-weight Llama-shaped model (``--hidden``, ``--layers``), an environment that answers every turn with
-``--obs-tokens`` tokens and ends the episode after ``--turns`` turns (no stop token: every turn writes
+A random-weight Llama-shaped model (``--hidden``, ``--layers``, ``--dtype``), an environment that answers every turn
+with ``--obs-tokens`` tokens and ends the episode after ``--turns`` turns (no stop token: every turn writes
 ``--new-tokens``). Each mode runs once to compile, then ``--repeats`` times timed; prints one JSON line per mode and
 the ratio.
 """
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="the model's compute and parameter dtype (bfloat16 on a GPU)")
     ap.add_argument("--out", default=None, help="append the JSON lines here")
     args = ap.parse_args()
 
@@ -70,7 +71,7 @@ def main() -> None:
                                      intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                                      num_attention_heads=args.hidden // 64,
                                      num_key_value_heads=max(1, args.hidden // 128),
-                                     max_position_embeddings=8192), seed=0)
+                                     max_position_embeddings=8192, dtype=args.dtype, param_dtype=args.dtype), seed=0)
     engine = JaxRolloutEngine(model, pad_id=0, prompt_bucket=32)
     rng = np.random.default_rng(0)
     n = args.rows // 2
@@ -95,7 +96,8 @@ def main() -> None:
         assert (out.turns == args.turns).all(), out.turns
         row = dict(bench="multiturn", reuse_kv_cache=reuse, turns=args.turns, rows=args.rows,
                    prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, obs_tokens=args.obs_tokens,
-                   hidden=args.hidden, layers=args.layers, episode_s=round(statistics.median(times[1:]), 4),
+                   hidden=args.hidden, layers=args.layers, dtype=args.dtype,
+                   episode_s=round(statistics.median(times[1:]), 4),
                    first_s=round(times[0], 2), device=jax.devices()[0].device_kind, jax=jax.__version__)
         rows.append(row)
         report(row, args.out)

@@ -6,6 +6,7 @@ compiled kernels at a sampler's shapes."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,13 @@ import pytest
 from jrl.kernels.decode_linear import matmul_add, matmul_concat, matmul_swiglu
 from jrl.kernels.decode_linear.pallas_gpu import DEFAULTS, FEW_ROWS, FEW_ROWS_DEFAULTS, config
 from kernels_testlib import assert_close, lower_for, rng_for
+
+
+@pytest.fixture
+def full_precision():
+    """float32 references in float32, as the kernels compute them (XLA's GPU matmuls take float32 as TF32)."""
+    with jax.default_matmul_precision("float32"):
+        yield
 
 
 def _inputs(rng, m, k, n, dtype):
@@ -51,6 +59,10 @@ def test_config_fits_shared_memory_and_the_contraction():
     big = config(256, 8192, 2048)
     assert 2 * big["num_stages"] * big["block_k"] * (256 + big["block_n"]) <= 220 * 1024
     assert config(16, 64, 64)["split_k"] == 1  # one contraction block: nothing to split
+    # a float32 model's blocks take twice the bytes: a shorter contraction block (at 64 rows the bfloat16 one asked
+    # for more shared memory than an H200 has, a runtime error at the first decode step)
+    wide = config(64, 2048, 2048, itemsize=4)
+    assert wide["block_k"] == 128 and 4 * wide["num_stages"] * wide["block_k"] * (64 + wide["block_n"]) <= 220 * 1024
     # a few rows (up to FEW_ROWS after padding) take their own blocks, more rows the defaults
     few, many = config(FEW_ROWS, 2048, 2048), config(FEW_ROWS + 1, 2048, 2048)
     assert {k: few[k] for k in FEW_ROWS_DEFAULTS} == FEW_ROWS_DEFAULTS
@@ -58,14 +70,16 @@ def test_config_fits_shared_memory_and_the_contraction():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("full_precision")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m,k,n", [(64, 2048, 2048), (64, 8192, 2048), (33, 8192, 2048), (7, 6144, 2048)])
-def test_gpu_kernel_matches_reference(request, m, k, n):
-    h, w, res = _inputs(rng_for(request), m, k, n, jnp.bfloat16)
+def test_gpu_kernel_matches_reference(request, m, k, n, dtype):
+    h, w, res = _inputs(rng_for(request), m, k, n, dtype)
     zero = jnp.zeros_like(res)
     assert_close(matmul_add(h, w, zero, impl="pallas_gpu"), matmul_add(h, w, zero, impl="reference"),
-                 jnp.bfloat16, "compiled product")
+                 dtype, "compiled product")
     assert_close(matmul_add(h, w, res, impl="pallas_gpu"), matmul_add(h, w, res, impl="reference"),
-                 jnp.bfloat16, "compiled matmul_add")
+                 dtype, "compiled matmul_add")
 
 
 def _swiglu_inputs(rng, m, k, n, dtype):
@@ -95,11 +109,13 @@ def test_swiglu_refuses_what_it_cannot_do():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("full_precision")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m,k,n", [(64, 2048, 8192), (33, 2048, 6144), (7, 2048, 8192)])
-def test_gpu_swiglu_kernel_matches_reference(request, m, k, n):
-    h, w_gate, w_up = _swiglu_inputs(rng_for(request), m, k, n, jnp.bfloat16)
+def test_gpu_swiglu_kernel_matches_reference(request, m, k, n, dtype):
+    h, w_gate, w_up = _swiglu_inputs(rng_for(request), m, k, n, dtype)
     assert_close(matmul_swiglu(h, w_gate, w_up, impl="pallas_gpu"), matmul_swiglu(h, w_gate, w_up, impl="reference"),
-                 jnp.bfloat16, "compiled matmul_swiglu")
+                 dtype, "compiled matmul_swiglu")
 
 
 def _concat_inputs(rng, m, k, widths, dtype):
@@ -136,12 +152,14 @@ def test_concat_refuses_what_it_cannot_do():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,widths", [(16, 2048, (2048, 512, 512)), (64, 2048, (2048, 512, 512)),
+@pytest.mark.usefixtures("full_precision")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,k,widths", [(16, 2048, (2048, 512, 512)), (64, 2048, (2048, 1024, 1024)),
                                         (7, 4096, (4096, 1024, 1024)), (33, 2048, (2048, 256, 256))])
-def test_gpu_concat_kernel_matches_reference(request, m, k, widths):
-    h, weights = _concat_inputs(rng_for(request), m, k, widths, jnp.bfloat16)
+def test_gpu_concat_kernel_matches_reference(request, m, k, widths, dtype):
+    h, weights = _concat_inputs(rng_for(request), m, k, widths, dtype)
     assert_close(matmul_concat(h, weights, impl="pallas_gpu"), matmul_concat(h, weights, impl="reference"),
-                 jnp.bfloat16, "compiled matmul_concat")
+                 dtype, "compiled matmul_concat")
 
 
 @pytest.mark.parametrize("m,k,n", [(64, 2048, 2048), (5, 2048, 8192)])

@@ -38,7 +38,10 @@ def matmul_add(h: jax.Array, w: jax.Array, residual: jax.Array, *, impl: str = "
     blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
 
     def call_check(name: str) -> str | None:
-        return IMPLS[name].load().call_unsupported(h.shape[0], *w.shape, **blocks) if name == "pallas_gpu" else None
+        if name != "pallas_gpu":
+            return None
+        mod = IMPLS[name].load()
+        return mod.call_unsupported(h.shape[0], *w.shape, itemsize=mod.itemsize(h, w), **blocks)
 
     config = (tuple(h.shape), tuple(w.shape), str(h.dtype))
     name, mod = _dispatch.select("matmul_add", IMPLS, ORDER, impl, config=config, call_check=call_check)
@@ -56,7 +59,9 @@ def matmul_swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, impl: str
     def call_check(name: str) -> str | None:
         if name != "pallas_gpu":
             return None
-        return IMPLS[name].load().call_unsupported(h.shape[0], *w_gate.shape, weights=2, **blocks)
+        mod = IMPLS[name].load()
+        return mod.call_unsupported(h.shape[0], *w_gate.shape, weights=2, itemsize=mod.itemsize(h, w_gate, w_up),
+                                    **blocks)
 
     config = ("swiglu", tuple(h.shape), tuple(w_gate.shape), str(h.dtype))
     name, mod = _dispatch.select("matmul_swiglu", IMPLS, ORDER, impl, config=config, call_check=call_check)
@@ -77,7 +82,9 @@ def matmul_concat(h: jax.Array, weights, *, impl: str = "auto", **kwargs) -> jax
     def call_check(name: str) -> str | None:
         if name != "pallas_gpu":
             return None
-        return IMPLS[name].load().call_unsupported(h.shape[0], h.shape[1], sum(widths), widths=widths, **blocks)
+        mod = IMPLS[name].load()
+        return mod.call_unsupported(h.shape[0], h.shape[1], sum(widths), widths=widths,
+                                    itemsize=mod.itemsize(h, *weights), **blocks)
 
     config = ("concat", tuple(h.shape), widths, str(h.dtype))
     name, mod = _dispatch.select("matmul_concat", IMPLS, ORDER, impl, config=config, call_check=call_check)

@@ -45,23 +45,28 @@ SWIGLU_DEFAULTS = dict(split_k=1, block_k=64, block_n=64, num_warps=4, num_stage
 H100, 1B shape at 64 rows; no split: the MLP is wide enough to give every SM programs)."""
 SHARED_MEMORY = 220 * 1024
 """Bytes of shared memory a program may ask for (an H100 SM has 227 KiB): the pipeline's stages of the h and
-weight blocks."""
+weight blocks, ``itemsize`` bytes a value (a float32 model's blocks take twice a bfloat16 one's)."""
 
 
 def unavailable_reason() -> str | None:
     return None  # compiled on an NVIDIA GPU, in interpret mode elsewhere
 
 
+def itemsize(*arrays) -> int:
+    """Bytes of the widest value of ``arrays`` (the blocks a program keeps in shared memory)."""
+    return max(jnp.dtype(a.dtype).itemsize for a in arrays)
+
+
 def _rows(m: int) -> int:
     return max(MIN_ROWS, 1 << (m - 1).bit_length())
 
 
-def config(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> dict:
-    """The block configuration for ``rows`` x ``k`` times ``weights`` matrices ``k`` x ``n``: the defaults
-    (:data:`DEFAULTS`, or :data:`FEW_ROWS_DEFAULTS` for a few rows; with two weights :data:`SWIGLU_DEFAULTS`)
-    updated by ``overrides``, blocks no larger than the matrix, no more splits than contraction blocks, and
-    (unless given) the contraction block halved, down to 32, while the pipeline's buffers exceed
-    :data:`SHARED_MEMORY`."""
+def config(rows: int, k: int, n: int, *, weights: int = 1, itemsize: int = 2, **overrides) -> dict:
+    """The block configuration for ``rows`` x ``k`` times ``weights`` matrices ``k`` x ``n`` of ``itemsize``-byte
+    values: the defaults (:data:`DEFAULTS`, or :data:`FEW_ROWS_DEFAULTS` for a few rows; with two weights
+    :data:`SWIGLU_DEFAULTS`) updated by ``overrides``, blocks no larger than the matrix, no more splits than
+    contraction blocks, and (unless given) the contraction block halved, down to 32, while the pipeline's buffers
+    exceed :data:`SHARED_MEMORY`."""
     if weights != 1:
         defaults = SWIGLU_DEFAULTS
     else:
@@ -70,16 +75,16 @@ def config(rows: int, k: int, n: int, *, weights: int = 1, **overrides) -> dict:
     c["block_k"], c["block_n"] = min(c["block_k"], k), min(c["block_n"], n)
     c["split_k"] = max(1, min(c["split_k"], k // c["block_k"]))
     while ("block_k" not in overrides and c["block_k"] > 32
-           and 2 * c["num_stages"] * c["block_k"] * (_rows(rows) + weights * c["block_n"]) > SHARED_MEMORY):
+           and itemsize * c["num_stages"] * c["block_k"] * (_rows(rows) + weights * c["block_n"]) > SHARED_MEMORY):
         c["block_k"] //= 2
     return c
 
 
-def call_unsupported(rows: int, k: int, n: int, *, weights: int = 1, widths: tuple[int, ...] = (),
+def call_unsupported(rows: int, k: int, n: int, *, weights: int = 1, widths: tuple[int, ...] = (), itemsize: int = 2,
                      **overrides) -> str | None:
     """Why a call with these sizes cannot use the kernel (None when it can); ``widths``: the columns of each weight
     whose products are written side by side (:func:`matmul_concat`, ``n`` their sum)."""
-    c = config(rows, k, n, weights=weights, **overrides)
+    c = config(rows, k, n, weights=weights, itemsize=itemsize, **overrides)
     if rows > MAX_ROWS:
         return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
     if k % (c["block_k"] * c["split_k"]) or any(w % c["block_n"] for w in widths or (n,)):
@@ -115,7 +120,8 @@ def _kernel(h_ref, w_ref, *refs, block_k: int, has_residual: bool):
 def matmul_add(h, w, residual, *, interpret: bool | None = None, **overrides):
     """See :func:`jrl.kernels.decode_linear.api.matmul_add`; ``overrides``: block configuration."""
     interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
-    return _matmul_add(h, w, residual, interpret=interpret, **config(h.shape[0], *w.shape, **overrides))
+    return _matmul_add(h, w, residual, interpret=interpret,
+                       **config(h.shape[0], *w.shape, itemsize=itemsize(h, w), **overrides))
 
 
 @functools.partial(jax.jit, static_argnames=("split_k", "block_k", "block_n", "num_warps", "num_stages",
@@ -172,7 +178,7 @@ def matmul_swiglu(h, w_gate, w_up, *, interpret: bool | None = None, **overrides
     if overrides.get("split_k", 1) != 1:
         raise ValueError(f"matmul_swiglu does not split the contraction; got split_k={overrides['split_k']}")
     interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
-    c = config(h.shape[0], *w_gate.shape, weights=2, **overrides)
+    c = config(h.shape[0], *w_gate.shape, weights=2, itemsize=itemsize(h, w_gate, w_up), **overrides)
     return _matmul_swiglu(h, w_gate, w_up, interpret=interpret,
                           **{k: v for k, v in c.items() if k != "split_k"})
 
@@ -210,7 +216,8 @@ def matmul_concat(h, weights, *, interpret: bool | None = None, **overrides):
     """See :func:`jrl.kernels.decode_linear.api.matmul_concat`; ``overrides``: block configuration."""
     interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
     n = sum(w.shape[1] for w in weights)
-    return _matmul_concat(h, tuple(weights), interpret=interpret, **config(h.shape[0], h.shape[1], n, **overrides))
+    return _matmul_concat(h, tuple(weights), interpret=interpret,
+                          **config(h.shape[0], h.shape[1], n, itemsize=itemsize(h, *weights), **overrides))
 
 
 @functools.partial(jax.jit, static_argnames=("split_k", "block_k", "block_n", "num_warps", "num_stages",

@@ -334,7 +334,7 @@ class Attention(nnx.Module):
             return jnp.concatenate(self._project(x), axis=-2)[:, 0], cos[:, 0], sin[:, 0]
         c = self.config
         n, kv = c.num_attention_heads, c.num_key_value_heads
-        weights = [p.kernel[...].astype(p.dtype).reshape(c.hidden_size, -1) for p in projections]
+        weights = [p.kernel[...].reshape(c.hidden_size, -1) for p in projections]  # cast to x's dtype in the call
         qkv = matmul_concat(x[:, 0].astype(self.q_proj.dtype), weights).reshape(x.shape[0], n + 2 * kv, c.head_dim)
         if self.q_norm is not None:
             q, k = self._qk_norm(qkv[:, :n], qkv[:, n:n + kv])

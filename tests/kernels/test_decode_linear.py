@@ -139,6 +139,15 @@ def test_concat_interpret_matches_reference(request, dtype, m, k, widths, split_
                      f"columns {a}:{b}")
 
 
+def test_concat_casts_wider_weights_to_the_rows_dtype(request):
+    """float32 weights (a model whose parameters are kept in float32) times bfloat16 rows: products in bfloat16."""
+    h, weights = _concat_inputs(rng_for(request), 16, 128, (64, 32), jnp.float32)
+    h = h.astype(jnp.bfloat16)
+    out = matmul_concat(h, weights, impl="pallas_gpu", split_k=2, block_k=32, block_n=32, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, matmul_concat(h, weights, impl="reference"), jnp.bfloat16, "float32 weights")
+
+
 def test_concat_refuses_what_it_cannot_do():
     h = jnp.ones((4, 64))
     with pytest.raises(RuntimeError, match="columns 64, 48 are not multiples"):

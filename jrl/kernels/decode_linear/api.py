@@ -3,10 +3,11 @@ w_up)`` (:func:`matmul_swiglu`) and ``h @ [w_1 | w_2 | ...]`` (:func:`matmul_con
 
 | name         | where                                  | what                                                   |
 |--------------|----------------------------------------|--------------------------------------------------------|
-| `reference`  | anywhere                               | XLA's matmuls, then the add / SwiGLU (the truth)       |
+| `reference`  | anywhere                               | XLA's matmuls, then the add / SwiGLU / concatenation   |
+|              |                                        | (the truth)                                            |
 | `pallas_gpu` | NVIDIA GPU (interpret mode elsewhere)  | one Triton kernel: split-K matmul with the add fused;  |
-|              |                                        | both matmuls with SwiGLU fused; several weights' split-K |
-|              |                                        | products side by side                                  |
+|              |                                        | both matmuls with SwiGLU fused; several weights'       |
+|              |                                        | split-K products side by side                          |
 
 ``impl="auto"`` order: GPU: pallas_gpu (at most :data:`pallas_gpu.MAX_ROWS` rows, block-divisible sizes),
 reference. Elsewhere: reference.

@@ -27,6 +27,20 @@ IMPLS = {
 ORDER = {"gpu": ("pallas_gpu", "reference"), "default": ("reference",)}
 
 
+def _pallas_check(h: jax.Array, arrays, n: int, kwargs: dict, **sizes):
+    """The dispatcher's ``call_check`` for rows ``h`` times the weight matrices ``arrays`` (``n`` output columns;
+    ``sizes``: the kernel's other sizes): why the Pallas kernel cannot take the call with ``kwargs``' blocks."""
+    blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
+
+    def call_check(name: str) -> str | None:
+        if name != "pallas_gpu":
+            return None
+        mod = IMPLS[name].load()
+        return mod.call_unsupported(h.shape[0], h.shape[1], n, itemsize=mod.itemsize(h, *arrays), **sizes, **blocks)
+
+    return call_check
+
+
 def matmul_add(h: jax.Array, w: jax.Array, residual: jax.Array, *, impl: str = "auto", **kwargs) -> jax.Array:
     """``residual + h @ w``: h [M, K], w [K, N], residual [M, N] -> [M, N] in the residual's dtype; the product
     is rounded to h's dtype before the add (as a Linear layer followed by the add).
@@ -36,14 +50,7 @@ def matmul_add(h: jax.Array, w: jax.Array, residual: jax.Array, *, impl: str = "
     if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[0] or residual.shape != (h.shape[0], w.shape[1]):
         raise ValueError(f"matmul_add needs h [M, K], w [K, N], residual [M, N]; got {h.shape}, {w.shape}, "
                          f"{residual.shape}")
-    blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
-
-    def call_check(name: str) -> str | None:
-        if name != "pallas_gpu":
-            return None
-        mod = IMPLS[name].load()
-        return mod.call_unsupported(h.shape[0], *w.shape, itemsize=mod.itemsize(h, w), **blocks)
-
+    call_check = _pallas_check(h, (w,), w.shape[1], kwargs)
     config = (tuple(h.shape), tuple(w.shape), str(h.dtype))
     name, mod = _dispatch.select("matmul_add", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.matmul_add(h, w, residual, **(kwargs if name != "reference" else {}))
@@ -55,15 +62,7 @@ def matmul_swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, impl: str
     if h.ndim != 2 or w_gate.ndim != 2 or h.shape[1] != w_gate.shape[0] or w_up.shape != w_gate.shape:
         raise ValueError(f"matmul_swiglu needs h [M, K], w_gate = w_up [K, N]; got {h.shape}, {w_gate.shape}, "
                          f"{w_up.shape}")
-    blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
-
-    def call_check(name: str) -> str | None:
-        if name != "pallas_gpu":
-            return None
-        mod = IMPLS[name].load()
-        return mod.call_unsupported(h.shape[0], *w_gate.shape, weights=2, itemsize=mod.itemsize(h, w_gate, w_up),
-                                    **blocks)
-
+    call_check = _pallas_check(h, (w_gate, w_up), w_gate.shape[1], kwargs, weights=2)
     config = ("swiglu", tuple(h.shape), tuple(w_gate.shape), str(h.dtype))
     name, mod = _dispatch.select("matmul_swiglu", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.matmul_swiglu(h, w_gate, w_up, **(kwargs if name != "reference" else {}))
@@ -78,15 +77,7 @@ def matmul_concat(h: jax.Array, weights, *, impl: str = "auto", **kwargs) -> jax
         raise ValueError(f"matmul_concat needs h [M, K] and weights [K, N_i]; got {h.shape}, "
                          f"{[w.shape for w in weights]}")
     widths = tuple(w.shape[1] for w in weights)
-    blocks = {k: v for k, v in kwargs.items() if k != "interpret"}
-
-    def call_check(name: str) -> str | None:
-        if name != "pallas_gpu":
-            return None
-        mod = IMPLS[name].load()
-        return mod.call_unsupported(h.shape[0], h.shape[1], sum(widths), widths=widths,
-                                    itemsize=mod.itemsize(h, *weights), **blocks)
-
+    call_check = _pallas_check(h, weights, sum(widths), kwargs, widths=widths)
     config = ("concat", tuple(h.shape), widths, str(h.dtype))
     name, mod = _dispatch.select("matmul_concat", IMPLS, ORDER, impl, config=config, call_check=call_check)
     return mod.matmul_concat(h, weights, **(kwargs if name != "reference" else {}))

@@ -57,6 +57,11 @@ def itemsize(*arrays) -> int:
     return max(jnp.dtype(a.dtype).itemsize for a in arrays)
 
 
+def _interpreting(interpret: bool | None) -> bool:
+    """``interpret``, or where None whether no GPU compiles the kernel (Pallas interpret mode then)."""
+    return jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+
+
 def _rows(m: int) -> int:
     return max(MIN_ROWS, 1 << (m - 1).bit_length())
 
@@ -119,7 +124,7 @@ def _kernel(h_ref, w_ref, *refs, block_k: int, has_residual: bool):
 
 def matmul_add(h, w, residual, *, interpret: bool | None = None, **overrides):
     """See :func:`jrl.kernels.decode_linear.api.matmul_add`; ``overrides``: block configuration."""
-    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    interpret = _interpreting(interpret)
     return _matmul_add(h, w, residual, interpret=interpret,
                        **config(h.shape[0], *w.shape, itemsize=itemsize(h, w), **overrides))
 
@@ -177,7 +182,7 @@ def matmul_swiglu(h, w_gate, w_up, *, interpret: bool | None = None, **overrides
     """See :func:`jrl.kernels.decode_linear.api.matmul_swiglu`; ``overrides``: block configuration."""
     if overrides.get("split_k", 1) != 1:
         raise ValueError(f"matmul_swiglu does not split the contraction; got split_k={overrides['split_k']}")
-    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    interpret = _interpreting(interpret)
     c = config(h.shape[0], *w_gate.shape, weights=2, itemsize=itemsize(h, w_gate, w_up), **overrides)
     return _matmul_swiglu(h, w_gate, w_up, interpret=interpret,
                           **{k: v for k, v in c.items() if k != "split_k"})
@@ -214,7 +219,7 @@ def _concat_kernel(h_ref, *refs, starts: tuple[int, ...], block_k: int):
 
 def matmul_concat(h, weights, *, interpret: bool | None = None, **overrides):
     """See :func:`jrl.kernels.decode_linear.api.matmul_concat`; ``overrides``: block configuration."""
-    interpret = jax.default_backend() not in ("gpu", "cuda") if interpret is None else interpret
+    interpret = _interpreting(interpret)
     n = sum(w.shape[1] for w in weights)
     return _matmul_concat(h, tuple(weights), interpret=interpret,
                           **config(h.shape[0], h.shape[1], n, itemsize=itemsize(h, *weights), **overrides))

@@ -14,7 +14,9 @@ A generation of N rows (``num_generations`` per prompt) runs in three parts:
    has no page left, the row admitted last gives its pages back and waits to start again (preemption, as vLLM's
    scheduler does); the oldest row always goes on, so every generation ends. Once no row waits and at most half
    the slots run, the running rows move into fewer slots (``kv.tail_slots``), so a long tail decodes in a smaller
-   program.
+   program; once the slots are as few as they get, the host launches the next round before it reads the last one
+   back (two at a time), so that the device does not wait for the host's work between them (a whole generation
+   only: one that stops at enough groups reads every round before it decides to go on).
 3. Rows come back in their order, padded to ``max_new_tokens`` like the dense sampler's.
 
 Sampling: token i of row r is drawn with the key ``fold_in(fold_in(key(seed), r), i)``, so a row's tokens do not
@@ -325,6 +327,10 @@ class PageScheduler:
         self.slots = [self.slots[i] for i in keep]
         self.page_table, self.lengths = self.page_table[keep], self.lengths[keep]
         return keep
+
+    def pages_needed(self, steps: int) -> int:
+        """Pages the running rows lack for their next ``steps`` tokens."""
+        return sum(self._need(slot, steps) for slot, s in enumerate(self.slots) if s is not None)
 
     def schedule(self, steps: int) -> tuple[dict[int, int], list[int]]:
         """Make room for every running row's next ``steps`` tokens, oldest first, preempting the rows admitted last
@@ -683,14 +689,35 @@ class _Generation:
     def groups_done(self) -> int:
         return sum(1 for k in set(self.row_group) if self.open_rows[k] == 0)
 
-    def dispatch(self, key, temperature, top_p):
-        """Schedule the slots and start a decode round on the device; its outputs (not yet read)."""
+    def advance(self, key, temperature, top_p, *, ahead: bool) -> None:
+        """Decode a round and read it back. With ``ahead``, where no row waits and the slots cannot shrink (a long
+        generation's tail at its floor) and the pool has the pages, two rounds: the second launched before the first
+        is read back, its pages taken with the first's, so that the device does not wait for the host's work between
+        them. The rows and their tokens are the same either way (a token's draw depends on its row and position, not
+        on the round), so only a caller that stops once some rows finish (a partial rollout) passes ``ahead=False``."""
+        self._shrink()
+        rounds = 2 if ahead and self._can_run_ahead() else 1
+        for out in self.dispatch(key, temperature, top_p, rounds=rounds):
+            self.collect(out)
+
+    def _can_run_ahead(self) -> bool:
+        """Whether two rounds can be scheduled as one: no row waits, the slots are as few as they get
+        (:meth:`_shrink`), some running row may still decode after the first round (not every one reaches
+        ``max_new_tokens`` in it) and the free pages cover every running row's next two rounds without a preemption."""
+        sched = self.sched
+        floor = not self.tail_slots or self.slots <= decode_slots(self.tail_slots, self.slot_buckets)
+        running = np.array([s is not None for s in sched.slots])
+        longer = running.any() and self.params.max_new_tokens - self.generated[running].min() > self.steps
+        return not sched.waiting and floor and longer and sched.pages_needed(2 * self.steps) <= len(sched.free)
+
+    def dispatch(self, key, temperature, top_p, *, rounds: int = 1) -> list:
+        """Schedule the slots and start ``rounds`` decode rounds on the device (more than one only where
+        :meth:`_can_run_ahead`: the later rounds admit no row); their outputs, not yet read."""
         sched = self.sched
         if self.rounds > self.most_rounds:
             raise RuntimeError(f"paged sampler: {int((~self.finished_rows).sum())} of {self.rows} rows unfinished "
                                f"after {self.rounds} rounds ({sched.preempted} preemptions); a scheduling fault")
-        self._shrink()
-        admitted, preempted = sched.schedule(self.steps)
+        admitted, preempted = sched.schedule(rounds * self.steps)
         for row in preempted:
             self.sampled[row], self.sampled_logprobs[row], self.sampled_count[row] = self.program.decoding.pad_id, 0, 0
         self.active = np.array([s is not None for s in sched.slots])
@@ -707,12 +734,19 @@ class _Generation:
                 copy_src[slot], copy_dst[slot] = self.prompt_pages[prompt][-1], sched.slots[slot].own[0]
         if admitted:
             self.logits = _admit(self.logits, self.prompt_logits, admit_prompt)
-        self.cache, self.logits, *out = _decode_round(
-            self.graph, self.weights, self.cache, self.logits, sched.page_table.copy(), sched.lengths.copy(),
-            self.generated, np.asarray(self.row_keys, np.int32)[self.slot_rows], self.active, copy_src, copy_dst,
-            key, temperature, top_p, program=self.program, steps=self.steps)
-        self.rounds += 1
-        return out
+        table, rows = sched.page_table.copy(), np.asarray(self.row_keys, np.int32)[self.slot_rows]
+        # On the device from the start, as a later round's are (the device's own outputs): one compiled program
+        lengths, generated, active = jax.device_put((sched.lengths, self.generated, self.active), self.device)
+        outs = []
+        for _ in range(rounds):
+            self.cache, self.logits, *out = _decode_round(
+                self.graph, self.weights, self.cache, self.logits, table, lengths, generated, rows, active, copy_src,
+                copy_dst, key, temperature, top_p, program=self.program, steps=self.steps)
+            lengths, generated, active = out[:3]  # a later round goes on from the device's state: nothing to copy
+            copy_src, copy_dst = np.full(self.slots, SCRATCH_PAGE, np.int32), unwritten(self.slots, self.pool)
+            outs.append(out)
+        self.rounds += rounds
+        return outs
 
     def _shrink(self) -> None:
         """Once no row waits, the running rows move into fewer slots when a smaller bucket (of at least
@@ -747,6 +781,7 @@ class _Generation:
         self.sampled_count[rows] += ok.sum(axis=1)
         for slot in slots[~still[slots]].tolist():
             row = int(self.slot_rows[slot])
+            self.active[slot] = False  # a round launched after this one decodes nothing in it
             self.sched.release(slot)
             self.finished_rows[row] = True
             self.open_rows[self.row_group[row]] -= 1
@@ -851,7 +886,8 @@ def generate_paged(graphdef, states: list, groups: list[RowGroup], params: Sampl
         keys = [jax.device_put(jax.random.key(int(seed)), gen.device) for gen in gens]
         need = len(groups) if groups_needed is None else min(groups_needed, len(groups))
         while _groups_done(gens, across) < need:
-            each(lambda gen, key: gen.finished or gen.collect(gen.dispatch(key, temperature, top_p)), gens, keys)
+            each(lambda gen, key: gen.finished or gen.advance(key, temperature, top_p, ahead=need == len(groups)),
+                 gens, keys)
         decode_s, start = time.perf_counter() - start, time.perf_counter()
         held = each(lambda gen: gen.keep(), gens) if keep else [[None] * gen.rows for gen in gens]  # per part
         jax.block_until_ready([(row.pages.cache, row.pages.logits) for rows in held for row in rows if row is not None])

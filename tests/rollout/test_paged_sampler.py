@@ -327,6 +327,51 @@ def test_a_generation_compiles_its_decode_round_once_and_a_model_of_the_same_str
     assert not np.array_equal(first["logprobs"], second["logprobs"])
 
 
+def test_rounds_at_the_tail_floor_go_two_at_a_time_and_sample_the_same_rows(monkeypatch):
+    """Once no row waits and the slots are as few as they get, a round is launched before the previous one is read
+    back: the rows sample exactly what one round at a time samples, from one compiled program; a generation that
+    stops at enough groups (a partial rollout) never runs ahead, so it stops where it did."""
+    from jrl.rollout import paged
+
+    events = []
+    real_round, real_collect = paged._decode_round, paged._Generation.collect
+    monkeypatch.setattr(paged, "_decode_round", lambda *a, **k: events.append("l") or real_round(*a, **k))
+    monkeypatch.setattr(paged._Generation, "collect", lambda self, out: events.append("r") or real_collect(self, out))
+    model = tiny_model("llama", seed=5)
+    prompts = random_prompts(np.random.default_rng(6), np.random.default_rng(7).integers(2, 13, 12))
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=STOPS)
+    graphdef, state = nnx.split(model)
+    kv = KVCacheConfig(layout="paged", page_size=8, round_steps=4, slots=16, tail_slots=4)
+
+    def run(**kw):
+        events.clear()
+        out = generate_paged(graphdef, [state], new_groups(prompts, 3), params, seed=7, kv=kv, pad_id=PAD,
+                             prompt_bucket=8, slot_bucket=row_bucket, **kw)
+        return out, "".join(events)  # l: a round launched, r: one read
+
+    rounds = paged._round_program(jax.default_backend())
+    ahead, order = run()
+    compiled = rounds._cache_size()
+    assert "llrr" in order and ahead["shrinks"] >= 1  # two rounds, then their two reads
+    assert len(set(ahead["mask"].sum(1).tolist())) > 3
+    partial, partial_order = run(groups_needed=6)
+    assert "ll" not in partial_order and not partial["finished"].all()
+    with monkeypatch.context() as m:
+        m.setattr(paged._Generation, "_can_run_ahead", lambda self: False)
+        one, one_order = run()
+    assert "ll" not in one_order and rounds._cache_size() == compiled
+    for name in ("tokens", "mask", "stopped"):
+        np.testing.assert_array_equal(ahead[name], one[name])
+    assert np.abs(ahead["logprobs"] - one["logprobs"]).max() <= 1e-6
+    assert ahead["rounds"] >= one["rounds"]
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)  # every row runs to its last token: no round after it
+    full, full_order = run()
+    with monkeypatch.context() as m:
+        m.setattr(paged._Generation, "_can_run_ahead", lambda self: False)
+        assert full["rounds"] == run()[0]["rounds"]
+    assert "llrr" in full_order and full_order.endswith("lr") and full["mask"].all()
+
+
 def test_a_generation_stops_at_enough_groups_and_its_rows_continue_as_they_would_have():
     """``groups_needed``: the generation ends once that many groups are finished; a row continued later from the
     tokens it had (prefilled again with them, its key carried on) samples exactly the tokens and log-probs of the

@@ -328,6 +328,10 @@ class PageScheduler:
         self.page_table, self.lengths = self.page_table[keep], self.lengths[keep]
         return keep
 
+    def running(self) -> np.ndarray:
+        """[slots] bool: the slots that hold a row."""
+        return np.array([s is not None for s in self.slots])
+
     def pages_needed(self, steps: int) -> int:
         """Pages the running rows lack for their next ``steps`` tokens."""
         return sum(self._need(slot, steps) for slot, s in enumerate(self.slots) if s is not None)
@@ -705,10 +709,11 @@ class _Generation:
         (:meth:`_shrink`), some running row may still decode after the first round (not every one reaches
         ``max_new_tokens`` in it) and the free pages cover every running row's next two rounds without a preemption."""
         sched = self.sched
-        floor = not self.tail_slots or self.slots <= decode_slots(self.tail_slots, self.slot_buckets)
-        running = np.array([s is not None for s in sched.slots])
+        if sched.waiting or (self.tail_slots and self.slots > decode_slots(self.tail_slots, self.slot_buckets)):
+            return False
+        running = sched.running()
         longer = running.any() and self.params.max_new_tokens - self.generated[running].min() > self.steps
-        return not sched.waiting and floor and longer and sched.pages_needed(2 * self.steps) <= len(sched.free)
+        return longer and sched.pages_needed(2 * self.steps) <= len(sched.free)
 
     def dispatch(self, key, temperature, top_p, *, rounds: int = 1) -> list:
         """Schedule the slots and start ``rounds`` decode rounds on the device (more than one only where
@@ -720,7 +725,7 @@ class _Generation:
         admitted, preempted = sched.schedule(rounds * self.steps)
         for row in preempted:
             self.sampled[row], self.sampled_logprobs[row], self.sampled_count[row] = self.program.decoding.pad_id, 0, 0
-        self.active = np.array([s is not None for s in sched.slots])
+        self.active = sched.running()
         if not self.active.any():  # cannot happen with a pool of at least pool_pages' least; never loop on nothing
             raise RuntimeError(f"paged sampler: {len(sched.waiting)} rows wait and no slot can take one "
                                f"({len(sched.free)} free pages)")
